@@ -1,0 +1,76 @@
+"""The interface every Buffer backend implements: a send half that returns at once, and a receive
+half that the caller runs now or later (the hook)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# (src_info int32 [E_l, R*T], layout_range int64 [E_l, R], T, H, E), as DeepEP's handle.
+Handle = tuple[torch.Tensor, torch.Tensor, int, int, int]
+RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+ReceiveHalf = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """What every rank must agree on for one dispatch."""
+
+    max_tokens: int  # T, num_max_dispatch_tokens_per_rank
+    hidden: int  # H
+    num_experts: int  # E
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    recv_x: RecvX
+    recv_count: torch.Tensor
+    handle: Handle
+    receive: ReceiveHalf
+    private: object = None  # backend state that combine needs; the Buffer hands it back by handle
+
+
+class Backend(ABC):
+    """One rank's end of the low-latency exchange."""
+
+    name: str
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
+                 num_rdma_bytes: int, timeout_s: float) -> None:
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_rdma_bytes = num_rdma_bytes
+        self.timeout_s = timeout_s
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device | None:
+        """Where every tensor must live; None = any device, the same for all tensors of a call."""
+
+    @abstractmethod
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
+                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
+        """Launch the send half; the result's `receive` launches the receive half."""
+
+    @abstractmethod
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: Handle, private: object, out: torch.Tensor,
+                wait_stats: torch.Tensor | None) -> ReceiveHalf:
+        """Launch the send half of combine; the returned callable writes the weighted sums to `out`."""
+
+    def check(self) -> None:  # noqa: B027 - backends without deferred errors need nothing here
+        """Raise any error recorded on the device since the last check."""
+
+    def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:  # noqa: B027
+        """Reset communication state (DeepEP's clean_low_latency_buffer)."""
+
+    def destroy(self) -> None:  # noqa: B027
+        """Release memory and peer mappings."""

@@ -1,0 +1,204 @@
+"""The reference backend: plain PyTorch and torch.distributed point-to-point messages.
+
+It is the executable form of DESIGN.md section 2 and the oracle of every test: each step is the
+obvious one, in the order the design states it. Works on CPU (gloo), on GPU (NCCL) and alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..checks import check_topk_values
+from ..quant import FP8_GROUP, UE8M0_PACK, per_token_cast_to_fp8
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf
+from .exchange import PeerExchange
+
+_DISPATCH, _COMBINE = 1, 2
+# Header each rank sends every peer before the data: the operation, what ranks must agree on, rows.
+_OP, _T, _H, _E, _FLAGS, _ROWS = range(6)
+_HEADER_LEN = 6
+_ARG_NAMES = ("operation", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts",
+              "fp8 flags (use_fp8 | round_scale << 1 | use_ue8m0 << 2)")
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """View a 2-D tensor's rows as uint8 so that any dtype travels through any process group."""
+    width = math.prod(t.shape[1:]) * t.element_size()
+    return t.contiguous().view(torch.uint8).view(t.shape[0], width)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return b.contiguous().view(dtype)
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
+                 num_rdma_bytes: int, timeout_s: float) -> None:
+        super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s)
+        self._exchange = PeerExchange(group, timeout_s)
+        self._device = None
+        if num_ranks > 1 and dist.get_backend(group) == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        elif num_ranks > 1:
+            self._device = torch.device("cpu")
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    # ---------------------------------------------------------------- headers
+    def _exchange_headers(self, what: str, mine: list[int], rows_to: list[int],
+                          device: torch.device, wait_stats: torch.Tensor | None) -> list[int]:
+        """Send each peer our arguments and its row count; check all ranks agree; return rows from each."""
+        sends = [torch.tensor([*mine, rows], dtype=torch.int64, device=device) for rows in rows_to]
+        recvs = [torch.empty(_HEADER_LEN, dtype=torch.int64, device=device) for _ in rows_to]
+        pending = self._exchange.start(what, sends, recvs)
+        self._add_wait(wait_stats, pending.wait())
+        headers = [h.tolist() for h in pending.recvs]
+        for field, name in enumerate(_ARG_NAMES):
+            values = {r: h[field] for r, h in enumerate(headers)}
+            if len(set(values.values())) > 1:
+                raise ValueError(f"{what}: ranks disagree on {name}: " +
+                                 ", ".join(f"rank {r} has {v}" for r, v in values.items()))
+        return [h[_ROWS] for h in headers]
+
+    @staticmethod
+    def _add_wait(wait_stats: torch.Tensor | None, waited_ns: list[int]) -> None:
+        if wait_stats is not None:
+            wait_stats.add_(torch.tensor(waited_ns, dtype=wait_stats.dtype, device=wait_stats.device))
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
+                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
+        check_topk_values(topk_idx, spec.num_experts)
+        num_ranks, t, h = self.num_ranks, spec.max_tokens, spec.hidden
+        num_local = spec.num_experts // num_ranks
+        device = x.device
+
+        if spec.use_fp8:
+            data, scales = per_token_cast_to_fp8(x, spec.round_scale, spec.use_ue8m0)
+            columns = [data, scales]
+        else:
+            columns = [x]
+        # One message per destination: for each token that has an expert there (ascending t), the
+        # token index, a mask of which of the destination's local experts it goes to, and its data.
+        dest_of = torch.where(topk_idx >= 0, topk_idx // num_local, -1)
+        sends, rows_to = [], []
+        for dest in range(num_ranks):
+            hits = dest_of == dest
+            tokens = hits.any(dim=1).nonzero().squeeze(1)
+            local = (topk_idx[tokens] - dest * num_local).masked_fill(~hits[tokens], num_local)
+            mask = torch.zeros(len(tokens), num_local + 1, dtype=torch.uint8, device=device)
+            mask.scatter_(1, local, 1)
+            row = [tokens.unsqueeze(1), mask[:, :num_local]] + [c[tokens] for c in columns]
+            sends.append(torch.cat([_as_bytes(c) for c in row], dim=1))
+            rows_to.append(len(tokens))
+
+        flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
+        rows_from = self._exchange_headers(
+            "low_latency_dispatch", [_DISPATCH, t, h, spec.num_experts, flags], rows_to, device, wait_stats)
+        row_bytes = sends[0].shape[1]
+        recvs = [torch.empty(n, row_bytes, dtype=torch.uint8, device=device) for n in rows_from]
+        pending = self._exchange.start("low_latency_dispatch", sends, recvs)
+
+        # Outputs exist from the send half on; the receive half fills them.
+        rows = num_ranks * t
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
+        src_info = torch.empty(num_local, rows, dtype=torch.int32, device=device)
+        layout_range = torch.empty(num_local, num_ranks, dtype=torch.int64, device=device)
+        if spec.use_fp8:
+            recv_data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=device)
+            if spec.use_ue8m0:
+                scale_cols, scale_dtype = h // (FP8_GROUP * UE8M0_PACK), torch.int32
+            else:
+                scale_cols, scale_dtype = h // FP8_GROUP, torch.float32
+            # Column-major in the last two dims, as DeepEP's grouped GEMMs want them.
+            recv_scales = torch.empty(num_local, scale_cols, rows, dtype=scale_dtype,
+                                      device=device).transpose(1, 2)
+            recv_x = (recv_data, recv_scales)
+            out_columns = [recv_data, recv_scales]
+        else:
+            recv_x = torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=device)
+            out_columns = [recv_x]
+        widths = [8, num_local] + [c.shape[-1] * c.element_size() for c in out_columns]
+
+        def receive() -> None:
+            self._add_wait(wait_stats, pending.wait())
+            got = torch.cat(pending.recvs)  # ordered by source rank, then token
+            source = torch.repeat_interleave(torch.arange(num_ranks, device=device),
+                                             torch.tensor(rows_from, device=device))
+            fields = got.split(widths, dim=1)
+            token = _from_bytes(fields[0], torch.int64).squeeze(1)
+            mask = fields[1].bool()
+            payload = [_from_bytes(f, c.dtype).view(-1, *c.shape[2:]) for f, c in zip(fields[2:], out_columns)]
+            for expert in range(num_local):
+                picked = mask[:, expert].nonzero().squeeze(1)  # keeps the (source, token) order
+                count = len(picked)
+                recv_count[expert] = count
+                src_info[expert, :count] = token[picked].to(torch.int32)
+                per_source = torch.bincount(source[picked], minlength=num_ranks)
+                begin = torch.cumsum(per_source, 0) - per_source
+                layout_range[expert] = (begin << 32) | per_source
+                for out, values in zip(out_columns, payload):
+                    out[expert, :count] = values[picked]
+            if recv_stats is not None:
+                recv_stats.add_(recv_count)
+
+        return DispatchResult(recv_x, recv_count, (src_info, layout_range, t, h, spec.num_experts), receive)
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: Handle, private: object, out: torch.Tensor,
+                wait_stats: torch.Tensor | None) -> ReceiveHalf:
+        src_info, layout_range, t, h, num_experts = handle
+        check_topk_values(topk_idx, num_experts)
+        num_ranks = self.num_ranks
+        num_local = num_experts // num_ranks
+        device = x.device
+
+        # Send each source rank back, for every row it dispatched here: (token, global expert, y).
+        ranges = layout_range.cpu()
+        begins, counts = (ranges >> 32).tolist(), (ranges & 0xFFFFFFFF).tolist()
+        sends, rows_to = [], []
+        for source in range(num_ranks):
+            parts = []
+            for expert in range(num_local):
+                rows = slice(begins[expert][source], begins[expert][source] + counts[expert][source])
+                n = rows.stop - rows.start
+                ids = torch.stack([src_info[expert, rows].to(torch.int64),
+                                   torch.full((n,), self.rank * num_local + expert, device=device)], 1)
+                parts.append(torch.cat([_as_bytes(ids), _as_bytes(x[expert, rows])], dim=1))
+            sends.append(torch.cat(parts))
+            rows_to.append(sends[-1].shape[0])
+
+        rows_from = self._exchange_headers(
+            "low_latency_combine", [_COMBINE, t, h, num_experts, 0], rows_to, device, wait_stats)
+        recvs = [torch.empty(n, 16 + 2 * h, dtype=torch.uint8, device=device) for n in rows_from]
+        pending = self._exchange.start("low_latency_combine", sends, recvs)
+
+        def receive() -> None:
+            self._add_wait(wait_stats, pending.wait())
+            got = torch.cat(pending.recvs)
+            ids = _from_bytes(got[:, :16], torch.int64)
+            y = _from_bytes(got[:, 16:], torch.bfloat16)
+            keys, order = torch.sort(ids[:, 0] * num_experts + ids[:, 1])
+            tokens = torch.arange(topk_idx.shape[0], device=device)
+            acc = torch.zeros(topk_idx.shape[0], h, dtype=torch.float32, device=device)
+            for k in range(topk_idx.shape[1]):  # ascending k, float32, rounded once at the end
+                valid = topk_idx[:, k] >= 0
+                want = tokens[valid] * num_experts + topk_idx[valid, k]
+                if len(want) == 0:
+                    continue
+                pos = torch.searchsorted(keys, want).clamp_max(max(len(keys) - 1, 0))
+                if len(keys) == 0 or not bool((keys[pos] == want).all()):
+                    raise ValueError("topk_idx: does not match the dispatch that produced `handle` "
+                                     "(a token's expert received no row)")
+                acc[valid] += topk_weights[valid, k:k + 1] * y[order[pos]].float()
+            out.copy_(acc)
+
+        return receive

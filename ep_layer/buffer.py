@@ -1,0 +1,251 @@
+"""`Buffer`: DeepEP's low-latency API (dispatch / combine / hooks) in front of a pluggable backend.
+
+The class validates every argument, then forwards to the backend (`reference` or `cuda`); it owns what
+is the same for all backends: hooks, `async_finish` events, and per-dispatch state such as the
+zero-copy combine buffer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .backends import Backend, DispatchResult, DispatchSpec, Handle, create_backend
+from .backends.exchange import group_rank_and_size
+from .checks import (MAX_TOKENS_PER_RANK, check_experts, check_fp8_options, check_positive_int,
+                     check_tensor, check_topk, expect)
+from .event import EventOverlap
+from .layout import low_latency_buffer_bytes
+
+DEFAULT_TIMEOUT_S = 100.0
+_OUTSTANDING = 2  # results that may be pending at once (double buffering, as in DeepEP)
+
+Hook = Callable[[], None]
+Result = TypeVar("Result")
+
+
+class _DispatchRecord:
+    """What the Buffer remembers about one dispatch, found again from its handle in combine."""
+
+    def __init__(self, handle: Handle, slot: int, private: object) -> None:
+        self.src_info = weakref.ref(handle[0])
+        self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
+        self.private = private  # backend state that combine needs (e.g. row -> source slot map)
+
+
+class Buffer:
+    """Expert-parallel communication buffer with DeepEP's low-latency interface.
+
+    `group` is the EP process group (None = a single rank). DeepEP's tuning arguments are accepted
+    and ignored. `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or
+    "reference"; `timeout_s` bounds every wait for a peer rank.
+    """
+
+    num_sms = 0
+
+    def __init__(self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, *, backend: str = "auto",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        expect(low_latency_mode, "low_latency_mode", "True (only DeepEP's low-latency mode is supported)",
+               low_latency_mode)
+        expect(isinstance(num_rdma_bytes, int) and num_rdma_bytes >= 0, "num_rdma_bytes",
+               "a non-negative int", num_rdma_bytes)
+        expect(isinstance(timeout_s, (int, float)) and timeout_s > 0, "timeout_s", "a positive number of "
+               "seconds", timeout_s)
+        self.group = group
+        self.rank, self.group_size = group_rank_and_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.timeout_s = float(timeout_s)
+        self._backend: Backend | None = create_backend(backend, group, self.rank, self.group_size,
+                                                       num_rdma_bytes, self.timeout_s)
+        self.backend_name = self._backend.name
+        self._dispatches: OrderedDict[int, _DispatchRecord] = OrderedDict()
+        self._num_dispatches = 0
+        self._combine_buffers: dict[int, torch.Tensor] = {}
+        self._comm_stream: torch.cuda.Stream | None = None
+
+    # ------------------------------------------------------------------ sizing and housekeeping
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """Bytes of communication buffer the `cuda` backend needs for these sizes."""
+        t = check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank",
+                               MAX_TOKENS_PER_RANK)
+        h = check_positive_int(hidden, "hidden")
+        r = check_positive_int(num_ranks, "num_ranks")
+        check_experts(num_experts, r)
+        return low_latency_buffer_bytes(t, h, r, num_experts)
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SM budget for its normal kernels; the low-latency kernels size themselves."""
+        Buffer.num_sms = new_num_sms
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Forget outstanding dispatches and reset the backend's communication state."""
+        backend = self._live()
+        self._dispatches.clear()
+        self._combine_buffers.clear()
+        backend.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def check(self) -> None:
+        """Raise any error the device recorded (e.g. `EPTimeoutError`) since the last check."""
+        self._live().check()
+
+    def destroy(self) -> None:
+        """Free the buffer's memory and peer mappings; the Buffer cannot be used afterwards."""
+        if self._backend is not None:
+            self._backend.destroy()
+        self._backend = None
+        self._dispatches.clear()
+        self._combine_buffers.clear()
+
+    def _live(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("Buffer: used after destroy()")
+        return self._backend
+
+    def _device(self, x: torch.Tensor) -> torch.device:
+        return self._live().device or x.device
+
+    # ------------------------------------------------------------------ dispatch
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook)."""
+        backend = self._live()
+        expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
+        device = self._device(x)
+        x = check_tensor(x, "x", torch.bfloat16, (None, None), device)
+        num_tokens, hidden = x.shape
+        t = check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank",
+                               MAX_TOKENS_PER_RANK)
+        e = check_experts(num_experts, self.group_size)
+        check_topk(topk_idx, num_tokens, t, device)
+        check_fp8_options(hidden, use_fp8, round_scale, use_ue8m0)
+        num_local = e // self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats",
+                         torch.int32, (num_local,), device)
+        if dispatch_wait_recv_cost_stats is not None:
+            check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64,
+                         (self.group_size,), device)
+        self._check_modes(async_finish, return_recv_hook)
+        spec = DispatchSpec(t, hidden, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+
+        def send() -> tuple[DispatchResult, Hook]:
+            result = backend.dispatch(x, topk_idx, spec, cumulative_local_expert_recv_stats,
+                                      dispatch_wait_recv_cost_stats)
+            self._remember(result.handle, result.private)
+            return result, result.receive
+
+        result, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx))
+        return result.recv_x, result.recv_count, result.handle, event, hook
+
+    # ------------------------------------------------------------------ combine
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """Weighted sum of each token's expert outputs back on its rank; returns (combined_x, event, hook)."""
+        backend = self._live()
+        expect(not use_logfmt, "use_logfmt", "False (LogFMT combine is not supported)", use_logfmt)
+        record = self._record(handle)
+        src_info, layout_range, t, hidden, e = handle
+        num_local, rows = e // self.group_size, self.group_size * t
+        expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
+        device = self._device(x)
+        check_tensor(x, "x", torch.bfloat16, (num_local, rows, hidden), device)
+        expect(isinstance(topk_idx, torch.Tensor), "topk_idx", "a torch.Tensor", type(topk_idx).__name__)
+        num_tokens, k = check_topk(topk_idx, topk_idx.shape[0], t, device).shape
+        check_tensor(topk_weights, "topk_weights", torch.float32, (num_tokens, k), device)
+        if out is None:
+            out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+        else:
+            check_tensor(out, "out", torch.bfloat16, (num_tokens, hidden), device)
+        if combine_wait_recv_cost_stats is not None:
+            check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64,
+                         (self.group_size,), device)
+        self._check_modes(async_finish, return_recv_hook)
+        if zero_copy:
+            x = self._combine_buffer(record, handle, device)
+        combined = out
+
+        def send() -> tuple[torch.Tensor, Hook]:
+            return combined, backend.combine(x, topk_idx, topk_weights, handle, record.private, combined,
+                                             combine_wait_recv_cost_stats)
+
+        _, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
+        return out, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
+        """The bf16 [E_l, R*T, H] buffer that `low_latency_combine(..., zero_copy=True)` reads for `handle`."""
+        record = self._record(handle)
+        return self._combine_buffer(record, handle, handle[0].device)
+
+    # ------------------------------------------------------------------ shared plumbing
+    @staticmethod
+    def _check_modes(async_finish: bool, return_recv_hook: bool) -> None:
+        expect(not (async_finish and return_recv_hook), "async_finish",
+               "False when return_recv_hook=True (the two are exclusive)", async_finish)
+
+    def _run(self, send: Callable[[], tuple[Result, Hook]], async_finish: bool, return_recv_hook: bool,
+             inputs: tuple[torch.Tensor, ...]) -> tuple[Result, EventOverlap | None, Hook | None]:
+        """Run the send half, then the receive half now (plain), later (hook) or on a side stream."""
+        if async_finish and inputs[0].is_cuda:
+            stream = self._comm_stream = self._comm_stream or torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                result, receive = send()
+                receive()
+                event = torch.cuda.Event()
+                event.record(stream)
+            for t in inputs:
+                t.record_stream(stream)
+            return result, EventOverlap(event, inputs), None
+        result, receive = send()
+        if return_recv_hook:
+            return result, None, receive
+        receive()
+        return result, (EventOverlap(None, inputs) if async_finish else None), None
+
+    def _remember(self, handle: Handle, private: object) -> None:
+        slot = self._num_dispatches % _OUTSTANDING
+        self._num_dispatches += 1
+        self._dispatches[id(handle[0])] = _DispatchRecord(handle, slot, private)
+        while len(self._dispatches) > _OUTSTANDING:
+            self._dispatches.popitem(last=False)
+
+    def _record(self, handle: object) -> _DispatchRecord:
+        ok = isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
+        expect(ok, "handle", "the handle returned by low_latency_dispatch", type(handle).__name__)
+        assert isinstance(handle, tuple)
+        record = self._dispatches.get(id(handle[0]))
+        if record is None or record.src_info() is not handle[0]:
+            raise ValueError(f"handle: not from one of this Buffer's last {_OUTSTANDING} dispatches "
+                             "(at most two results may be outstanding)")
+        return record
+
+    def _combine_buffer(self, record: _DispatchRecord, handle: Handle, device: torch.device) -> torch.Tensor:
+        _, _, t, hidden, e = handle
+        shape = (e // self.group_size, self.group_size * t, hidden)
+        buf = self._combine_buffers.get(record.slot)
+        if buf is None or buf.shape != shape or buf.device != device:
+            buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            self._combine_buffers[record.slot] = buf
+        return buf

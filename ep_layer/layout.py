@@ -1,0 +1,39 @@
+"""Byte layout of the `cuda` backend's communication buffer, shared by Python and the kernels.
+
+Each rank's buffer is mapped by every peer (CUDA IPC). It holds two halves, so that two results can
+be outstanding (double buffering); each half holds:
+- dispatch slots [source rank][token]: a header (arrival sequence number, token, its local experts
+  and top-k positions) followed by the token's payload (bf16 row, or fp8 row plus scales);
+- combine slots [token][top-k position]: one bf16 expert output each, plus an arrival flag each.
+A token is written once per destination rank and expanded to its experts' rows by the receiver.
+"""
+
+from __future__ import annotations
+
+MAX_TOPK = 16
+DISPATCH_HEADER_BYTES = 16 + 4 * MAX_TOPK  # seq, token, num entries, spec check + (expert, k) pairs
+CONTROL_BYTES = 4096  # sequence counters and the error record
+ALIGN = 128
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def dispatch_slot_bytes(hidden: int) -> int:
+    """Header plus the larger payload: a bf16 row (2H) beats fp8 data with float32 scales (H + H/32)."""
+    return _align(DISPATCH_HEADER_BYTES + 2 * hidden)
+
+
+def half_bytes(max_tokens: int, hidden: int, num_ranks: int) -> tuple[int, int, int]:
+    """(dispatch slots, combine slots, combine flags) bytes in one half of the buffer."""
+    dispatch = _align(num_ranks * max_tokens * dispatch_slot_bytes(hidden))
+    combine = _align(max_tokens * MAX_TOPK * 2 * hidden)
+    flags = _align(max_tokens * MAX_TOPK * 4)
+    return dispatch, combine, flags
+
+
+def low_latency_buffer_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Bytes one rank's buffer needs; experts do not enter (each token travels once per rank)."""
+    del num_experts
+    return CONTROL_BYTES + 2 * sum(half_bytes(max_tokens, hidden, num_ranks))

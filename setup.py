@@ -1,0 +1,81 @@
+"""Builds ep_layer._C (the CUDA kernels in csrc/, bound with pybind11) when nvcc is there.
+
+Without nvcc, or with EP_LAYER_NO_CUDA=1, it installs the pure-Python package: `import ep_layer` works
+and the `reference` backend runs. EP_LAYER_CUDA_ARCHS picks the GPU targets (default "90a;80").
+The module links against the CUDA runtime only, never libtorch, so it works with any torch build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent
+CSRC = ROOT / "csrc"
+SKIP_HINT = "Set EP_LAYER_NO_CUDA=1 to install without the CUDA kernels (the reference backend still works)."
+
+
+def find_nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def gencode_flags() -> list[str]:
+    archs = os.environ.get("EP_LAYER_CUDA_ARCHS", "90a;80").replace(",", ";").split(";")
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs)):
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+class NvccExtension(Extension):
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sources=[])
+
+
+class BuildNvcc(build_ext):
+    """Compiles every csrc/*.cu and csrc/*.cpp in one nvcc call into the extension's shared object."""
+
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, NvccExtension):
+            return super().build_extension(ext)
+        import pybind11
+
+        nvcc = find_nvcc()
+        assert nvcc is not None
+        out = Path(self.get_ext_fullpath(ext.name))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sources = sorted(str(p) for p in [*CSRC.glob("*.cu"), *CSRC.glob("*.cpp")])
+        cccl = Path(nvcc).resolve().parent.parent / "include" / "cccl"
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+               "--expt-relaxed-constexpr", "-lineinfo", *gencode_flags(),
+               f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}",
+               *([f"-I{cccl}"] if cccl.exists() else []), *sources, "-o", str(out), "-lcuda"]
+        print(" ".join(cmd), flush=True)
+        try:
+            subprocess.run(cmd, check=True)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"building the CUDA kernels failed (nvcc exit {e.returncode}). {SKIP_HINT}") from e
+
+
+def extensions() -> list[Extension]:
+    if os.environ.get("EP_LAYER_NO_CUDA") == "1":
+        return []
+    if not any(CSRC.glob("*.cu")):
+        return []
+    if find_nvcc() is None:
+        print(f"ep-layer: nvcc not found, installing without the CUDA kernels. {SKIP_HINT}", file=sys.stderr)
+        return []
+    return [NvccExtension("ep_layer._C")]
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildNvcc})
