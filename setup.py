@@ -59,7 +59,7 @@ class BuildNvcc(build_ext):
         cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
                "--expt-relaxed-constexpr", "-lineinfo", *gencode_flags(),
                f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}",
-               *([f"-I{cccl}"] if cccl.exists() else []), *sources, "-o", str(out), "-lcuda"]
+               *([f"-I{cccl}"] if cccl.exists() else []), *sources, "-o", str(out)]
         print(" ".join(cmd), flush=True)
         try:
             subprocess.run(cmd, check=True)

@@ -59,16 +59,28 @@ class Buffer:
                "a non-negative int", num_rdma_bytes)
         expect(isinstance(timeout_s, (int, float)) and timeout_s > 0, "timeout_s", "a positive number of "
                "seconds", timeout_s)
-        self.group = group
-        self.rank, self.group_size = group_rank_and_size(group)
+        rank, size = group_rank_and_size(group)
+        self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s)))
         self.num_nvl_bytes = num_nvl_bytes
-        self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self.timeout_s = float(timeout_s)
-        self._backend: Backend | None = create_backend(backend, group, self.rank, self.group_size,
-                                                       num_rdma_bytes, self.timeout_s)
-        self.backend_name = self._backend.name
+
+    @classmethod
+    def from_backend(cls, backend: Backend) -> Buffer:
+        """A Buffer around an existing backend (e.g. one of several ranks emulated in one process)."""
+        buffer = cls.__new__(cls)
+        buffer._attach(backend)
+        buffer.num_nvl_bytes = 0
+        buffer.explicitly_destroy = False
+        return buffer
+
+    def _attach(self, backend: Backend) -> None:
+        self.group = backend.group
+        self.rank, self.group_size = backend.rank, backend.num_ranks
+        self.num_rdma_bytes = backend.num_rdma_bytes
+        self.low_latency_mode = True
+        self.timeout_s = backend.timeout_s
+        self._backend: Backend | None = backend
+        self.backend_name = backend.name
         self._dispatches: OrderedDict[int, _DispatchRecord] = OrderedDict()
         self._num_dispatches = 0
         self._combine_buffers: dict[int, torch.Tensor] = {}
@@ -172,7 +184,7 @@ class Buffer:
         device = self._device(x)
         check_tensor(x, "x", torch.bfloat16, (num_local, rows, hidden), device)
         expect(isinstance(topk_idx, torch.Tensor), "topk_idx", "a torch.Tensor", type(topk_idx).__name__)
-        num_tokens, k = check_topk(topk_idx, topk_idx.shape[0], t, device).shape
+        num_tokens, k = check_topk(topk_idx, topk_idx.shape[0], t, device, "topk_idx").shape
         check_tensor(topk_weights, "topk_weights", torch.float32, (num_tokens, k), device)
         if out is None:
             out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
@@ -195,6 +207,7 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """The bf16 [E_l, R*T, H] buffer that `low_latency_combine(..., zero_copy=True)` reads for `handle`."""
+        self._live()
         record = self._record(handle)
         return self._combine_buffer(record, handle, handle[0].device)
 

@@ -4,15 +4,18 @@ Each rank's buffer is mapped by every peer (CUDA IPC). It holds two halves, so t
 be outstanding (double buffering); each half holds:
 - dispatch slots [source rank][token]: a header (arrival sequence number, token, its local experts
   and top-k positions) followed by the token's payload (bf16 row, or fp8 row plus scales);
-- combine slots [token][top-k position]: one bf16 expert output each, plus an arrival flag each.
+- combine slots [token][top-k position]: one bf16 expert output each, plus an 8-byte arrival flag
+  each (sequence number, and for a rank's own experts the row to read in place instead of data).
 A token is written once per destination rank and expanded to its experts' rows by the receiver.
 """
 
 from __future__ import annotations
 
 MAX_TOPK = 16
-DISPATCH_HEADER_BYTES = 16 + 4 * MAX_TOPK  # seq, token, num entries, spec check + (expert, k) pairs
-CONTROL_BYTES = 4096  # sequence counters and the error record
+MAX_RANKS = 8  # ranks of one node that map each other's buffers
+DISPATCH_HEADER_BYTES = 16 + 4 * MAX_TOPK  # seq, token, num entries, pad + (local expert, k) pairs
+COMBINE_FLAG_BYTES = 8
+CONTROL_BYTES = 4096  # sequence counters, peers' arrival words and the error record
 ALIGN = 128
 
 
@@ -29,7 +32,7 @@ def half_bytes(max_tokens: int, hidden: int, num_ranks: int) -> tuple[int, int, 
     """(dispatch slots, combine slots, combine flags) bytes in one half of the buffer."""
     dispatch = _align(num_ranks * max_tokens * dispatch_slot_bytes(hidden))
     combine = _align(max_tokens * MAX_TOPK * 2 * hidden)
-    flags = _align(max_tokens * MAX_TOPK * 4)
+    flags = _align(max_tokens * MAX_TOPK * COMBINE_FLAG_BYTES)
     return dispatch, combine, flags
 
 

@@ -1,0 +1,204 @@
+"""Low-latency dispatch/combine benchmark: our CUDA kernels vs the reference backend vs the hardware.
+
+Ranks beyond the GPU count are emulated on one GPU (ep_layer.emulation): every rank's send half, then
+every rank's receive half, all in one stream, so a time covers the work of all EP ranks together and
+is compared with the copy-bandwidth floor for the bytes all of them move. Kernel times come from
+CUDA-graph replay (median of many); Python call time is the host time of one eager call.
+
+    python benchmarks/bench_ll.py                      # the full sweep of the issue
+    python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ep_layer import Buffer
+from ep_layer.emulation import emulated_buffers
+
+DEEPEP_BUFFER_GIB = 1.78  # DeepEP's low-latency buffer at T=128, H=7168, E=256, 8 ranks
+
+
+def dispatch_bytes_per_pair(hidden: int) -> int:
+    """As DeepEP counts an FP8 dispatch message: data, float32 scales, 16 bytes of header."""
+    return hidden + hidden // 128 * 4 + 16
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written (median of 20)."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    samples = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3)
+    return 2 * nbytes / statistics.median(samples[3:])
+
+
+def time_graph(fn, replays: int = 200, warmup: int = 3) -> float:
+    """Median microseconds of one `fn()` replayed from a CUDA graph (10 replays per timed graph launch)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    inner = 10
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(1, replays // inner)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def host_time(fn, calls: int = 50) -> float:
+    """Median microseconds the host spends in one eager call (launches only, no sync inside)."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+class Case:
+    """All ranks' inputs for one (EP, T, E) point, and closures for each phase."""
+
+    def __init__(self, ep: int, tokens: int, hidden: int, experts: int, topk: int, seed: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.ep, self.tokens, self.hidden, self.experts = ep, tokens, hidden, experts
+        self.size = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ep, experts)
+        self.buffers = emulated_buffers(ep, self.size)
+        self.xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ep)]
+        scores = [torch.rand(tokens, experts, device="cuda", generator=gen) for _ in range(ep)]
+        self.idxs = [s.topk(topk, dim=1).indices for s in scores]
+        self.weights = [torch.rand(tokens, topk, device="cuda", generator=gen) for _ in range(ep)]
+        self.pairs = sum(int((i >= 0).sum()) for i in self.idxs)
+        self.handles: list = []
+        num_local = experts // ep
+        self.ys = [torch.randn(num_local, ep * tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+                   for _ in range(ep)]
+
+    def dispatch_send(self):
+        return [b.low_latency_dispatch(x, i, self.tokens, self.experts, use_fp8=True, return_recv_hook=True)
+                for b, x, i in zip(self.buffers, self.xs, self.idxs)]
+
+    def dispatch(self):
+        sent = self.dispatch_send()
+        for s in sent:
+            s[4]()
+        return sent
+
+    def refresh_handles(self) -> None:
+        """Dispatch once so that combine has handles from the buffers' latest dispatches."""
+        self.handles = [o[2] for o in self.dispatch()]
+
+    def combine_send(self):
+        return [b.low_latency_combine(y, i, w, h, return_recv_hook=True)
+                for b, y, i, w, h in zip(self.buffers, self.ys, self.idxs, self.weights, self.handles)]
+
+    def combine(self):
+        sent = self.combine_send()
+        for s in sent:
+            s[2]()
+        return sent
+
+    def destroy(self) -> None:
+        for b in self.buffers:
+            b.destroy()
+
+
+def reference_times(tokens: int, hidden: int, experts: int, topk: int) -> tuple[float, float]:
+    """Eager wall time of the reference backend at EP=1 on the GPU (it synchronises every call)."""
+    buf = Buffer(None, low_latency_mode=True, backend="reference")
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, device="cuda").topk(topk, dim=1).indices
+    w = torch.rand(tokens, topk, device="cuda")
+    y = torch.randn(experts, tokens, hidden, device="cuda").to(torch.bfloat16)
+    dispatch, combine = [], []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        handle = buf.low_latency_dispatch(x, idx, tokens, experts, use_fp8=True)[2]
+        torch.cuda.synchronize()
+        middle = time.perf_counter()
+        buf.low_latency_combine(y, idx, w, handle)
+        torch.cuda.synchronize()
+        dispatch.append((middle - start) * 1e6)
+        combine.append((time.perf_counter() - middle) * 1e6)
+    return statistics.median(dispatch[2:]), statistics.median(combine[2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 128, 256])
+    parser.add_argument("--experts", type=int, nargs="+", default=[256, 288])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the reference backend (EP=1, eager)")
+    args = parser.parse_args()
+
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
+          f"H={args.hidden} K={args.topk}")
+    size = Buffer.get_low_latency_rdma_size_hint(128, args.hidden, 8, 256)
+    print(f"# buffer per rank at T=128, E=256, 8 ranks: {size / 2**30:.3f} GiB "
+          f"(DeepEP {DEEPEP_BUFFER_GIB} GiB, ratio {size / 2**30 / DEEPEP_BUFFER_GIB:.2f})")
+    header = ("EP", "T", "E", "pairs", "disp_us", "send_us", "recv_us", "disp_floor", "comb_us", "csend_us",
+              "crecv_us", "comb_floor", "disp_GB/s", "comb_GB/s", "py_disp_us", "py_comb_us",
+              "ref_disp_us", "ref_comb_us")
+    rows = []
+    for ep in args.ep:
+        for experts in args.experts:
+            for tokens in args.tokens:
+                case = Case(ep, tokens, args.hidden, experts, args.topk, seed=ep * 1000 + tokens)
+                disp_bytes = case.pairs * dispatch_bytes_per_pair(args.hidden)
+                comb_bytes = case.pairs * 2 * args.hidden
+                disp = time_graph(case.dispatch)
+                send = time_graph(case.dispatch_send)
+                case.refresh_handles()
+                comb = time_graph(case.combine)
+                csend = time_graph(case.combine_send)
+                py_disp = host_time(case.dispatch) / ep
+                case.refresh_handles()
+                py_comb = host_time(case.combine) / ep
+                ref = reference_times(tokens, args.hidden, experts, args.topk) \
+                    if args.reference and ep == 1 else (float("nan"), float("nan"))
+                rows.append((ep, tokens, experts, case.pairs, disp, send, disp - send,
+                             2 * disp_bytes / bw * 1e6, comb, csend, comb - csend, 2 * comb_bytes / bw * 1e6,
+                             disp_bytes / disp / 1e3, comb_bytes / comb / 1e3, py_disp, py_comb, *ref))
+                case.destroy()
+                print(" ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+    print()
+    print("times in microseconds for all EP ranks together (emulated on one GPU); floor = time to copy the "
+          "bytes DeepEP counts once at the measured copy bandwidth; py_* = host time per rank per call")
+    widths = [max(len(h), 8) for h in header]
+    print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        print(" | ".join((f"{v:.1f}" if isinstance(v, float) else str(v)).rjust(w) for v, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+// Low-latency combine. Send half (expert rank): one warp per received row writes the expert output
+// into slot [token][k] of the source rank's buffer, then its flag (sequence number + where to read);
+// rows of this rank's own tokens are not copied at all, the flag points the receiver at them in
+// place. Receive half (source rank): one block per (token, channel chunk) waits for each of the
+// token's top-k flags in ascending k and accumulates w * y in float32, rounded once to bf16.
+#include "ll_common.cuh"
+
+namespace ep {
+namespace {
+
+constexpr int kSendThreads = 256;
+constexpr int kSendWarps = kSendThreads / 32;
+constexpr int kRecvThreads = 128;
+constexpr int kMapTokenBits = 13;  // combine_map: (k mask << 13) | (source rank * T + token)
+
+__device__ __forceinline__ unsigned long long* combine_flag(const Common& c, unsigned char* half, int token, int k) {
+  return reinterpret_cast<unsigned long long*>(half + c.layout.flags) + token * kMaxTopk + k;
+}
+
+__device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned char* half, int token, int k) {
+  return half + c.layout.combine + (static_cast<long long>(token) * kMaxTopk + k) * c.hidden * 2;
+}
+
+__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall a) {
+  const Common& c = a.c;
+  const unsigned seq = next_seq(c, kCombine);
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
+    say_hello(c, kCombine, seq);
+    if (threadIdx.x == 0) *c.ticket = seq;
+  }
+  const int expert = blockIdx.x, num_rows = c.num_ranks * c.max_tokens;
+  const int count = a.recv_count[expert];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_vectors = c.hidden / 8;
+  for (int row = blockIdx.y * kSendWarps + warp; row < count; row += gridDim.y * kSendWarps) {
+    const long long in_row = static_cast<long long>(expert) * num_rows + row;
+    const unsigned map = static_cast<unsigned>(a.combine_map[in_row]);
+    const int i = static_cast<int>(map & ((1u << kMapTokenBits) - 1));
+    const unsigned kmask = map >> kMapTokenBits;
+    const int source = i / c.max_tokens, token = i % c.max_tokens;
+    const int first_k = __ffs(kmask) - 1;
+    unsigned char* half = half_base(c, c.peer_bases[source], seq);
+    int ref;
+    if (source == c.rank) {
+      ref = static_cast<int>(in_row);  // our own token: the receive half reads x in place
+    } else {
+      const auto* src = reinterpret_cast<const int4*>(a.x + in_row * c.hidden);
+      auto* dst = reinterpret_cast<int4*>(combine_slot(c, half, token, first_k));
+      for (int v = lane; v < row_vectors; v += 32) dst[v] = src[v];
+      ref = -(first_k + 1);  // data in slot [token][first_k]
+    }
+    __syncwarp();
+    if (lane == 0) {
+      if (source != c.rank) __threadfence_system();
+      const unsigned long long flag = (static_cast<unsigned long long>(static_cast<unsigned>(ref)) << 32) | seq;
+      for (unsigned m = kmask; m; m &= m - 1) st_release_sys(combine_flag(c, half, token, __ffs(m) - 1), flag);
+    }
+  }
+  if (threadIdx.x == 0) finish_send(c, kCombine, seq);
+}
+
+__global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
+  const Common& c = a.c;
+  const unsigned seq = *c.ticket;
+  const unsigned long long deadline = globaltimer() + c.timeout_ns;
+  if (!check_hellos(c, kCombine, seq, deadline)) return;
+
+  const int token = blockIdx.x, num_local = c.num_experts / c.num_ranks;
+  const int vec = blockIdx.y * kRecvThreads + threadIdx.x;
+  const bool active = vec < c.hidden / 8;
+  unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
+  __shared__ const int4* source_row;
+  __shared__ int aborted;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int k = 0; k < a.num_topk; ++k) {  // ascending k, as the design fixes the summation order
+    const long long expert = a.topk_idx[static_cast<long long>(token) * a.num_topk + k];
+    if (expert < 0 || expert >= c.num_experts) continue;
+    const int rank = static_cast<int>(expert / num_local);
+    if (threadIdx.x == 0) {
+      const unsigned long long* flag = combine_flag(c, half, token, k);
+      const unsigned long long start = globaltimer();
+      unsigned long long f;
+      aborted = 0;
+      while (static_cast<unsigned>(f = ld_acquire_sys(flag)) != seq) {
+        if (globaltimer() > deadline) {
+          record_error(c, kCombine, kTimeout, 1u << rank);
+          aborted = 1;
+          break;
+        }
+      }
+      const int ref = static_cast<int>(f >> 32);
+      source_row = ref >= 0 ? reinterpret_cast<const int4*>(a.x + static_cast<long long>(ref) * c.hidden)
+                            : reinterpret_cast<const int4*>(combine_slot(c, half, token, -ref - 1));
+      if (a.wait_stats && blockIdx.y == 0)
+        atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[rank]), globaltimer() - start);
+    }
+    __syncthreads();
+    if (aborted) return;
+    if (active) {
+      const int4 v = ld_peer_written(source_row + vec);
+      const auto* y = reinterpret_cast<const __nv_bfloat16*>(&v);
+      const float w = a.topk_weights[static_cast<long long>(token) * a.num_topk + k];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
+    }
+    __syncthreads();  // source_row is rewritten for the next k
+  }
+  if (active) {
+    int4 packed;
+    auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
+    reinterpret_cast<int4*>(a.out + static_cast<long long>(token) * c.hidden)[vec] = packed;
+  }
+}
+
+}  // namespace
+
+void combine_send(const CombineCall& call, cudaStream_t stream) {
+  const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
+  combine_send_kernel<<<grid, kSendThreads, 0, stream>>>(call);
+}
+
+void combine_recv(const CombineCall& call, cudaStream_t stream) {
+  if (call.num_tokens == 0) return;
+  const dim3 grid(call.num_tokens, (call.c.hidden / 8 + kRecvThreads - 1) / kRecvThreads);
+  combine_recv_kernel<<<grid, kRecvThreads, 0, stream>>>(call);
+}
+
+}  // namespace ep

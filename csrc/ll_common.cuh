@@ -1,0 +1,213 @@
+// Shared pieces of the low-latency kernels: the control block at the start of every rank's buffer,
+// error recording, memory-ordering primitives for peer memory, and the per-call argument structs.
+// Byte offsets inside the buffer come from ep_layer/layout.py (one source of truth) as arguments.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace ep {
+
+constexpr int kMaxTopk = 16;
+constexpr int kMaxRanks = 8;
+constexpr int kHeaderBytes = 16 + 4 * kMaxTopk;
+constexpr int kFp8Group = 128;
+constexpr float kFp8Max = 448.f;
+constexpr float kAmaxFloor = 1e-4f;
+
+enum Op : int { kDispatch = 0, kCombine = 1 };
+enum ErrorCode : int { kOk = 0, kTimeout = 1, kMismatch = 2, kBadExpert = 3 };
+
+// Written by the device when a call fails; read by the host in Buffer.check().
+struct ErrorRecord {
+  int code;         // first ErrorCode recorded
+  int op;           // Op of that failure
+  unsigned ranks;   // bitmask: ranks that did not arrive (timeout) or disagree (mismatch)
+  int detail;       // the offending expert id for kBadExpert
+};
+
+// First CONTROL_BYTES of each rank's buffer.
+struct Control {
+  unsigned seq[2];                 // per Op: sequence number of the last call (device-side parity)
+  unsigned done[2];                // per Op: blocks of the current send kernel that finished
+  ErrorRecord error;
+  // hello[op][half][src]: (spec check << 32) | seq, written by rank src into this rank's buffer
+  // before its data, at a place that does not depend on T or H, so that disagreeing ranks are
+  // detected rather than read at the wrong offsets.
+  unsigned long long hello[2][2][kMaxRanks];
+};
+static_assert(sizeof(Control) <= 4096, "Control must fit CONTROL_BYTES");
+
+// Slot header of a dispatched token (kHeaderBytes), followed by its payload.
+struct DispatchHeader {
+  unsigned seq;
+  int token;
+  int num_entries;
+  int pad;
+  unsigned entries[kMaxTopk];  // (local expert << 8) | top-k position
+};
+static_assert(sizeof(DispatchHeader) == kHeaderBytes, "header layout");
+
+struct Layout {          // byte offsets, from ep_layer/layout.py
+  long long control;     // = CONTROL_BYTES: start of half 0
+  long long half;        // bytes of one half
+  long long dispatch;    // offset of the dispatch slots inside a half
+  long long slot;        // bytes of one dispatch slot
+  long long combine;     // offset of the combine slots inside a half
+  long long flags;       // offset of the combine flags inside a half
+};
+
+struct Common {
+  int rank, num_ranks;
+  int max_tokens, hidden, num_experts;
+  unsigned spec_check;            // hash of what ranks must agree on
+  const long long* peer_bases;    // device array [num_ranks]: each rank's buffer, mapped here
+  unsigned char* local_base;      // this rank's buffer
+  Layout layout;
+  unsigned* ticket;               // per call: the sequence number its send half used
+  volatile int* host_error;       // host-mapped flag: set when error is recorded
+  unsigned long long timeout_ns;
+};
+
+#ifdef __CUDACC__  // device helpers; the host-only bindings see just the structs above
+// ---------------------------------------------------------------- memory ordering for peer memory
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Sequence number for this call's send half: one past the last; parity picks the buffer half.
+__device__ __forceinline__ unsigned next_seq(const Common& c, Op op) {
+  const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
+  return *reinterpret_cast<const volatile unsigned*>(&ctrl->seq[op]) + 1;
+}
+
+// Called by thread 0 of every block at the end of a send kernel: the last block to finish publishes
+// the new sequence number (all blocks have read the old one by then) and the call's ticket.
+__device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq) {
+  auto* ctrl = reinterpret_cast<Control*>(c.local_base);
+  __threadfence();
+  if (atomicAdd(&ctrl->done[op], 1u) == gridDim.x * gridDim.y - 1) {
+    ctrl->done[op] = 0;
+    *reinterpret_cast<volatile unsigned*>(&ctrl->seq[op]) = seq;
+  }
+}
+
+__device__ __forceinline__ void record_error(const Common& c, Op op, ErrorCode code, unsigned ranks,
+                                             int detail = 0) {
+  auto* ctrl = reinterpret_cast<Control*>(c.local_base);
+  if (atomicCAS(&ctrl->error.code, 0, static_cast<int>(code)) == 0) {
+    ctrl->error.op = op;
+    ctrl->error.detail = detail;
+  }
+  atomicOr(&ctrl->error.ranks, ranks);
+  __threadfence_system();
+  *c.host_error = 1;
+}
+
+__device__ __forceinline__ unsigned char* half_base(const Common& c, long long base, unsigned seq) {
+  return reinterpret_cast<unsigned char*>(base) + c.layout.control + (seq & 1u) * c.layout.half;
+}
+
+// Announce this call to every peer; returns nothing. Thread r < num_ranks writes to rank r.
+__device__ __forceinline__ void say_hello(const Common& c, Op op, unsigned seq) {
+  if (threadIdx.x < c.num_ranks) {
+    auto* peer = reinterpret_cast<Control*>(c.peer_bases[threadIdx.x]);
+    st_release_sys(&peer->hello[op][seq & 1u][c.rank],
+                   (static_cast<unsigned long long>(c.spec_check) << 32) | seq);
+  }
+}
+
+// Threads r < num_ranks wait for rank r's hello; returns false (and records why) if any failed.
+// Must be called by all threads of the block.
+__device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned seq,
+                                             unsigned long long deadline) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (threadIdx.x < c.num_ranks) {
+    const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
+    const unsigned long long* word = &ctrl->hello[op][seq & 1u][threadIdx.x];
+    unsigned long long v;
+    bool arrived = true;
+    while (static_cast<unsigned>(v = ld_acquire_sys(word)) != seq) {
+      if (globaltimer() > deadline) {
+        arrived = false;
+        break;
+      }
+    }
+    if (!arrived) {
+      record_error(c, op, kTimeout, 1u << threadIdx.x);
+      failed = 1;
+    } else if (static_cast<unsigned>(v >> 32) != c.spec_check) {
+      record_error(c, op, kMismatch, 1u << threadIdx.x);
+      failed = 1;
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// 16-byte load that skips L1: the data was written by a peer after this SM may have cached the line.
+__device__ __forceinline__ int4 ld_peer_written(const void* p) {
+  return __ldcg(reinterpret_cast<const int4*>(p));
+}
+
+#endif  // __CUDACC__
+
+// ---------------------------------------------------------------- launchers (host side)
+struct DispatchCall {
+  Common c;
+  int num_tokens, num_topk;
+  int use_fp8, round_scale, use_ue8m0;
+  int blocks_per_expert;
+  const __nv_bfloat16* x;
+  const long long* topk_idx;
+  void* recv_x;                  // bf16 or fp8 [E_l, R*T, H]
+  void* recv_scales;             // float [E_l, G, R*T] or int [E_l, G/4, R*T] (column-major view)
+  int* recv_count;               // [E_l]
+  int* src_info;                 // [E_l, R*T]
+  long long* layout_range;       // [E_l, R]
+  int* combine_map;              // [E_l, R*T]: (source rank << 16) | (token * kMaxTopk + k)
+  int* recv_stats;               // [E_l] or null
+  long long* wait_stats;         // [R] or null
+};
+
+struct CombineCall {
+  Common c;
+  int num_tokens, num_topk;
+  int blocks_per_expert;
+  const __nv_bfloat16* x;        // [E_l, R*T, H] expert outputs
+  const int* recv_count;         // [E_l], from dispatch
+  const int* combine_map;        // [E_l, R*T], from dispatch
+  const long long* topk_idx;     // [N, K]
+  const float* topk_weights;     // [N, K]
+  __nv_bfloat16* out;            // [N, H]
+  long long* wait_stats;         // [R] or null
+};
+
+void dispatch_send(const DispatchCall& call, cudaStream_t stream);
+void dispatch_recv(const DispatchCall& call, cudaStream_t stream);
+void combine_send(const CombineCall& call, cudaStream_t stream);
+void combine_recv(const CombineCall& call, cudaStream_t stream);
+
+}  // namespace ep

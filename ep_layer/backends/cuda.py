@@ -1,0 +1,210 @@
+"""The `cuda` backend: our kernels (csrc/) over buffers that the ranks of one node map through CUDA IPC.
+
+Each call allocates its outputs with torch and launches one kernel per half; nothing waits on the
+host, so every call can be captured in a CUDA graph. Failures inside kernels (a peer that never
+arrives, ranks that disagree, bad expert ids) are recorded on the device, flagged in host-mapped
+memory, and raised at the next call or at `check()`; a kernel never waits longer than `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .. import layout, native
+from ..checks import expect
+from ..errors import EPTimeoutError
+from ..quant import FP8_GROUP, UE8M0_PACK
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf
+
+MAX_HIDDEN = 16384
+MAX_EXPERTS = 1024
+_OPS = ("low_latency_dispatch", "low_latency_combine")
+_TIMEOUT, _MISMATCH, _BAD_EXPERT = 1, 2, 3
+
+
+def _ranks(mask: int) -> list[int]:
+    return [r for r in range(layout.MAX_RANKS) if mask >> r & 1]
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
+                 num_rdma_bytes: int, timeout_s: float, *, peer_bases: list[int] | None = None) -> None:
+        """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process;
+        without it the buffer is allocated here and the peers' are mapped through CUDA IPC."""
+        super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s)
+        self._c = native.load()
+        expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
+               "the cuda backend", num_ranks)
+        expect(num_rdma_bytes > layout.CONTROL_BYTES, "num_rdma_bytes", "at least "
+               "Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E) bytes for the cuda backend",
+               num_rdma_bytes)
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._num_sms = self._c.num_sms()
+        self._opened: list[int] = []  # peers' buffers mapped through IPC, closed on destroy
+        if peer_bases is None:
+            peer_bases = self._exchange_handles(self._c.alloc_buffer(num_rdma_bytes))
+        self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
+        self._peer_bases = torch.tensor(peer_bases, dtype=torch.int64, device=self._device)
+        self._host_flag, self._device_flag = self._c.alloc_host_flag()
+        self._commons: dict[tuple[int, int, int, int], object] = {}
+
+    def _exchange_handles(self, base: int) -> list[int]:
+        """Share our buffer's IPC handle through the group; map every peer's buffer."""
+        if self.num_ranks == 1:
+            return [base]
+        mine = (self._c.ipc_handle(base), self.num_rdma_bytes)
+        gathered: list = [None] * self.num_ranks
+        dist.all_gather_object(gathered, mine, group=self.group)
+        sizes = {r: g[1] for r, g in enumerate(gathered)}
+        expect(len(set(sizes.values())) == 1, "num_rdma_bytes", "the same on every rank", sizes)
+        bases = []
+        for r, (handle, _) in enumerate(gathered):
+            if r == self.rank:
+                bases.append(base)
+            else:
+                bases.append(self._c.ipc_open(handle))
+                self._opened.append(bases[-1])
+        return bases
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # ------------------------------------------------------------------ errors
+    def _raise_recorded(self) -> None:
+        """Raise what a kernel recorded; the host-mapped flag makes the no-error case free."""
+        if not self._c.read_host_flag(self._host_flag):
+            return
+        torch.cuda.current_stream().synchronize()
+        code, op, mask, detail = self._c.read_error(self._base)
+        self._c.clear_error(self._base)
+        self._c.clear_host_flag(self._host_flag)
+        what = _OPS[op]
+        if code == _TIMEOUT:
+            raise EPTimeoutError(what, _ranks(mask), self.timeout_s, self.rank)
+        if code == _MISMATCH:
+            raise ValueError(f"{what}: rank(s) {_ranks(mask)} called with a different "
+                             "num_max_dispatch_tokens_per_rank, hidden, num_experts or FP8 flags than "
+                             f"rank {self.rank}")
+        if code == _BAD_EXPERT:
+            raise ValueError(f"topk_idx: expected expert ids in [-1, num_experts), got {detail} "
+                             "(that entry was treated as -1)")
+
+    def check(self) -> None:
+        torch.cuda.current_stream().synchronize()
+        self._raise_recorded()
+
+    # ------------------------------------------------------------------ per-shape state
+    def _common(self, max_tokens: int, hidden: int, num_experts: int, flags: int) -> object:
+        key = (max_tokens, hidden, num_experts, flags)
+        common = self._commons.get(key)
+        if common is None:
+            expect(hidden % FP8_GROUP == 0 and hidden <= MAX_HIDDEN, "x", f"a hidden size that is a multiple "
+                   f"of {FP8_GROUP} and at most {MAX_HIDDEN} for the cuda backend", hidden)
+            expect(num_experts <= MAX_EXPERTS, "num_experts", f"at most {MAX_EXPERTS}", num_experts)
+            need = layout.low_latency_buffer_bytes(max_tokens, hidden, self.num_ranks, num_experts)
+            expect(need <= self.num_rdma_bytes, "num_rdma_bytes", f"at least {need} for T={max_tokens}, "
+                   f"H={hidden} (Buffer.get_low_latency_rdma_size_hint)", self.num_rdma_bytes)
+            dispatch, combine, _ = layout.half_bytes(max_tokens, hidden, self.num_ranks)
+            half = sum(layout.half_bytes(max_tokens, hidden, self.num_ranks))
+            offsets = (layout.CONTROL_BYTES, half, 0, layout.dispatch_slot_bytes(hidden), dispatch,
+                       dispatch + combine)
+            check = zlib.crc32(repr(key).encode())
+            common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
+                                         self._peer_bases.data_ptr(), self._base, offsets,
+                                         self._device_flag, self.timeout_s)
+            self._commons[key] = common
+        return common
+
+    def _blocks_per_expert(self, num_local: int) -> int:
+        return max(1, min(32, math.ceil(2 * self._num_sms / num_local)))
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
+                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
+        self._raise_recorded()
+        t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
+        flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
+        common = self._common(t, h, e, flags)
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        num_local, rows, dev = e // self.num_ranks, self.num_ranks * t, self._device
+        recv_count = torch.empty(num_local, dtype=torch.int32, device=dev)
+        src_info = torch.empty(num_local, rows, dtype=torch.int32, device=dev)
+        layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=dev)
+        combine_map = torch.empty(num_local, rows, dtype=torch.int32, device=dev)
+        ticket = torch.empty(1, dtype=torch.int32, device=dev)
+        if spec.use_fp8:
+            data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=dev)
+            if spec.use_ue8m0:
+                cols, dtype = h // (FP8_GROUP * UE8M0_PACK), torch.int32
+            else:
+                cols, dtype = h // FP8_GROUP, torch.float32
+            scales = torch.empty(num_local, cols, rows, dtype=dtype, device=dev).transpose(1, 2)
+            recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (data, scales)
+            data_ptr, scales_ptr = data.data_ptr(), scales.data_ptr()
+        else:
+            recv_x = torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=dev)
+            data_ptr, scales_ptr = recv_x.data_ptr(), 0
+        args = (ticket.data_ptr(), x.shape[0], topk_idx.shape[1], spec.use_fp8, spec.round_scale,
+                spec.use_ue8m0, self._blocks_per_expert(num_local), x.data_ptr(), topk_idx.data_ptr(),
+                data_ptr, scales_ptr, recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                combine_map.data_ptr(), recv_stats.data_ptr() if recv_stats is not None else 0,
+                wait_stats.data_ptr() if wait_stats is not None else 0)
+        self._c.dispatch(common, True, *args, torch.cuda.current_stream().cuda_stream)
+        keep = [ticket]  # alive until the receive half has been launched (stream order does the rest)
+
+        def receive() -> None:
+            self._c.dispatch(common, False, *args, torch.cuda.current_stream().cuda_stream)
+            keep.clear()
+
+        handle: Handle = (src_info, layout_range, t, h, e)
+        return DispatchResult(recv_x, recv_count, handle, receive, private=(combine_map, recv_count))
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                handle: Handle, private: object, out: torch.Tensor,
+                wait_stats: torch.Tensor | None) -> ReceiveHalf:
+        self._raise_recorded()
+        _, _, t, h, e = handle
+        combine_map, recv_count = private  # type: ignore[misc]
+        common = self._common(t, h, e, 0)
+        x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        ticket = torch.empty(1, dtype=torch.int32, device=self._device)
+        args = (ticket.data_ptr(), topk_idx.shape[0], topk_idx.shape[1],
+                self._blocks_per_expert(e // self.num_ranks), x.data_ptr(), recv_count.data_ptr(),
+                combine_map.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(),
+                wait_stats.data_ptr() if wait_stats is not None else 0)
+        self._c.combine(common, True, *args, torch.cuda.current_stream().cuda_stream)
+        keep = [x, topk_idx, topk_weights, ticket]  # the receive half reads x (own rows) and the rest
+
+        def receive() -> None:
+            self._c.combine(common, False, *args, torch.cuda.current_stream().cuda_stream)
+            keep.clear()
+
+        return receive
+
+    # ------------------------------------------------------------------ housekeeping
+    def _barrier(self) -> None:
+        torch.cuda.synchronize(self._device)
+        if self.num_ranks > 1 and self.group is not None:
+            dist.barrier(group=self.group)
+
+    def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        self._barrier()
+        self._c.memset_async(self._base, self.num_rdma_bytes, torch.cuda.current_stream().cuda_stream)
+        self._c.clear_host_flag(self._host_flag)
+        self._barrier()
+
+    def destroy(self) -> None:
+        self._barrier()
+        for p in self._opened:
+            self._c.ipc_close(p)
+        self._opened.clear()
+        self._c.free_buffer(self._base)
+        self._c.free_host_flag(self._host_flag)

@@ -1,0 +1,374 @@
+"""The `cuda` backend against independent oracles, on one GPU (skipped without one).
+
+Several ranks share the GPU two ways: emulated in one process (`ep_layer.emulation`: fast, and the
+only way to replay all ranks in one CUDA graph), and as real processes that map each other's buffers
+through CUDA IPC (the production path). Dispatch is checked exactly (rows, order, bytes, scales,
+handle) against a plain-Python routing oracle and the numpy FP8 oracle; combine bit-exactly against
+float32 arithmetic in the design's order, and within bf16 rounding against float64.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ep_layer import Buffer, EPTimeoutError, native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built"),
+]
+
+MODES = {  # name: (use_fp8, round_scale, use_ue8m0)
+    "bf16": (False, False, False),
+    "fp8": (True, False, False),
+    "fp8-pow2": (True, True, False),
+    "fp8-ue8m0": (True, True, True),
+}
+
+
+# ---------------------------------------------------------------------------- inputs and oracles
+def make_inputs(rng: np.random.Generator, num_ranks: int, max_tokens: int, hidden: int, num_experts: int,
+                topk: int, device: str = "cuda") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random tokens and routing per rank: some ranks may have no tokens, some entries are -1."""
+    xs, idxs = [], []
+    for _ in range(num_ranks):
+        n = int(rng.integers(0, max_tokens + 1))
+        x = torch.from_numpy(rng.standard_normal((n, hidden), dtype=np.float32) *
+                             rng.choice([1e-3, 1.0, 30.0], size=(n, 1)).astype(np.float32))
+        idx = np.array([rng.permutation(num_experts)[:topk] for _ in range(n)], dtype=np.int64).reshape(n, topk)
+        idx[rng.random((n, topk)) < 0.1] = -1
+        xs.append(x.to(torch.bfloat16).to(device))
+        idxs.append(torch.from_numpy(idx.astype(np.int64)).to(device))
+    return xs, idxs
+
+
+def expected_rows(idxs: list[torch.Tensor], num_experts: int) -> dict[int, list[tuple[int, int]]]:
+    """Global expert -> its (source rank, token) rows, ordered by source rank then token."""
+    rows: dict[int, list[tuple[int, int]]] = {e: [] for e in range(num_experts)}
+    for source, idx in enumerate(idxs):
+        for token, experts in enumerate(idx.tolist()):
+            for e in sorted({e for e in experts if e >= 0}):
+                rows[e].append((source, token))
+    return rows
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    return x.cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+def check_dispatch(rank: int, num_ranks: int, max_tokens: int, out: tuple, xs: list[torch.Tensor],
+                   rows: dict[int, list[tuple[int, int]]], mode: str, seed: int) -> None:
+    import fp8_oracle
+
+    recv_x, recv_count, handle = out
+    use_fp8, round_scale, use_ue8m0 = MODES[mode]
+    src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+    num_local = recv_count.shape[0]
+    counts = recv_count.cpu().tolist()
+    where = f"seed={seed} rank={rank} mode={mode}"
+    for l in range(num_local):
+        want = rows[rank * num_local + l]
+        assert counts[l] == len(want), f"{where} expert {l}: recv_count"
+        assert src_info[l, :len(want)].tolist() == [t for _, t in want], f"{where} expert {l}: src_info/order"
+        per_source = [sum(1 for s, _ in want if s == src) for src in range(num_ranks)]
+        begins = np.cumsum([0, *per_source[:-1]]).tolist()
+        got_ranges = layout_range[l].tolist()
+        assert got_ranges == [(b << 32) | c for b, c in zip(begins, per_source)], f"{where}: layout_range"
+        if not want:
+            continue
+        sent = torch.stack([xs[s][t] for s, t in want])
+        if not use_fp8:
+            assert torch.equal(recv_x[l, :len(want)].cpu(), sent.cpu()), f"{where} expert {l}: bf16 rows"
+            continue
+        codes, scales = fp8_oracle.cast_to_fp8(bf16_bits(sent), round_scale, use_ue8m0)
+        got = recv_x[0][l, :len(want)].cpu().view(torch.uint8).numpy()
+        assert np.array_equal(got, codes), f"{where} expert {l}: fp8 bytes"
+        got_scales = recv_x[1][l, :len(want)].cpu().numpy()
+        assert np.array_equal(got_scales.view(np.uint32), np.asarray(scales).view(np.uint32)), \
+            f"{where} expert {l}: scales"
+    if use_fp8:
+        assert recv_x[1].stride(1) == 1, f"{where}: scales must be column-major"
+
+
+def expected_combine(rank: int, num_local: int, idx: torch.Tensor, weights: torch.Tensor,
+                     ys: list[torch.Tensor], rows: dict[int, list[tuple[int, int]]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 in ascending k rounded once to bf16 — the design's exact rule, float64 sum)."""
+    n, k_count = idx.shape
+    hidden = ys[0].shape[-1]
+    exact = torch.zeros(n, hidden, dtype=torch.float32)
+    wide = torch.zeros(n, hidden, dtype=torch.float64)
+    for t in range(n):
+        for k in range(k_count):
+            e = int(idx[t, k])
+            if e < 0:
+                continue
+            row = rows[e].index((rank, t))
+            y = ys[e // num_local][e % num_local, row].cpu().float()
+            exact[t] = exact[t] + weights[t, k].cpu() * y
+            wide[t] += weights[t, k].cpu().double() * y.double()
+    return exact.to(torch.bfloat16), wide
+
+
+def check_combine(rank: int, got: torch.Tensor, exact: torch.Tensor, wide: torch.Tensor, where: str) -> None:
+    got = got.cpu()
+    assert torch.equal(got, exact), f"{where} rank {rank}: combine differs from float32 ascending-k sum"
+    tol = 2.0 ** -8 * wide.abs() + 1e-6  # one bf16 rounding of the sum, plus float32 accumulation
+    assert bool(((got.double() - wide).abs() <= tol).all()), f"{where} rank {rank}: combine vs float64"
+
+
+# ---------------------------------------------------------------------------- emulated ranks
+def emulated(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, timeout_s: float = 20.0):
+    from ep_layer.emulation import emulated_buffers
+
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts)
+    return emulated_buffers(num_ranks, size, timeout_s)
+
+
+def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None):
+    """Every rank's send half first, then every hook: one stream is enough for emulated ranks."""
+    use_fp8, round_scale, use_ue8m0 = MODES[mode]
+    stats = stats or [None] * len(buffers)
+    sent = [b.low_latency_dispatch(x, i, max_tokens, num_experts, s, use_fp8=use_fp8, round_scale=round_scale,
+                                   use_ue8m0=use_ue8m0, return_recv_hook=True)
+            for b, x, i, s in zip(buffers, xs, idxs, stats)]
+    for *_, hook in sent:
+        hook()
+    return [s[:3] for s in sent]
+
+
+def run_combine(buffers, ys, idxs, weights, handles, **kw):
+    sent = [b.low_latency_combine(y, i, w, h, return_recv_hook=True, **kw)
+            for b, y, i, w, h in zip(buffers, ys, idxs, weights, handles)]
+    for *_, hook in sent:
+        hook()
+    return [s[0] for s in sent]
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_dispatch_combine(num_ranks: int, mode: str, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    max_tokens = int(rng.integers(1, 40))
+    hidden = int(rng.choice([512, 1024, 2048, 7168]))
+    num_local = int(rng.integers(1, 9))
+    num_experts, topk = num_ranks * num_local, int(rng.integers(1, min(9, num_ranks * num_local) + 1))
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    stats = [torch.zeros(num_local, dtype=torch.int32, device="cuda") for _ in buffers]
+    rows = expected_rows(idxs, num_experts)
+    for _ in range(2):  # consecutive calls use the two halves of the buffers
+        stats_before = [s.clone() for s in stats]
+        outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=stats)
+        for b in buffers:
+            b.check()
+        for r, o in enumerate(outs):
+            check_dispatch(r, num_ranks, max_tokens, o, xs, rows, mode, seed)
+            assert torch.equal(stats[r] - stats_before[r], o[1]), f"seed={seed}: recv stats"
+
+    ys = [torch.randn(num_local, num_ranks * max_tokens, hidden, device="cuda").to(torch.bfloat16)
+          for _ in buffers]
+    weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+    combined = run_combine(buffers, ys, idxs, weights, [o[2] for o in outs])
+    for r in range(num_ranks):
+        exact, wide = expected_combine(r, num_local, idxs[r].cpu(), weights[r], ys, rows)
+        check_combine(r, combined[r], exact, wide, f"seed={seed} mode={mode}")
+    for b in buffers:
+        b.destroy()
+
+
+def test_emulated_options(seed: int) -> None:
+    """out=, zero_copy, async_finish and the wait stats on the cuda backend."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local, topk = 4, 16, 1024, 3, 4
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    waits = [torch.zeros(num_ranks, dtype=torch.int64, device="cuda") for _ in buffers]
+    outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "bf16")
+    rows = expected_rows(idxs, num_experts)
+    ys = [torch.randn(num_local, num_ranks * max_tokens, hidden, device="cuda").to(torch.bfloat16)
+          for _ in buffers]
+    weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+    for b, o, y in zip(buffers, outs, ys):
+        b.get_next_low_latency_combine_buffer(o[2]).copy_(y)
+    outs_buf = [torch.full((i.shape[0], hidden), float("nan"), device="cuda", dtype=torch.bfloat16) for i in idxs]
+    sent = [b.low_latency_combine(torch.empty_like(y), i, w, o[2], zero_copy=True, out=ob,
+                                  return_recv_hook=True, combine_wait_recv_cost_stats=ws)
+            for b, y, i, w, o, ob, ws in zip(buffers, ys, idxs, weights, outs, outs_buf, waits)]
+    for s, ob in zip(sent, outs_buf):
+        assert s[0] is ob
+        s[2]()
+    for r in range(num_ranks):
+        exact, wide = expected_combine(r, num_local, idxs[r].cpu(), weights[r], ys, rows)
+        check_combine(r, outs_buf[r], exact, wide, f"seed={seed} zero_copy")
+        assert bool((waits[r] >= 0).all())
+    for b in buffers:
+        b.destroy()
+
+
+def test_graph_replay(seed: int) -> None:
+    """Two graphs (different routing widths) over the same buffers, replayed 100 times in random order."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local = 4, 24, 2048, 4
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    graphs = []
+    scale = torch.arange(1, num_experts + 1, device="cuda", dtype=torch.float32)  # read by both graphs
+    for topk, mode in ((4, "fp8"), (8, "bf16")):
+        xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+        weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+
+        def step(xs=xs, idxs=idxs, weights=weights, mode=mode):
+            outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode)
+            ys = []
+            for r, (recv_x, _, _) in enumerate(outs):  # "expert" e returns (e + 1) * its input
+                data = recv_x if mode == "bf16" else recv_x[0].float()
+                if mode != "bf16":
+                    s = recv_x[1].repeat_interleave(128, dim=2)
+                    data = data * s
+                ys.append((data.float() * scale[r * num_local:(r + 1) * num_local, None, None]).to(torch.bfloat16))
+            return run_combine(buffers, ys, idxs, weights, [o[2] for o in outs])
+
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        graphs.append((graph, xs, idxs, weights, out, mode))
+    for replay in range(100):
+        graph, xs, idxs, weights, out, mode = graphs[int(rng.integers(0, 2))]
+        for x, w in zip(xs, weights):  # fresh inputs each replay, routing kept
+            x.copy_(torch.randn_like(x, dtype=torch.float32))
+            w.copy_(torch.rand_like(w))
+        graph.replay()
+        for b in buffers:
+            b.check()
+        for r in range(num_ranks):
+            idx = idxs[r].double()
+            factor = (weights[r].double() * torch.where(idx >= 0, idx + 1, 0)).sum(1, keepdim=True)
+            want = xs[r].double() * factor
+            tol = 0.07 * want.abs() + 0.07 * factor.abs() * xs[r].double().abs().amax(1, keepdim=True) / 16 + 1e-3
+            got = out[r].double()
+            assert bool(((got - want).abs() <= tol).all()), \
+                f"seed={seed} replay {replay} rank {r} mode {mode}: max err {(got - want).abs().max()}"
+    for b in buffers:
+        b.destroy()
+
+
+def test_emulated_timeout_names_missing_rank() -> None:
+    buffers = emulated(2, 8, 512, 4, timeout_s=1.0)
+    x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
+    idx = torch.tensor([[0, 3]] * 8, device="cuda")
+    start = time.monotonic()
+    *_, hook = buffers[0].low_latency_dispatch(x, idx, 8, 4, return_recv_hook=True)
+    hook()  # rank 1 never sends
+    with pytest.raises(EPTimeoutError) as info:
+        buffers[0].check()
+    assert info.value.ranks == [1]
+    assert time.monotonic() - start < 10
+
+
+def test_emulated_disagreeing_ranks_raise_on_every_rank() -> None:
+    buffers = emulated(2, 8, 1024, 4, timeout_s=5.0)
+    sent = []
+    for rank, hidden in enumerate((512, 1024)):
+        x = torch.randn(4, hidden, device="cuda").to(torch.bfloat16)
+        idx = torch.tensor([[0, 3]] * 4, device="cuda")
+        sent.append(buffers[rank].low_latency_dispatch(x, idx, 8, 4, return_recv_hook=True))
+    for s in sent:
+        s[4]()
+    for b in buffers:
+        with pytest.raises(ValueError, match="different"):
+            b.check()
+
+
+def test_bad_expert_id_raises() -> None:
+    (buffer,) = emulated(1, 8, 512, 4, timeout_s=5.0)
+    x = torch.randn(2, 512, device="cuda").to(torch.bfloat16)
+    buffer.low_latency_dispatch(x, torch.tensor([[0, 4], [1, -1]], device="cuda"), 8, 4)
+    with pytest.raises(ValueError, match="topk_idx"):
+        buffer.check()
+
+
+# ---------------------------------------------------------------------------- real processes (IPC)
+def _ipc_rank(rank: int, world_size: int, seed: int) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    rng = np.random.default_rng(seed)  # same stream on every rank: shared shapes, per-rank inputs below
+    max_tokens, hidden, num_local, topk = 16, 1024, 3, 4
+    num_experts = world_size * num_local
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
+    cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=60)
+    ref = Buffer(dist.group.WORLD, low_latency_mode=True, backend="reference", timeout_s=60)
+    xs, idxs = make_inputs(rng, world_size, max_tokens, hidden, num_experts, topk, device="cpu")
+    x, idx = xs[rank], idxs[rank]
+    for mode, (use_fp8, round_scale, use_ue8m0) in MODES.items():
+        kw = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+        want = ref.low_latency_dispatch(x, idx, max_tokens, num_experts, **kw)
+        for hook_mode in (False, True):
+            got = cuda.low_latency_dispatch(x.cuda(), idx.cuda(), max_tokens, num_experts,
+                                            return_recv_hook=hook_mode, **kw)
+            if hook_mode:
+                got[4]()
+            cuda.check()
+            counts = want[1].tolist()
+            assert got[1].cpu().tolist() == counts, f"seed={seed} {mode}"
+            for l, c in enumerate(counts):
+                assert torch.equal(got[2][0][l, :c].cpu(), want[2][0][l, :c]), f"seed={seed} {mode} src_info"
+                if use_fp8:
+                    assert torch.equal(got[0][0][l, :c].cpu().view(torch.uint8), want[0][0][l, :c].view(torch.uint8))
+                    assert torch.equal(got[0][1][l, :c].cpu(), want[0][1][l, :c]), f"seed={seed} {mode} scales"
+                else:
+                    assert torch.equal(got[0][l, :c].cpu(), want[0][l, :c]), f"seed={seed} {mode} rows"
+            assert torch.equal(got[2][1].cpu(), want[2][1]), f"seed={seed} {mode} layout_range"
+        y = torch.randn(num_local, world_size * max_tokens, hidden).to(torch.bfloat16)
+        w = torch.rand(idx.shape)
+        want_out = ref.low_latency_combine(y, idx, w, want[2])[0]
+        got_out, event, _ = cuda.low_latency_combine(y.cuda(), idx.cuda(), w.cuda(), got[2],
+                                                     async_finish=True)
+        event.current_stream_wait()
+        cuda.check()
+        assert torch.equal(got_out.cpu(), want_out), f"seed={seed} {mode} rank {rank}: combine vs reference"
+    cuda.destroy()
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_ipc_ranks_match_reference(world_size: int, seed: int) -> None:
+    from dist_harness import run_ranks
+
+    run_ranks(_ipc_rank, world_size, seed, timeout_s=240)
+
+
+def _silent_rank(rank: int, world_size: int) -> float:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    size = Buffer.get_low_latency_rdma_size_hint(8, 512, world_size, 4)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=2.0)
+    if rank == 1:
+        return 0.0  # never calls dispatch
+    start = time.monotonic()
+    x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
+    buf.low_latency_dispatch(x, torch.tensor([[0, 3]] * 8, device="cuda"), 8, 4)
+    with pytest.raises(EPTimeoutError) as info:
+        buf.check()
+    assert info.value.ranks == [1]
+    return time.monotonic() - start
+
+
+def test_ipc_timeout_names_missing_rank() -> None:
+    from dist_harness import run_ranks
+
+    elapsed = run_ranks(_silent_rank, 2, timeout_s=120)[0]
+    assert 1.5 < elapsed < 20
