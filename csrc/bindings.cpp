@@ -15,7 +15,7 @@ T* ptr(long long p) {
 }
 
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
-                   long long peer_bases, long long local_base, std::tuple<long long, long long, long long,
+                   bool system_scope, long long peer_bases, long long local_base, std::tuple<long long, long long, long long,
                    long long, long long, long long> layout, long long host_error, double timeout_s) {
   Common c{};
   c.rank = rank;
@@ -24,6 +24,7 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
   c.hidden = hidden;
   c.num_experts = num_experts;
   c.spec_check = spec_check;
+  c.system_scope = system_scope;
   c.peer_bases = ptr<const long long>(peer_bases);
   c.local_base = ptr<unsigned char>(local_base);
   c.layout = {std::get<0>(layout), std::get<1>(layout), std::get<2>(layout),

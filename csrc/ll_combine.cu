@@ -44,16 +44,14 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall 
     if (source == c.rank) {
       ref = static_cast<int>(in_row);  // our own token: the receive half reads x in place
     } else {
-      const auto* src = reinterpret_cast<const int4*>(a.x + in_row * c.hidden);
-      auto* dst = reinterpret_cast<int4*>(combine_slot(c, half, token, first_k));
-      for (int v = lane; v < row_vectors; v += 32) dst[v] = src[v];
+      copy_vectors(reinterpret_cast<int4*>(combine_slot(c, half, token, first_k)),
+                   reinterpret_cast<const int4*>(a.x + in_row * c.hidden), row_vectors, lane, 32);
       ref = -(first_k + 1);  // data in slot [token][first_k]
     }
     __syncwarp();
     if (lane == 0) {
-      if (source != c.rank) __threadfence_system();
       const unsigned long long flag = (static_cast<unsigned long long>(static_cast<unsigned>(ref)) << 32) | seq;
-      for (unsigned m = kmask; m; m &= m - 1) st_release_sys(combine_flag(c, half, token, __ffs(m) - 1), flag);
+      for (unsigned m = kmask; m; m &= m - 1) st_release(c, combine_flag(c, half, token, __ffs(m) - 1), flag);
     }
   }
   if (threadIdx.x == 0) finish_send(c, kCombine, seq);
@@ -62,56 +60,57 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall 
 __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
   const Common& c = a.c;
   const unsigned seq = *c.ticket;
-  const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  if (!check_hellos(c, kCombine, seq, deadline)) return;
+  if (!check_hellos(c, kCombine, seq)) return;
 
   const int token = blockIdx.x, num_local = c.num_experts / c.num_ranks;
   const int vec = blockIdx.y * kRecvThreads + threadIdx.x;
-  const bool active = vec < c.hidden / 8;
   unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
-  __shared__ const int4* source_row;
+  __shared__ const int4* rows[kMaxTopk];  // per k: where its expert output is, null if no expert
+  __shared__ float weights[kMaxTopk];
   __shared__ int aborted;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int k = 0; k < a.num_topk; ++k) {  // ascending k, as the design fixes the summation order
+  if (threadIdx.x == 0) aborted = 0;
+  __syncthreads();
+  // Thread k waits for the output of the token's k-th expert: all waits overlap.
+  if (threadIdx.x < a.num_topk) {
+    const int k = threadIdx.x;
     const long long expert = a.topk_idx[static_cast<long long>(token) * a.num_topk + k];
-    if (expert < 0 || expert >= c.num_experts) continue;
-    const int rank = static_cast<int>(expert / num_local);
-    if (threadIdx.x == 0) {
-      const unsigned long long* flag = combine_flag(c, half, token, k);
-      const unsigned long long start = globaltimer();
-      unsigned long long f;
-      aborted = 0;
-      while (static_cast<unsigned>(f = ld_acquire_sys(flag)) != seq) {
-        if (globaltimer() > deadline) {
-          record_error(c, kCombine, kTimeout, 1u << rank);
-          aborted = 1;
-          break;
-        }
+    weights[k] = a.topk_weights[static_cast<long long>(token) * a.num_topk + k];
+    const int4* row = nullptr;
+    if (expert >= 0 && expert < c.num_experts) {
+      const int rank = static_cast<int>(expert / num_local);
+      unsigned long long flag;
+      const unsigned long long waited = wait_for(c, combine_flag(c, half, token, k), seq, &flag);
+      if (waited == kNeverArrived) {
+        record_error(c, kCombine, kTimeout, 1u << rank);
+        aborted = 1;
+      } else {
+        const int ref = static_cast<int>(flag >> 32);
+        row = ref >= 0 ? reinterpret_cast<const int4*>(a.x + static_cast<long long>(ref) * c.hidden)
+                       : reinterpret_cast<const int4*>(combine_slot(c, half, token, -ref - 1));
+        if (a.wait_stats && blockIdx.y == 0)
+          atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[rank]), waited);
       }
-      const int ref = static_cast<int>(f >> 32);
-      source_row = ref >= 0 ? reinterpret_cast<const int4*>(a.x + static_cast<long long>(ref) * c.hidden)
-                            : reinterpret_cast<const int4*>(combine_slot(c, half, token, -ref - 1));
-      if (a.wait_stats && blockIdx.y == 0)
-        atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[rank]), globaltimer() - start);
     }
-    __syncthreads();
-    if (aborted) return;
-    if (active) {
-      const int4 v = ld_peer_written(source_row + vec);
-      const auto* y = reinterpret_cast<const __nv_bfloat16*>(&v);
-      const float w = a.topk_weights[static_cast<long long>(token) * a.num_topk + k];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, __bfloat162float(y[j])));
-    }
-    __syncthreads();  // source_row is rewritten for the next k
+    rows[k] = row;
   }
-  if (active) {
-    int4 packed;
-    auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+  __syncthreads();
+  if (aborted || vec >= c.hidden / 8) return;
+
+  // Ascending k, float32, one rounding at the end: the summation order the design fixes.
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
-    reinterpret_cast<int4*>(a.out + static_cast<long long>(token) * c.hidden)[vec] = packed;
+  for (int k = 0; k < kMaxTopk; ++k) {
+    if (k >= a.num_topk || rows[k] == nullptr) continue;
+    const int4 v = ld_peer_written(rows[k] + vec);
+    const auto* y = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(weights[k], __bfloat162float(y[j])));
   }
+  int4 packed;
+  auto* o = reinterpret_cast<__nv_bfloat16*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = __float2bfloat16_rn(acc[j]);
+  reinterpret_cast<int4*>(a.out + static_cast<long long>(token) * c.hidden)[vec] = packed;
 }
 
 }  // namespace

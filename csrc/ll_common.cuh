@@ -63,6 +63,7 @@ struct Common {
   int rank, num_ranks;
   int max_tokens, hidden, num_experts;
   unsigned spec_check;            // hash of what ranks must agree on
+  int system_scope;               // peers on other GPUs: order at system scope, else at GPU scope
   const long long* peer_bases;    // device array [num_ranks]: each rank's buffer, mapped here
   unsigned char* local_base;      // this rank's buffer
   Layout layout;
@@ -73,21 +74,33 @@ struct Common {
 
 #ifdef __CUDACC__  // device helpers; the host-only bindings see just the structs above
 // ---------------------------------------------------------------- memory ordering for peer memory
-__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+// Flags are polled with relaxed loads and one acquire fence after they match; data is published by
+// a release store of its flag after a block/warp barrier (release is cumulative over the barrier).
+// The scope is the GPU when every rank shares this device (emulated ranks, processes on one GPU),
+// the system when peers sit on other GPUs; system-scope ordering costs microseconds, so only then.
+__device__ __forceinline__ unsigned ld_relaxed(const Common& c, const unsigned* p) {
   unsigned v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if (c.system_scope) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
+__device__ __forceinline__ unsigned long long ld_relaxed(const Common& c, const unsigned long long* p) {
   unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  if (c.system_scope) asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  else asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void fence_acquire(const Common& c) {
+  if (c.system_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
+  else asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void st_release(const Common& c, unsigned* p, unsigned v) {
+  if (c.system_scope) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  else asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release(const Common& c, unsigned long long* p, unsigned long long v) {
+  if (c.system_scope) asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
@@ -104,8 +117,8 @@ __device__ __forceinline__ unsigned next_seq(const Common& c, Op op) {
 // Called by thread 0 of every block at the end of a send kernel: the last block to finish publishes
 // the new sequence number (all blocks have read the old one by then) and the call's ticket.
 __device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq) {
+  // No fence needed: a block reaches this only after it has used the sequence number it read.
   auto* ctrl = reinterpret_cast<Control*>(c.local_base);
-  __threadfence();
   if (atomicAdd(&ctrl->done[op], 1u) == gridDim.x * gridDim.y - 1) {
     ctrl->done[op] = 0;
     *reinterpret_cast<volatile unsigned*>(&ctrl->seq[op]) = seq;
@@ -132,15 +145,38 @@ __device__ __forceinline__ unsigned char* half_base(const Common& c, long long b
 __device__ __forceinline__ void say_hello(const Common& c, Op op, unsigned seq) {
   if (threadIdx.x < c.num_ranks) {
     auto* peer = reinterpret_cast<Control*>(c.peer_bases[threadIdx.x]);
-    st_release_sys(&peer->hello[op][seq & 1u][c.rank],
-                   (static_cast<unsigned long long>(c.spec_check) << 32) | seq);
+    st_release(c, &peer->hello[op][seq & 1u][c.rank], (static_cast<unsigned long long>(c.spec_check) << 32) | seq);
   }
+}
+
+constexpr unsigned long long kNeverArrived = ~0ull;
+
+// Polls a flag whose low 32 bits become `seq`; returns the nanoseconds waited (0 if it was already
+// there; the clock is only read once the first poll fails), or kNeverArrived after the timeout.
+// Ends with an acquire fence so that the data published before the flag is visible.
+template <typename Word>
+__device__ __forceinline__ unsigned long long wait_for(const Common& c, const Word* flag, unsigned seq,
+                                                       Word* value = nullptr) {
+  Word v = ld_relaxed(c, flag);
+  unsigned long long waited = 0;
+  if (static_cast<unsigned>(v) != seq) {
+    const unsigned long long start = globaltimer();
+    while (static_cast<unsigned>(v = ld_relaxed(c, flag)) != seq) {
+      if (globaltimer() - start > c.timeout_ns) {
+        waited = kNeverArrived;
+        break;
+      }
+    }
+    if (waited != kNeverArrived) waited = globaltimer() - start;
+  }
+  fence_acquire(c);
+  if (value) *value = v;
+  return waited;
 }
 
 // Threads r < num_ranks wait for rank r's hello; returns false (and records why) if any failed.
 // Must be called by all threads of the block.
-__device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned seq,
-                                             unsigned long long deadline) {
+__device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned seq) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
@@ -148,13 +184,7 @@ __device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned se
     const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
     const unsigned long long* word = &ctrl->hello[op][seq & 1u][threadIdx.x];
     unsigned long long v;
-    bool arrived = true;
-    while (static_cast<unsigned>(v = ld_acquire_sys(word)) != seq) {
-      if (globaltimer() > deadline) {
-        arrived = false;
-        break;
-      }
-    }
+    const bool arrived = wait_for(c, word, seq, &v) != kNeverArrived;
     if (!arrived) {
       record_error(c, op, kTimeout, 1u << threadIdx.x);
       failed = 1;
@@ -170,6 +200,21 @@ __device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned se
 // 16-byte load that skips L1: the data was written by a peer after this SM may have cached the line.
 __device__ __forceinline__ int4 ld_peer_written(const void* p) {
   return __ldcg(reinterpret_cast<const int4*>(p));
+}
+
+// Copies n 16-byte vectors, thread `first` of `stride` threads taking every stride-th one, with
+// kCopyBatch loads in flight per thread: a copy loop that waits on each load is latency-bound.
+constexpr int kCopyBatch = 8;
+__device__ __forceinline__ void copy_vectors(int4* dst, const int4* src, int n, int first, int stride) {
+  for (int base = first; base < n; base += stride * kCopyBatch) {
+    int4 r[kCopyBatch];
+#pragma unroll
+    for (int u = 0; u < kCopyBatch; ++u)
+      if (base + u * stride < n) r[u] = ld_peer_written(src + base + u * stride);
+#pragma unroll
+    for (int u = 0; u < kCopyBatch; ++u)
+      if (base + u * stride < n) dst[base + u * stride] = r[u];
+  }
 }
 
 #endif  // __CUDACC__

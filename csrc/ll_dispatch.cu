@@ -12,6 +12,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kSlotsPerThread = 4;  // dispatch slots a receiving thread inspects per pass
+constexpr int kMaxGroupsPerHalfWarp = 16384 / kFp8Group / (kThreads / 16);  // H <= 16384
 
 // DESIGN.md's FP8 rule in IEEE float32: scale = max(amax, 1e-4) / 448, optionally rounded up to a
 // power of two (exact: bump the exponent unless the mantissa is already zero).
@@ -43,43 +45,56 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
   __shared__ unsigned entries[kMaxRanks][kMaxTopk];
   __shared__ int dests[kMaxRanks];
   __shared__ int num_dests;
+  __shared__ unsigned dest_mask;
 
   for (int t = blockIdx.x; t < c.max_tokens; t += gridDim.x) {
-    if (threadIdx.x == 0) {
-      for (int r = 0; r < c.num_ranks; ++r) num_entries[r] = 0;
-      int n = 0;
-      for (int k = 0; t < a.num_tokens && k < a.num_topk; ++k) {
-        const long long e = a.topk_idx[static_cast<long long>(t) * a.num_topk + k];
-        if (e < -1 || e >= c.num_experts) {
-          record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(e));
-          continue;
-        }
-        if (e < 0) continue;
-        const int r = static_cast<int>(e / num_local), l = static_cast<int>(e % num_local);
-        if (num_entries[r] == 0) dests[n++] = r;
-        entries[r][num_entries[r]++] = (static_cast<unsigned>(l) << 8) | k;
+    if (threadIdx.x < c.num_ranks) num_entries[threadIdx.x] = 0;
+    if (threadIdx.x == 0) dest_mask = 0;
+    __syncthreads();
+    // Thread k routes the token's k-th expert; the order of entries in a header does not matter.
+    if (threadIdx.x < a.num_topk && t < a.num_tokens) {
+      const int k = threadIdx.x;
+      const long long e = a.topk_idx[static_cast<long long>(t) * a.num_topk + k];
+      if (e < -1 || e >= c.num_experts) {
+        record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(e));
+      } else if (e >= 0) {
+        const int r = static_cast<int>(e) / num_local, l = static_cast<int>(e) % num_local;
+        entries[r][atomicAdd(&num_entries[r], 1)] = (static_cast<unsigned>(l) << 8) | k;
+        atomicOr(&dest_mask, 1u << r);
       }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int n = 0;
+      for (unsigned m = dest_mask; m; m &= m - 1) dests[n++] = __ffs(m) - 1;
       num_dests = n;
     }
     __syncthreads();
 
     const __nv_bfloat16* row = a.x + static_cast<long long>(t) * hidden;
     if (num_dests > 0 && a.use_fp8) {
-      // A half-warp casts one 128-channel group: 8 channels (16 bytes) per lane.
-      const int groups = hidden / kFp8Group, lane = threadIdx.x % 16, half_warp = threadIdx.x / 16;
-      for (int pair = threadIdx.x / 32; pair * 2 < groups; pair += kWarps) {
-        const int g = pair * 2 + half_warp % 2;
+      // A half-warp casts one 128-channel group, 8 channels (16 bytes) per lane. All of this
+      // thread's loads are issued first (at most kMaxGroupsPerHalfWarp) so their latencies overlap.
+      const int groups = hidden / kFp8Group, lane = threadIdx.x % 16;
+      const int first = threadIdx.x / 16, step = kThreads / 16;
+      int4 loaded[kMaxGroupsPerHalfWarp];
+#pragma unroll
+      for (int j = 0; j < kMaxGroupsPerHalfWarp; ++j) {
+        const int g = first + j * step;
+        if (g < groups) loaded[j] = *reinterpret_cast<const int4*>(row + g * kFp8Group + lane * 8);
+      }
+#pragma unroll
+      for (int j = 0; j < kMaxGroupsPerHalfWarp; ++j) {
+        const int g = first + j * step;
+        if (first + j * step - first % 2 >= groups) break;  // warp-uniform: both half-warps stop together
         const bool valid = g < groups;
         float f[8];
         float amax = 0.f;
-        if (valid) {
-          const int4 v = *reinterpret_cast<const int4*>(row + g * kFp8Group + lane * 8);
-          const auto* b = reinterpret_cast<const __nv_bfloat16*>(&v);
+        const auto* b = reinterpret_cast<const __nv_bfloat16*>(&loaded[j]);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            f[i] = __bfloat162float(b[i]);
-            amax = fmaxf(amax, fabsf(f[i]));
-          }
+        for (int i = 0; i < 8; ++i) {
+          f[i] = valid ? __bfloat162float(b[i]) : 0.f;
+          amax = fmaxf(amax, fabsf(f[i]));
         }
 #pragma unroll
         for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
@@ -95,12 +110,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
           if (lane == 0) reinterpret_cast<float*>(payload + hidden)[g] = scale;
         }
       }
-    } else if (num_dests > 0) {
-      for (int i = threadIdx.x; i < hidden / 8; i += kThreads) {
-        const int4 v = reinterpret_cast<const int4*>(row)[i];
-        for (int d = 0; d < num_dests; ++d)
-          reinterpret_cast<int4*>(dispatch_slot(c, dests[d], seq, t) + kHeaderBytes)[i] = v;
-      }
+    } else {
+      for (int d = 0; d < num_dests; ++d)
+        copy_vectors(reinterpret_cast<int4*>(dispatch_slot(c, dests[d], seq, t) + kHeaderBytes),
+                     reinterpret_cast<const int4*>(row), hidden / 8, threadIdx.x, kThreads);
     }
     __syncthreads();
     // Every destination gets a header for every token slot (empty if no expert there), flag last.
@@ -110,8 +123,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
       header->token = t;
       header->num_entries = num_entries[r];
       for (int i = 0; i < num_entries[r]; ++i) header->entries[i] = entries[r][i];
-      __threadfence_system();
-      st_release_sys(&header->seq, seq);
+      st_release(c, &header->seq, seq);
     }
     __syncthreads();
   }
@@ -123,8 +135,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a)
   const Common& c = a.c;
   const int expert = blockIdx.x, chunk = blockIdx.y, num_chunks = gridDim.y;
   const unsigned seq = *c.ticket;
-  const unsigned long long deadline = globaltimer() + c.timeout_ns;
-  if (!check_hellos(c, kDispatch, seq, deadline)) return;
+  if (!check_hellos(c, kDispatch, seq)) return;
 
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
   extern __shared__ unsigned row_info[];  // per received row: slot index | (k mask << 16)
@@ -138,39 +149,49 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a)
 
   const unsigned char* slots = half_base(c, reinterpret_cast<long long>(c.local_base), seq) + c.layout.dispatch;
   const bool measure = a.wait_stats != nullptr && expert == 0 && chunk == 0;
-  for (int base = 0; base < num_rows; base += kThreads) {
-    const int i = base + threadIdx.x;
-    unsigned kmask = 0;
-    if (i < num_rows) {
+  // Each pass covers kThreads * per_thread slots in (source, token) order, each thread a run of
+  // consecutive slots, so that all its waits and header loads are in flight together.
+  const int per_thread = min(kSlotsPerThread, (num_rows + kThreads - 1) / kThreads);
+  for (int base = 0; base < num_rows; base += kThreads * per_thread) {
+    const int first = base + threadIdx.x * per_thread;
+    int4 words[kSlotsPerThread][kHeaderBytes / 16];
+#pragma unroll
+    for (int j = 0; j < kSlotsPerThread; ++j) {
+      const int i = first + j;
+      if (j >= per_thread || i >= num_rows) continue;
       const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
-      const unsigned long long start = globaltimer();
-      bool arrived = true;
-      while (ld_acquire_sys(&header->seq) != seq) {
-        if (globaltimer() > deadline) {
-          arrived = false;
-          break;
-        }
-      }
-      if (!arrived) {
+      const unsigned long long waited_ns = wait_for(c, &header->seq, seq);
+      if (waited_ns == kNeverArrived) {
         record_error(c, kDispatch, kTimeout, 1u << (i / num_tokens));
         aborted = 1;
-      } else {
-        if (measure) atomicAdd(&waited[i / num_tokens], globaltimer() - start);
-        const int n = __ldcg(&header->num_entries);
-        for (int e = 0; e < n; ++e) {
-          const unsigned entry = __ldcg(&header->entries[e]);
-          if (static_cast<int>(entry >> 8) == expert) kmask |= 1u << (entry & 0xffu);
-        }
+      } else if (measure) {
+        atomicAdd(&waited[i / num_tokens], waited_ns);
       }
+#pragma unroll
+      for (int w = 0; w < kHeaderBytes / 16; ++w) words[j][w] = ld_peer_written(reinterpret_cast<const int4*>(header) + w);
     }
-    int pos, tile_rows;
-    Scan(scan_storage).ExclusiveSum(kmask ? 1 : 0, pos, tile_rows);
-    if (kmask) {
-      row_info[total + pos] = static_cast<unsigned>(i) | (kmask << 16);
-      atomicAdd(&per_source[i / num_tokens], 1);
+    unsigned kmask[kSlotsPerThread];
+    int has[kSlotsPerThread], pos[kSlotsPerThread], pass_rows;
+#pragma unroll
+    for (int j = 0; j < kSlotsPerThread; ++j) {
+      kmask[j] = 0;
+      const auto* h = reinterpret_cast<const DispatchHeader*>(words[j]);
+#pragma unroll
+      for (int e = 0; e < kMaxTopk; ++e)
+        if (j < per_thread && first + j < num_rows && e < h->num_entries &&
+            static_cast<int>(h->entries[e] >> 8) == expert)
+          kmask[j] |= 1u << (h->entries[e] & 0xffu);
+      has[j] = kmask[j] ? 1 : 0;
+    }
+    Scan(scan_storage).ExclusiveSum(has, pos, pass_rows);
+#pragma unroll
+    for (int j = 0; j < kSlotsPerThread; ++j) {
+      if (!kmask[j]) continue;
+      row_info[total + pos[j]] = static_cast<unsigned>(first + j) | (kmask[j] << 16);
+      atomicAdd(&per_source[(first + j) / num_tokens], 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) total += tile_rows;
+    if (threadIdx.x == 0) total += pass_rows;
     __syncthreads();
   }
   if (aborted) return;
@@ -205,8 +226,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a)
       a.combine_map[out_row] = static_cast<int>((info >> 16) << 13 | static_cast<unsigned>(i));
     }
     const int row_bytes = a.use_fp8 ? hidden : hidden * 2;
-    auto* dst = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * row_bytes);
-    for (int v = lane; v < row_bytes / 16; v += 32) dst[v] = ld_peer_written(payload + v * 16);
+    copy_vectors(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * row_bytes),
+                 reinterpret_cast<const int4*>(payload), row_bytes / 16, lane, 32);
     if (!a.use_fp8) continue;
     const auto* scales = reinterpret_cast<const float*>(payload + hidden);
     if (!a.use_ue8m0) {

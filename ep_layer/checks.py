@@ -24,14 +24,20 @@ def expect(cond: bool, name: str, expected: str, given: object) -> None:
 def check_tensor(t: object, name: str, dtype: torch.dtype, shape: Sequence[int | None],
                  device: torch.device) -> torch.Tensor:
     """`t` is a tensor of `dtype` and `shape` (None = any size) on `device`."""
+    if isinstance(t, torch.Tensor) and t.dtype == dtype and t.device == device and t.dim() == len(shape):
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                break
+        else:
+            return t  # the common case: no message is built
     expect(isinstance(t, torch.Tensor), name, "a torch.Tensor", type(t).__name__)
     assert isinstance(t, torch.Tensor)
     expect(t.dtype == dtype, name, f"dtype {dtype}", t.dtype)
-    ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    expect(ok, name, f"shape {want}", list(t.shape))
+    shape_ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+    want_shape = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    expect(shape_ok, name, f"shape {want_shape}", list(t.shape))
     expect(t.device == device, name, f"device {device}", t.device)
-    return t
+    raise AssertionError("unreachable: the fast path accepted every valid tensor")
 
 
 def check_positive_int(v: object, name: str, limit: int | None = None) -> int:
@@ -59,11 +65,13 @@ def check_fp8_options(hidden: int, use_fp8: bool, round_scale: bool, use_ue8m0: 
                hidden)
 
 
-def check_topk(topk_idx: object, num_tokens: int, max_tokens: int, device: torch.device) -> torch.Tensor:
+def check_topk(topk_idx: object, num_tokens: int, max_tokens: int, device: torch.device,
+               tokens_name: str = "x") -> torch.Tensor:
+    """`tokens_name` is the argument whose rows are the tokens (x in dispatch, topk_idx in combine)."""
     t = check_tensor(topk_idx, "topk_idx", torch.int64, (num_tokens, None), device)
     expect(0 < t.shape[1] <= MAX_TOPK, "topk_idx", f"1 to {MAX_TOPK} experts per token", t.shape[1])
-    expect(num_tokens <= max_tokens, "x", f"at most num_max_dispatch_tokens_per_rank={max_tokens} tokens",
-           num_tokens)
+    expect(num_tokens <= max_tokens, tokens_name,
+           f"at most num_max_dispatch_tokens_per_rank={max_tokens} tokens", num_tokens)
     return t
 
 
