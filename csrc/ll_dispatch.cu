@@ -12,7 +12,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSlotsPerThread = 4;  // dispatch slots a receiving thread inspects per pass
+constexpr int kSlotsPerThread = 2;  // dispatch slots a receiving thread inspects per pass
+constexpr int kRecvBlocksPerSm = 3;  // so that one expert per block fits in one wave up to ~400 experts
 constexpr int kMaxGroupsPerHalfWarp = 16384 / kFp8Group / (kThreads / 16);  // H <= 16384
 
 // DESIGN.md's FP8 rule in IEEE float32: scale = max(amax, 1e-4) / 448, optionally rounded up to a
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
   if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a) {
+__global__ void __launch_bounds__(kThreads, kRecvBlocksPerSm) dispatch_recv_kernel(DispatchCall a) {
   using Scan = cub::BlockScan<int, kThreads>;
   const Common& c = a.c;
   const int expert = blockIdx.x, chunk = blockIdx.y, num_chunks = gridDim.y;

@@ -17,8 +17,15 @@ import torch.distributed as dist
 
 from .backends import Backend, DispatchResult, DispatchSpec, Handle, create_backend
 from .backends.exchange import group_rank_and_size
-from .checks import (MAX_TOKENS_PER_RANK, check_experts, check_fp8_options, check_positive_int,
-                     check_tensor, check_topk, expect)
+from .checks import (
+    MAX_TOKENS_PER_RANK,
+    check_experts,
+    check_fp8_options,
+    check_positive_int,
+    check_tensor,
+    check_topk,
+    expect,
+)
 from .event import EventOverlap
 from .layout import low_latency_buffer_bytes
 
@@ -178,7 +185,7 @@ class Buffer:
         backend = self._live()
         expect(not use_logfmt, "use_logfmt", "False (LogFMT combine is not supported)", use_logfmt)
         record = self._record(handle)
-        src_info, layout_range, t, hidden, e = handle
+        _, _, t, hidden, e = handle
         num_local, rows = e // self.group_size, self.group_size * t
         expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
         device = self._device(x)
@@ -240,6 +247,8 @@ class Buffer:
     def _remember(self, handle: Handle, private: object) -> None:
         slot = self._num_dispatches % _OUTSTANDING
         self._num_dispatches += 1
+        # A dead handle's id can come back: drop its stale entry so the new one is the newest.
+        self._dispatches.pop(id(handle[0]), None)
         self._dispatches[id(handle[0])] = _DispatchRecord(handle, slot, private)
         while len(self._dispatches) > _OUTSTANDING:
             self._dispatches.popitem(last=False)

@@ -372,3 +372,33 @@ def test_ipc_timeout_names_missing_rank() -> None:
 
     elapsed = run_ranks(_silent_rank, 2, timeout_s=120)[0]
     assert 1.5 < elapsed < 20
+
+
+@pytest.mark.parametrize("max_tokens,hidden,num_experts,topk", [(1024, 128, 1024, 16), (8, 16384, 16, 16)])
+def test_emulated_shape_limits(max_tokens: int, hidden: int, num_experts: int, topk: int, seed: int) -> None:
+    """The largest supported T, E, K and H (8 ranks of one node), checked like any other shape."""
+    rng = np.random.default_rng(seed)
+    num_ranks = 8
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "fp8")
+    for b in buffers:
+        b.check()
+    rows = expected_rows(idxs, num_experts)
+    for r, o in enumerate(outs):
+        check_dispatch(r, num_ranks, max_tokens, o, xs, rows, "fp8", seed)
+    for b in buffers:
+        b.destroy()
+
+
+def test_cuda_backend_rejects_shapes_beyond_its_limits() -> None:
+    (buffer,) = emulated(1, 8, 16384 + 128, 4)
+    x = torch.randn(2, 16384 + 128, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x: expected a hidden size"):
+        buffer.low_latency_dispatch(x, torch.zeros(2, 1, dtype=torch.int64, device="cuda"), 8, 4)
+    (buffer,) = emulated(1, 8, 256, 2048)
+    x = torch.randn(2, 256, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="num_experts"):
+        buffer.low_latency_dispatch(x, torch.zeros(2, 1, dtype=torch.int64, device="cuda"), 8, 2048)
+    with pytest.raises(ValueError, match="at most 8 ranks"):
+        emulated(9, 8, 256, 9)

@@ -42,7 +42,9 @@ class PendingExchange:
         deadline = time.monotonic() + ex.timeout_s
         waited = [0] * ex.num_ranks
         missing: set[int] = set()
-        for peers, work, is_recv in self._works:
+        # Receives first: a send completes only once its peer posted the matching receive (gloo),
+        # so waiting on sends first would charge a late source rank's delay to nobody.
+        for peers, work, is_recv in sorted(self._works, key=lambda w: not w[2]):
             start = time.perf_counter_ns()
             # After one miss, probe the rest briefly so the error can name every missing rank.
             budget = 0.05 if missing else deadline - time.monotonic()
@@ -97,7 +99,9 @@ class PeerExchange:
             try:  # gloo reads a zero timeout as "no timeout": wait at least a millisecond
                 work.wait(timeout=timedelta(seconds=max(budget_s, 1e-3)))
             except RuntimeError as e:
-                if "Timed out" in str(e):
+                # After one timeout gloo closes the pair, and later waits on it fail at once with
+                # "Application timeout caused pair closure": the same peer, still missing.
+                if "Timed out" in str(e) or "Application timeout" in str(e):
                     return False
                 raise
             return True

@@ -31,7 +31,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return b.contiguous().view(dtype)
+    # A fresh copy: a column slice with one row or none counts as contiguous but keeps the parent's
+    # row stride or storage offset, which view(dtype) rejects.
+    return b.clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 class ReferenceBackend(Backend):
