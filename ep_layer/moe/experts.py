@@ -1,0 +1,121 @@
+"""Expert compute on dispatch's masked layout, behind one small interface so that implementations
+(PyTorch here, Triton in triton_experts.py) plug in by name.
+
+Contract shared by every implementation, so that they agree up to float32 summation order:
+products accumulate in float32; a = SiLU(gate) * up is formed in float32 and rounded to bf16; with
+FP8 weights, `a` is cast per token and 128 channels (ep_layer.quant, like the dispatch) before the
+down GEMM, whose float32 result is rounded to bf16.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
+from .tiles import map_row_tiles
+from .weights import ExpertWeights
+
+RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16, or (fp8 data, float32 scales)
+EXPERT_KERNELS = ("auto", "torch", "triton")
+
+
+class ExpertKernels(ABC):
+    """One way to run the expert GEMMs on the masked layout [E, M, H] with `recv_count` on device."""
+
+    name: str
+
+    @abstractmethod
+    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """bf16 [E, M, H]: row m of expert e is expert e's MLP of x[e, m] for m < recv_count[e];
+        later rows are unspecified (and should cost nothing).
+
+        x is bf16 [E, M, H], or (float8_e4m3fn [E, M, H], float32 scales [E, M, H/128]) with any
+        strides (dispatch's scales are column-major)."""
+
+
+def split_recv_x(x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check x against the weights and the module's quantisation; return (data, scales or None)."""
+    data, scales = x if isinstance(x, tuple) else (x, None)
+    e, h = weights.num_experts, weights.hidden
+    if data.dim() != 3 or data.shape[0] != e or data.shape[2] != h:
+        raise ValueError(f"x: expected [{e}, rows, {h}] (local experts, rows, hidden), got {list(data.shape)}")
+    if weights.fp8 != (scales is not None):
+        want = "(fp8 data, float32 scales)" if weights.fp8 else "a bf16 tensor"
+        raise ValueError(f"x: expected {want} for {'FP8' if weights.fp8 else 'bf16'} weights, got "
+                         f"{'a tuple' if scales is not None else data.dtype}")
+    if scales is None:
+        if data.dtype != torch.bfloat16:
+            raise ValueError(f"x: expected dtype torch.bfloat16, got {data.dtype}")
+    elif data.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or \
+            scales.shape != (*data.shape[:2], h // FP8_GROUP):
+        raise ValueError(f"x: expected float8_e4m3fn data with float32 scales [{e}, rows, {h // FP8_GROUP}] "
+                         f"(per-token, per-128 scales; UE8M0 is not supported here), got {data.dtype} data "
+                         f"and {scales.dtype} scales {list(scales.shape)}")
+    if recv_count.shape != (e,) or recv_count.dtype != torch.int32 or recv_count.device != data.device:
+        raise ValueError(f"recv_count: expected int32 [{e}] on {data.device}, got {recv_count.dtype} "
+                         f"{list(recv_count.shape)} on {recv_count.device}")
+    return data, scales
+
+
+def swiglu_fp32(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """bf16 [..., M, H] = down(SiLU(gate) * up) of float32 rows x [..., M, H] with float32 weights
+    gate_up [..., 2I, H] and down [..., H, I], per the module contract."""
+    gate, up = torch.matmul(x, gate_up.transpose(-1, -2)).chunk(2, dim=-1)
+    act = (F.silu(gate) * up).to(torch.bfloat16)
+    if fp8:
+        flat = act.reshape(-1, act.shape[-1])
+        a = per_token_cast_back(*per_token_cast_to_fp8(flat)).view(act.shape)
+    else:
+        a = act.float()
+    return torch.matmul(a, down.transpose(-1, -2)).to(torch.bfloat16)
+
+
+def rows_fp32(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """float32 value of bf16 rows, or of fp8 rows with their per-128 scales."""
+    return data.float() if scales is None else per_token_cast_back(data, scales)
+
+
+class TorchExperts(ExpertKernels):
+    """Plain PyTorch. On CPU it reads recv_count on the host and computes only the received rows;
+    on a GPU (a fallback for machines without Triton) it computes every row, so that it needs no host
+    sync and can be captured in a CUDA graph."""
+
+    name = "torch"
+
+    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        data, scales = split_recv_x(x, recv_count, weights)
+        fp8 = weights.fp8
+        if data.is_cuda:
+            every = slice(None)
+            return swiglu_fp32(rows_fp32(data, scales), weights.gate_up_fp32(every), weights.down_fp32(every), fp8)
+        out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
+        for e, count in enumerate(recv_count.tolist()):
+            if count == 0:
+                continue
+            gate_up, down = weights.gate_up_fp32(e), weights.down_fp32(e)
+
+            def tile(d: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
+                return swiglu_fp32(rows_fp32(d, s), gate_up, down, fp8)  # noqa: B023 - used at once
+
+            received = (data[e, :count],) if scales is None else (data[e, :count], scales[e, :count])
+            out[e, :count] = map_row_tiles(tile, *received)
+        return out
+
+
+def make_expert_kernels(name: str, device: torch.device) -> ExpertKernels:
+    """The implementation called `name`; "auto" is Triton on a CUDA device where Triton works, else torch."""
+    if name not in EXPERT_KERNELS:
+        raise ValueError(f"expert_kernels: expected one of {EXPERT_KERNELS}, got {name!r}")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchExperts()
+    from . import triton_experts
+
+    if triton_experts.available():
+        return triton_experts.TritonExperts()
+    if name == "triton":
+        raise ValueError(f"expert_kernels: 'triton' is not usable here ({triton_experts.unavailable_reason()})")
+    return TorchExperts()

@@ -1,0 +1,183 @@
+"""`FusedMoE`: DeepSeek-V3's MoE layer (router, routed experts over expert parallelism, shared experts)
+on top of `ep_layer.Buffer`'s low-latency dispatch and combine (DESIGN.md section 4).
+
+One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route and send the dispatch;
+then the shared expert while the tokens travel, the dispatch hook, the expert GEMMs and the combine
+send; then the combine hook. Running the steps to the end is the plain forward; interleaving two
+micro-batches' steps is the overlapped one, with bit-identical results on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..backends.exchange import group_rank_and_size
+from ..buffer import Buffer
+from ..checks import MAX_TOKENS_PER_RANK
+from ..quant import FP8_GROUP, per_token_cast_to_fp8
+from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
+from .loading import LoadTargets, load_moe_weights
+from .routing import RoutingConfig, route
+from .schedule import Steps, run_interleaved, run_to_end
+from .weights import ExpertWeights
+
+QUANT_MODES = ("bf16", "fp8-block")
+
+
+class FusedMoE(nn.Module):
+    """DeepSeek-V3 MoE over expert parallelism: rank r of the `group` (or of `buffer`) owns experts
+    [r * E_l, (r + 1) * E_l), E_l = num_experts / ranks; every rank holds the router and the shared
+    experts and runs forward on its own tokens, in step with the other ranks.
+
+    quant: "bf16" (bf16 weights, bf16 dispatch) or "fp8-block" (e4m3 weights with 128x128 block scales,
+    FP8 dispatch, per-token-per-128 activation scales). buffer: an existing low-latency Buffer, else one
+    is made for `group`. expert_kernels: "auto" (Triton on GPU, PyTorch on CPU), "torch" or "triton".
+    Move the layer with `.to(device)` only: a dtype cast would convert its FP8 weights too.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 group: dist.ProcessGroup | None, *, n_group: int, topk_group: int,
+                 routed_scaling_factor: float, quant: str = "bf16", n_shared_experts: int = 1,
+                 buffer: Buffer | None = None, max_tokens_per_rank: int = 128, norm_topk_prob: bool = True,
+                 expert_kernels: str = "auto", device: torch.device | str | None = None) -> None:
+        super().__init__()
+        _check_sizes(hidden, intermediate, n_shared_experts, max_tokens_per_rank, quant)
+        if expert_kernels not in EXPERT_KERNELS:
+            raise ValueError(f"expert_kernels: expected one of {EXPERT_KERNELS}, got {expert_kernels!r}")
+        self.routing = RoutingConfig(num_experts, top_k, n_group, topk_group, float(routed_scaling_factor),
+                                     norm_topk_prob)
+        self.num_experts, self.top_k, self.hidden, self.intermediate = num_experts, top_k, hidden, intermediate
+        self.quant, self.fp8 = quant, quant == "fp8-block"
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.buffer = buffer if buffer is not None else _make_buffer(group, max_tokens_per_rank, hidden, num_experts)
+        if group is not None and buffer is not None and dist.get_world_size(group) != self.buffer.group_size:
+            raise ValueError(f"group: has {dist.get_world_size(group)} ranks but buffer has "
+                             f"{self.buffer.group_size}; pass the buffer's own group")
+        self.rank, self.num_ranks = self.buffer.rank, self.buffer.group_size
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts: expected a multiple of the EP size {self.num_ranks}, got {num_experts}")
+        self.num_local_experts = num_experts // self.num_ranks
+        self.register_buffer("gate_weight", torch.zeros(num_experts, hidden, device=device))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
+        self.experts = ExpertWeights(self.num_local_experts, hidden, intermediate, self.fp8, device)
+        self.shared_experts = (ExpertWeights(1, hidden, intermediate * n_shared_experts, self.fp8, device)
+                               if n_shared_experts else None)
+        # Rows each local expert received, summed over forwards, on device (expert-load metrics).
+        self.register_buffer("expert_load", torch.zeros(self.num_local_experts, dtype=torch.int32, device=device))
+        self.expert_kernels = expert_kernels
+        self._kernels: dict[torch.device, ExpertKernels] = {}
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF DeepSeek-V3 tensors named as under a layer's `mlp.` prefix (`gate.weight`,
+        `experts.{i}.gate_proj.weight`, ...); this rank keeps its own experts and skips the others."""
+        load_moe_weights(weights, LoadTargets(
+            self.gate_weight, self.e_score_correction_bias, self.experts,
+            self.rank * self.num_local_experts, self.num_experts, self.shared_experts))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """bf16 [N, H] -> bf16 [N, H], N <= max_tokens_per_rank (N may be 0; all ranks call together)."""
+        return run_to_end(self.steps(hidden_states))
+
+    def forward_two_microbatches(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """forward with the batch split in two halves whose communication overlaps the other's compute;
+        equal to `forward` (bit for bit on CPU). Each half holds at most max_tokens_per_rank tokens."""
+        half = (hidden_states.shape[0] + 1) // 2
+        first, second = run_interleaved([self.steps(hidden_states[:half]), self.steps(hidden_states[half:])])
+        return torch.cat([first, second])
+
+    def steps(self, hidden_states: torch.Tensor) -> Steps[torch.Tensor]:
+        """One micro-batch's forward as a generator that yields after the dispatch send and after the
+        combine send, and returns the output (see ep_layer.moe.schedule)."""
+        x = self._check_input(hidden_states)
+        topk_idx, topk_weights = self.route(x)
+        recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(
+            x, topk_idx, self.max_tokens_per_rank, self.num_experts,
+            cumulative_local_expert_recv_stats=self.expert_load, use_fp8=self.fp8, return_recv_hook=True)
+        yield
+        shared = self.shared_expert(x)
+        dispatch_hook()
+        y = self.run_experts(recv_x, recv_count)
+        combined, _, combine_hook = self.buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
+                                                                    return_recv_hook=True)
+        yield
+        combine_hook()
+        return combined if shared is None else combined + shared
+
+    def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_idx int64 [N, K], topk_weights float32 [N, K]) by DeepSeek-V3's noaux_tc routing."""
+        return route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing)
+
+    def run_experts(self, x: RecvX, recv_count: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on dispatch's output: bf16 [E_l, R*T, H] in dispatch's row order."""
+        return self._kernels_for(recv_count.device)(x, recv_count, self.experts)
+
+    def shared_expert(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output bf16 [N, H] (None without shared experts), through the same
+        kernels as the routed experts: one expert that received all N tokens."""
+        if self.shared_experts is None:
+            return None
+        n = hidden_states.shape[0]
+        count = torch.full((1,), n, dtype=torch.int32, device=hidden_states.device)
+        x: RecvX = hidden_states.unsqueeze(0)
+        if self.fp8:
+            data, scales = per_token_cast_to_fp8(hidden_states)
+            x = (data.unsqueeze(0), scales.unsqueeze(0))
+        return self._kernels_for(hidden_states.device)(x, count, self.shared_experts)[0]
+
+    # ------------------------------------------------------------------ helpers
+    def _check_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        ok = (isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == torch.bfloat16
+              and hidden_states.dim() == 2 and hidden_states.shape[1] == self.hidden
+              and hidden_states.shape[0] <= self.max_tokens_per_rank)
+        if not ok:
+            given = (f"{hidden_states.dtype} {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
+                     else type(hidden_states).__name__)
+            raise ValueError(f"hidden_states: expected bf16 [N, {self.hidden}] with N <= max_tokens_per_rank="
+                             f"{self.max_tokens_per_rank}, got {given}")
+        if hidden_states.device != self.gate_weight.device:
+            raise ValueError(f"hidden_states: expected device {self.gate_weight.device} (the layer's), "
+                             f"got {hidden_states.device}")
+        return hidden_states.contiguous()
+
+    def _kernels_for(self, device: torch.device) -> ExpertKernels:
+        kernels = self._kernels.get(device)
+        if kernels is None:
+            kernels = self._kernels[device] = make_expert_kernels(self.expert_kernels, device)
+        return kernels
+
+    def extra_repr(self) -> str:
+        r = self.routing
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, n_group={r.n_group}, topk_group={r.topk_group}, "
+                f"quant={self.quant!r}, rank={self.rank}/{self.num_ranks}, "
+                f"max_tokens_per_rank={self.max_tokens_per_rank}")
+
+
+def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_tokens_per_rank: int,
+                 quant: str) -> None:
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant: expected one of {QUANT_MODES}, got {quant!r}")
+    sizes = (("hidden", hidden, 1), ("intermediate", intermediate, 1), ("n_shared_experts", n_shared_experts, 0),
+             ("max_tokens_per_rank", max_tokens_per_rank, 1))
+    for name, value, low in sizes:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if max_tokens_per_rank > MAX_TOKENS_PER_RANK:
+        raise ValueError(f"max_tokens_per_rank: expected at most {MAX_TOKENS_PER_RANK}, got {max_tokens_per_rank}")
+    if quant == "fp8-block" and hidden % FP8_GROUP:
+        raise ValueError(f"hidden: expected a multiple of {FP8_GROUP} for quant='fp8-block' (FP8 dispatch), "
+                         f"got {hidden}")
+
+
+def _make_buffer(group: dist.ProcessGroup | None, max_tokens: int, hidden: int, num_experts: int) -> Buffer:
+    _, ranks = group_rank_and_size(group)
+    if num_experts % ranks:
+        raise ValueError(f"num_experts: expected a multiple of the EP size {ranks}, got {num_experts}")
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ranks, num_experts)
+    return Buffer(group, num_rdma_bytes=size, low_latency_mode=True)

@@ -1,0 +1,161 @@
+"""Triton kernels for the expert GEMMs on dispatch's masked layout (GPU only).
+
+One kernel does both GEMMs: a grid over [experts, row tiles, column tiles] whose programs read
+`recv_count` on the device and return at once for row tiles past it, so no host sync is needed, the
+launch shape depends only on the buffer's shape (CUDA-graph friendly) and empty rows cost a program
+launch, not a GEMM. bf16, or FP8 e4m3 with per-token-per-128 activation scales and 128x128 block
+weight scales (DeepGEMM's scheme: each 128-deep partial product is scaled, then accumulated in
+float32). The gate_up GEMM computes gate and up tiles side by side and writes SiLU(gate) * up.
+
+Importing this module needs neither Triton nor a GPU (the kernels are only defined when Triton
+imports); `available()` says whether they can run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..quant import FP8_GROUP, per_token_cast_to_fp8
+from .block_fp8 import WEIGHT_BLOCK
+from .experts import ExpertKernels, RecvX, split_recv_x
+from .weights import ExpertWeights
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # no Triton in this install: the PyTorch path still works
+    triton = None
+    _IMPORT_ERROR: str | None = str(error)
+else:
+    _IMPORT_ERROR = None
+
+BLOCK_M = 64  # rows (tokens) per program
+BLOCK_N_GATED = 64  # gate_up: output columns per program (two accumulators: gate and up)
+BLOCK_N = 128  # down: output columns per program
+BLOCK_K_BF16 = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def available() -> bool:
+    """True when Triton imports and torch sees a CUDA GPU."""
+    return triton is not None and torch.cuda.is_available()
+
+
+def unavailable_reason() -> str:
+    if triton is None:
+        return f"Triton does not import: {_IMPORT_ERROR}"
+    return "torch sees no CUDA GPU" if not torch.cuda.is_available() else "available"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _masked_gemm_kernel(
+            a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr,
+            N, K, UP_OFFSET,
+            stride_ae, stride_am, stride_ak,
+            stride_se, stride_sm, stride_sk,
+            stride_be, stride_bn, stride_bk,
+            stride_te, stride_tn, stride_tk,
+            stride_oe, stride_om, stride_on,
+            FP8: tl.constexpr, GATED: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[e, m, n] = sum_k a[e, m, k] * b[e, n, k] for m < count[e] (bf16 out, float32 accumulation).
+
+        GATED: b holds gate rows [0, N) and up rows [UP_OFFSET, UP_OFFSET + N); out = SiLU(gate) * up.
+        FP8: a_scale [e, m, k / 128] per token and 128 channels, b_scale [e, n / 128, k / 128] per block;
+        BLOCK_K is 128 and BLOCK_N divides 128, so each tile step uses one scale of each kind.
+        """
+        expert = tl.program_id(0).to(tl.int64)
+        pid_m = tl.program_id(1)
+        pid_n = tl.program_id(2)
+        count = tl.load(count_ptr + expert)
+        if pid_m * BLOCK_M >= count:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < count
+        col_ok = cols < N
+        a_ptrs = a_ptr + expert * stride_ae + rows[:, None] * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + ks < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if GATED:
+                b_up = tl.load(b_ptrs + UP_OFFSET * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP8:
+                block = k0 // BLOCK_K
+                a_s = tl.load(a_scale_ptr + expert * stride_se + rows * stride_sm + block * stride_sk,
+                              mask=row_ok, other=0.0)
+                t_ptr = b_scale_ptr + expert * stride_te + block * stride_tk
+                b_s = tl.load(t_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_tn)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+                if GATED:
+                    up_s = tl.load(t_ptr + ((pid_n * BLOCK_N + UP_OFFSET) // BLOCK_K) * stride_tn)
+                    acc_up += tl.dot(a, b_up) * (a_s[:, None] * up_s)
+            else:
+                acc = tl.dot(a, b, acc)
+                if GATED:
+                    acc_up = tl.dot(a, b_up, acc_up)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        out_ptrs = out_ptr + expert * stride_oe + rows[:, None] * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch.Tensor,
+                        b_scales: torch.Tensor | None, recv_count: torch.Tensor, out: torch.Tensor,
+                        up_offset: int = 0, gated: bool = False) -> torch.Tensor:
+    """Launch the kernel: a [E, M, K] (bf16, or fp8 with a_scales [E, M, K/128]), b [E, rows, K] (with
+    b_scales [E, rows/128, K/128] for FP8) into out bf16 [E, M, N]; rows >= recv_count[e] untouched."""
+    if triton is None:
+        raise RuntimeError(unavailable_reason())
+    e, m, k = a.shape
+    n = out.shape[2]
+    fp8 = a_scales is not None
+    block_n = BLOCK_N_GATED if gated else BLOCK_N
+    block_k = WEIGHT_BLOCK if fp8 else BLOCK_K_BF16
+    if fp8 and (b_scales is None or WEIGHT_BLOCK % block_n or up_offset % WEIGHT_BLOCK):
+        raise ValueError("masked_grouped_gemm: FP8 needs block scales for b, column tiles that divide 128 "
+                         "and an up offset on a 128-row block")
+    a_s = a_scales if a_scales is not None else a  # never read without FP8
+    b_s = b_scales if b_scales is not None else b
+    a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
+    b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
+    grid = (e, triton.cdiv(m, BLOCK_M), triton.cdiv(n, block_n))
+    _masked_gemm_kernel[grid](
+        a, a_s, b, b_s, out, recv_count, n, k, up_offset,
+        *a.stride(), *a_ss, *b.stride(), *b_ss, *out.stride(),
+        FP8=fp8, GATED=gated, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
+
+
+class TritonExperts(ExpertKernels):
+    """The expert MLP in two kernel launches (gate_up with SiLU * up, then down), plus the FP8 cast of
+    the intermediate activation between them for FP8 weights. No host sync."""
+
+    name = "triton"
+
+    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        data, scales = split_recv_x(x, recv_count, weights)
+        e, m, h = data.shape
+        i = weights.padded_intermediate
+        out = torch.empty(e, m, h, dtype=torch.bfloat16, device=data.device)
+        if m == 0:
+            return out
+        act = torch.empty(e, m, i, dtype=torch.bfloat16, device=data.device)
+        masked_grouped_gemm(data, scales, weights.gate_up, weights.gate_up_scale, recv_count, act,
+                            up_offset=i, gated=True)
+        act_scales = None
+        if weights.fp8:  # rows past recv_count hold garbage here; the down GEMM never reads them
+            q, s = per_token_cast_to_fp8(act.view(e * m, i))
+            act, act_scales = q.view(e, m, i), s.view(e, m, i // FP8_GROUP)
+        return masked_grouped_gemm(act, act_scales, weights.down, weights.down_scale, recv_count, out)
