@@ -16,7 +16,7 @@ T* ptr(long long p) {
 
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
                    bool system_scope, long long peer_bases, long long local_base, std::tuple<long long, long long, long long,
-                   long long, long long, long long> layout, long long host_error, double timeout_s) {
+                   long long, long long, long long, long long> layout, long long host_error, double timeout_s) {
   Common c{};
   c.rank = rank;
   c.num_ranks = num_ranks;
@@ -28,14 +28,14 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
   c.peer_bases = ptr<const long long>(peer_bases);
   c.local_base = ptr<unsigned char>(local_base);
   c.layout = {std::get<0>(layout), std::get<1>(layout), std::get<2>(layout),
-              std::get<3>(layout), std::get<4>(layout), std::get<5>(layout)};
+              std::get<3>(layout), std::get<4>(layout), std::get<5>(layout), std::get<6>(layout)};
   c.host_error = ptr<volatile int>(host_error);
   c.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
   return c;
 }
 
 void dispatch(const Common& common, bool send, long long ticket, int num_tokens, int num_topk, bool use_fp8,
-              bool round_scale, bool use_ue8m0, int blocks_per_expert, long long x, long long topk_idx,
+              bool round_scale, bool use_ue8m0, int chunks_per_slot, long long x, long long topk_idx,
               long long recv_x, long long recv_scales, long long recv_count, long long src_info,
               long long layout_range, long long combine_map, long long recv_stats, long long wait_stats,
               long long stream) {
@@ -47,7 +47,7 @@ void dispatch(const Common& common, bool send, long long ticket, int num_tokens,
   call.use_fp8 = use_fp8;
   call.round_scale = round_scale;
   call.use_ue8m0 = use_ue8m0;
-  call.blocks_per_expert = blocks_per_expert;
+  call.chunks_per_slot = chunks_per_slot;
   call.x = ptr<const __nv_bfloat16>(x);
   call.topk_idx = ptr<const long long>(topk_idx);
   call.recv_x = ptr<void>(recv_x);

@@ -12,7 +12,8 @@ namespace ep {
 
 constexpr int kMaxTopk = 16;
 constexpr int kMaxRanks = 8;
-constexpr int kHeaderBytes = 16 + 4 * kMaxTopk;
+constexpr int kHeaderBytes = 16 + 8 * kMaxTopk;
+constexpr int kMaxExperts = 1024;
 constexpr int kFp8Group = 128;
 constexpr float kFp8Max = 448.f;
 constexpr float kAmaxFloor = 1e-4f;
@@ -40,13 +41,15 @@ struct Control {
 };
 static_assert(sizeof(Control) <= 4096, "Control must fit CONTROL_BYTES");
 
-// Slot header of a dispatched token (kHeaderBytes), followed by its payload.
+// Slot header of a dispatched token (kHeaderBytes), followed by its payload. One entry per local
+// expert of the destination that the token goes to: x = local expert | (mask of its top-k positions
+// << 16), y = the token's position among this source's tokens for that expert (its row offset).
 struct DispatchHeader {
   unsigned seq;
   int token;
   int num_entries;
   int pad;
-  unsigned entries[kMaxTopk];  // (local expert << 8) | top-k position
+  uint2 entries[kMaxTopk];
 };
 static_assert(sizeof(DispatchHeader) == kHeaderBytes, "header layout");
 
@@ -57,6 +60,7 @@ struct Layout {          // byte offsets, from ep_layer/layout.py
   long long slot;        // bytes of one dispatch slot
   long long combine;     // offset of the combine slots inside a half
   long long flags;       // offset of the combine flags inside a half
+  long long counts;      // offset of the per-source expert counts inside a half: int [R][E_l]
 };
 
 struct Common {
@@ -224,7 +228,7 @@ struct DispatchCall {
   Common c;
   int num_tokens, num_topk;
   int use_fp8, round_scale, use_ue8m0;
-  int blocks_per_expert;
+  int chunks_per_slot;           // receive-half work items per slot (channel chunks)
   const __nv_bfloat16* x;
   const long long* topk_idx;
   void* recv_x;                  // bf16 or fp8 [E_l, R*T, H]

@@ -1,9 +1,13 @@
-// Low-latency dispatch. Send half: one block per token casts it (FP8 optional) once and writes it,
-// with a header naming its experts there, into one slot of each destination rank's buffer; the
-// header's sequence number is stored last, so data and arrival flag travel together. Receive half:
-// one block per (local expert, row chunk) waits for the slots, orders the rows by (source, token)
-// with a block scan, and copies them into the GEMM-ready [E_l, R*T, H] layout.
-#include <cub/block/block_scan.cuh>
+// Low-latency dispatch.
+// Send half: one block publishes this rank's per-expert token counts to every destination; one
+// block per token casts it (FP8 optional) once and writes it into one slot of each destination rank
+// it has experts on, with a header listing those experts, the token's top-k positions and its row
+// offset among this rank's tokens for each expert; the header's sequence number is stored last, so
+// data and arrival flag travel together.
+// Receive half: warps take (slot, channel chunk) items; each waits for its slot and copies the token
+// straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of earlier source ranks,
+// from the counts, + the offset in the header): each slot is read once, by one warp per chunk.
+#include <algorithm>
 
 #include "ll_common.cuh"
 
@@ -12,8 +16,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSlotsPerThread = 2;  // dispatch slots a receiving thread inspects per pass
-constexpr int kRecvBlocksPerSm = 3;  // so that one expert per block fits in one wave up to ~400 experts
 constexpr int kMaxGroupsPerHalfWarp = 16384 / kFp8Group / (kThreads / 16);  // H <= 16384
 
 // DESIGN.md's FP8 rule in IEEE float32: scale = max(amax, 1e-4) / 448, optionally rounded up to a
@@ -33,45 +35,91 @@ __device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int des
          (static_cast<long long>(c.rank) * c.max_tokens + token) * c.layout.slot;
 }
 
+// A token's top-k expert ids, all loads in flight at once; -1 past num_topk.
+__device__ __forceinline__ void load_ids(const DispatchCall& a, int token, long long (&ids)[kMaxTopk]) {
+  const long long* row = a.topk_idx + static_cast<long long>(token) * a.num_topk;
+#pragma unroll
+  for (int k = 0; k < kMaxTopk; ++k) ids[k] = k < a.num_topk ? row[k] : -1;
+}
+
+// The last block: count this rank's tokens per expert (a token counts once per expert),
+// write each destination its experts' counts, then announce the call (the release orders the counts).
+__device__ void publish_counts(const DispatchCall& a, unsigned seq) {
+  const Common& c = a.c;
+  __shared__ int bins[kMaxExperts];
+  const int num_local = c.num_experts / c.num_ranks;
+  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
+  __syncthreads();
+  for (int t = threadIdx.x; t < a.num_tokens; t += kThreads) {
+    long long ids[kMaxTopk];
+    load_ids(a, t, ids);
+#pragma unroll
+    for (int k = 0; k < kMaxTopk; ++k) {
+      bool first = ids[k] >= 0 && ids[k] < c.num_experts;
+#pragma unroll
+      for (int j = 0; j < k; ++j) first &= ids[j] != ids[k];
+      if (first) atomicAdd(&bins[ids[k]], 1);
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) {
+    const int dest = e / num_local;
+    auto* counts = reinterpret_cast<int*>(half_base(c, c.peer_bases[dest], seq) + c.layout.counts);
+    counts[c.rank * num_local + e % num_local] = bins[e];
+  }
+  __syncthreads();
+  say_hello(c, kDispatch, seq);
+  if (threadIdx.x == 0) *c.ticket = seq;
+}
+
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a) {
   const Common& c = a.c;
   const unsigned seq = next_seq(c, kDispatch);
-  if (blockIdx.x == 0) {
-    say_hello(c, kDispatch, seq);
-    if (threadIdx.x == 0) *c.ticket = seq;
+  if (blockIdx.x == gridDim.x - 1) {  // one extra block counts, in parallel with the token blocks
+    publish_counts(a, seq);
+    if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
+    return;
   }
-  const int num_local = c.num_experts / c.num_ranks;
-  const int hidden = c.hidden;
-  __shared__ int num_entries[kMaxRanks];
-  __shared__ unsigned entries[kMaxRanks][kMaxTopk];
+  const int num_local = c.num_experts / c.num_ranks, hidden = c.hidden, lane = threadIdx.x % 32;
+  __shared__ long long ids[kMaxTopk];
+  __shared__ int experts[kMaxTopk], positions[kMaxTopk];
+  __shared__ unsigned kmasks[kMaxTopk];
   __shared__ int dests[kMaxRanks];
-  __shared__ int num_dests;
-  __shared__ unsigned dest_mask;
+  __shared__ int num_entries, num_dests;
 
-  for (int t = blockIdx.x; t < c.max_tokens; t += gridDim.x) {
-    if (threadIdx.x < c.num_ranks) num_entries[threadIdx.x] = 0;
-    if (threadIdx.x == 0) dest_mask = 0;
+  for (int t = blockIdx.x; t < c.max_tokens; t += gridDim.x - 1) {
+    const bool real = t < a.num_tokens;
+    if (threadIdx.x < a.num_topk && real) ids[threadIdx.x] = a.topk_idx[static_cast<long long>(t) * a.num_topk + threadIdx.x];
+    if (threadIdx.x < kMaxTopk) positions[threadIdx.x] = 0;
     __syncthreads();
-    // Thread k routes the token's k-th expert; the order of entries in a header does not matter.
-    if (threadIdx.x < a.num_topk && t < a.num_tokens) {
-      const int k = threadIdx.x;
-      const long long e = a.topk_idx[static_cast<long long>(t) * a.num_topk + k];
-      if (e < -1 || e >= c.num_experts) {
-        record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(e));
-      } else if (e >= 0) {
-        const int r = static_cast<int>(e) / num_local, l = static_cast<int>(e) % num_local;
-        entries[r][atomicAdd(&num_entries[r], 1)] = (static_cast<unsigned>(l) << 8) | k;
-        atomicOr(&dest_mask, 1u << r);
-      }
-    }
-    __syncthreads();
+    // The token's distinct experts, each with the mask of top-k positions that chose it.
     if (threadIdx.x == 0) {
       int n = 0;
-      for (unsigned m = dest_mask; m; m &= m - 1) dests[n++] = __ffs(m) - 1;
-      num_dests = n;
+      unsigned dest_mask = 0;
+      for (int k = 0; real && k < a.num_topk; ++k) {
+        const long long e = ids[k];
+        if (e < -1 || e >= c.num_experts) {
+          record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(e));
+          continue;
+        }
+        if (e < 0) continue;
+        int j = 0;
+        while (j < n && experts[j] != e) ++j;
+        if (j == n) {
+          experts[n] = static_cast<int>(e);
+          kmasks[n++] = 0;
+          dest_mask |= 1u << (static_cast<int>(e) / num_local);
+        }
+        kmasks[j] |= 1u << k;
+      }
+      num_entries = n;
+      int d = 0;
+      for (unsigned m = dest_mask; m; m &= m - 1) dests[d++] = __ffs(m) - 1;
+      num_dests = d;
     }
     __syncthreads();
-
+    const int n = num_entries;
+    // The payload first: its stores drain while the row offsets below are computed.
     const __nv_bfloat16* row = a.x + static_cast<long long>(t) * hidden;
     if (num_dests > 0 && a.use_fp8) {
       // A half-warp casts one 128-channel group, 8 channels (16 bytes) per lane. All of this
@@ -116,14 +164,36 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
         copy_vectors(reinterpret_cast<int4*>(dispatch_slot(c, dests[d], seq, t) + kHeaderBytes),
                      reinterpret_cast<const int4*>(row), hidden / 8, threadIdx.x, kThreads);
     }
+    // Row offset of each entry: how many earlier tokens of this rank chose the same expert.
+    for (int base = 0; n > 0 && base < t; base += kThreads) {
+      const int earlier = base + threadIdx.x;
+      unsigned hit = 0;
+      if (earlier < t) {
+        long long earlier_ids[kMaxTopk];
+        load_ids(a, earlier, earlier_ids);
+#pragma unroll
+        for (int k = 0; k < kMaxTopk; ++k)
+          for (int j = 0; j < n; ++j) hit |= static_cast<unsigned>(earlier_ids[k] == experts[j]) << j;
+      }
+      for (int j = 0; j < n; ++j) {
+        const unsigned votes = __ballot_sync(0xffffffffu, (hit >> j) & 1u);
+        if (lane == 0 && votes) atomicAdd(&positions[j], __popc(votes));
+      }
+    }
+
     __syncthreads();
     // Every destination gets a header for every token slot (empty if no expert there), flag last.
     if (threadIdx.x < c.num_ranks) {
       const int r = threadIdx.x;
       auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, seq, t));
+      int m = 0;
+      for (int j = 0; j < n; ++j) {
+        if (experts[j] / num_local != r) continue;
+        header->entries[m++] = make_uint2(static_cast<unsigned>(experts[j] % num_local) | (kmasks[j] << 16),
+                                          static_cast<unsigned>(positions[j]));
+      }
       header->token = t;
-      header->num_entries = num_entries[r];
-      for (int i = 0; i < num_entries[r]; ++i) header->entries[i] = entries[r][i];
+      header->num_entries = m;
       st_release(c, &header->seq, seq);
     }
     __syncthreads();
@@ -131,116 +201,97 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
   if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
 }
 
-__global__ void __launch_bounds__(kThreads, kRecvBlocksPerSm) dispatch_recv_kernel(DispatchCall a) {
-  using Scan = cub::BlockScan<int, kThreads>;
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a) {
   const Common& c = a.c;
-  const int expert = blockIdx.x, chunk = blockIdx.y, num_chunks = gridDim.y;
   const unsigned seq = *c.ticket;
-  if (!check_hellos(c, kDispatch, seq)) return;
+  if (!check_hellos(c, kDispatch, seq)) return;  // a hello is released after its counts
 
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
-  extern __shared__ unsigned row_info[];  // per received row: slot index | (k mask << 16)
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int per_source[kMaxRanks];
-  __shared__ unsigned long long waited[kMaxRanks];
-  __shared__ int total, aborted;
-  if (threadIdx.x < num_ranks) per_source[threadIdx.x] = 0, waited[threadIdx.x] = 0;
-  if (threadIdx.x == 0) total = 0, aborted = 0;
+  const int num_local = c.num_experts / num_ranks;
+  const unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
+  // base[s][l]: rows of local expert l that come from source ranks before s.
+  __shared__ int base[kMaxExperts];
+  const int* counts = reinterpret_cast<const int*>(half + c.layout.counts);
+  for (int l = threadIdx.x; l < num_local; l += kThreads) {
+    int rows = 0;
+    for (int s = 0; s < num_ranks; ++s) {
+      const int count = __ldcg(counts + s * num_local + l);
+      base[s * num_local + l] = rows;
+      if (blockIdx.x == 0) a.layout_range[l * num_ranks + s] = (static_cast<long long>(rows) << 32) | count;
+      rows += count;
+    }
+    if (blockIdx.x == 0) {
+      a.recv_count[l] = rows;
+      if (a.recv_stats) a.recv_stats[l] += rows;
+    }
+  }
   __syncthreads();
 
-  const unsigned char* slots = half_base(c, reinterpret_cast<long long>(c.local_base), seq) + c.layout.dispatch;
-  const bool measure = a.wait_stats != nullptr && expert == 0 && chunk == 0;
-  // Each pass covers kThreads * per_thread slots in (source, token) order, each thread a run of
-  // consecutive slots, so that all its waits and header loads are in flight together.
-  const int per_thread = min(kSlotsPerThread, (num_rows + kThreads - 1) / kThreads);
-  for (int base = 0; base < num_rows; base += kThreads * per_thread) {
-    const int first = base + threadIdx.x * per_thread;
-    int4 words[kSlotsPerThread][kHeaderBytes / 16];
-#pragma unroll
-    for (int j = 0; j < kSlotsPerThread; ++j) {
-      const int i = first + j;
-      if (j >= per_thread || i >= num_rows) continue;
-      const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
-      const unsigned long long waited_ns = wait_for(c, &header->seq, seq);
-      if (waited_ns == kNeverArrived) {
-        record_error(c, kDispatch, kTimeout, 1u << (i / num_tokens));
-        aborted = 1;
-      } else if (measure) {
-        atomicAdd(&waited[i / num_tokens], waited_ns);
+  const unsigned char* slots = half + c.layout.dispatch;
+  const int hidden = c.hidden, groups = hidden / kFp8Group, lane = threadIdx.x % 32;
+  const int row_bytes = a.use_fp8 ? hidden : hidden * 2, vectors = row_bytes / 16;
+  const int chunks = a.chunks_per_slot, per_chunk = (vectors + chunks - 1) / chunks;
+  const int items = num_rows * chunks, warps = gridDim.x * kWarps;
+  for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < items; item += warps) {
+    const int i = item / chunks, chunk = item % chunks, source = i / num_tokens;
+    const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
+    unsigned long long waited = 0;
+    if (lane == 0) waited = wait_for(c, &header->seq, seq);
+    waited = __shfl_sync(0xffffffffu, waited, 0);
+    __syncwarp();
+    if (waited == kNeverArrived) {
+      if (lane == 0) record_error(c, kDispatch, kTimeout, 1u << source);
+      continue;
+    }
+    const int n = __ldcg(&header->num_entries);
+    if (n == 0) continue;
+    // Lane j < n owns entry j: its expert, top-k mask and destination row.
+    int expert = 0, row = 0;
+    if (lane < n) {
+      const uint2 entry = __ldcg(&header->entries[lane]);
+      expert = static_cast<int>(entry.x & 0xffffu);
+      row = base[source * num_local + expert] + static_cast<int>(entry.y);
+      if (chunk == 0) {
+        const long long out_row = static_cast<long long>(expert) * num_rows + row;
+        a.src_info[out_row] = i % num_tokens;
+        a.combine_map[out_row] = static_cast<int>((entry.x >> 16) << 13 | static_cast<unsigned>(i));
       }
+    }
+    if (chunk == 0 && lane == 0 && a.wait_stats)
+      atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[source]), waited);
+    // This chunk of the payload: loaded once, stored to each of the token's rows here.
+    const auto* payload = reinterpret_cast<const int4*>(reinterpret_cast<const unsigned char*>(header) + kHeaderBytes);
+    const int first = chunk * per_chunk, last = min(vectors, first + per_chunk);
+    for (int v0 = first; v0 < last; v0 += 32 * kCopyBatch) {  // warp-uniform trip count: shuffles below
+      const int v = v0 + lane;
+      int4 r[kCopyBatch];
 #pragma unroll
-      for (int w = 0; w < kHeaderBytes / 16; ++w) words[j][w] = ld_peer_written(reinterpret_cast<const int4*>(header) + w);
-    }
-    unsigned kmask[kSlotsPerThread];
-    int has[kSlotsPerThread], pos[kSlotsPerThread], pass_rows;
+      for (int u = 0; u < kCopyBatch; ++u)
+        if (v + u * 32 < last) r[u] = ld_peer_written(payload + v + u * 32);
+      for (int j = 0; j < n; ++j) {
+        const long long out_row = static_cast<long long>(__shfl_sync(0xffffffffu, expert, j)) * num_rows +
+                                  __shfl_sync(0xffffffffu, row, j);
+        auto* dst = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * row_bytes);
 #pragma unroll
-    for (int j = 0; j < kSlotsPerThread; ++j) {
-      kmask[j] = 0;
-      const auto* h = reinterpret_cast<const DispatchHeader*>(words[j]);
-#pragma unroll
-      for (int e = 0; e < kMaxTopk; ++e)
-        if (j < per_thread && first + j < num_rows && e < h->num_entries &&
-            static_cast<int>(h->entries[e] >> 8) == expert)
-          kmask[j] |= 1u << (h->entries[e] & 0xffu);
-      has[j] = kmask[j] ? 1 : 0;
+        for (int u = 0; u < kCopyBatch; ++u)
+          if (v + u * 32 < last) dst[v + u * 32] = r[u];
+      }
     }
-    Scan(scan_storage).ExclusiveSum(has, pos, pass_rows);
-#pragma unroll
-    for (int j = 0; j < kSlotsPerThread; ++j) {
-      if (!kmask[j]) continue;
-      row_info[total + pos[j]] = static_cast<unsigned>(first + j) | (kmask[j] << 16);
-      atomicAdd(&per_source[(first + j) / num_tokens], 1);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) total += pass_rows;
-    __syncthreads();
-  }
-  if (aborted) return;
-
-  const int count = total;
-  if (chunk == 0) {
-    if (threadIdx.x == 0) {
-      a.recv_count[expert] = count;
-      if (a.recv_stats) a.recv_stats[expert] += count;
-    }
-    if (threadIdx.x < num_ranks) {
-      long long begin = 0;
-      for (int s = 0; s < threadIdx.x; ++s) begin += per_source[s];
-      a.layout_range[expert * num_ranks + threadIdx.x] = (begin << 32) | per_source[threadIdx.x];
-    }
-  }
-  if (measure && threadIdx.x < num_ranks)
-    atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[threadIdx.x]), waited[threadIdx.x]);
-
-  // Copy this chunk's rows, one warp per row.
-  const int hidden = c.hidden, groups = hidden / kFp8Group;
-  const int per_chunk = (count + num_chunks - 1) / num_chunks;
-  const int row_end = min(count, (chunk + 1) * per_chunk);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int row = chunk * per_chunk + warp; row < row_end; row += kWarps) {
-    const unsigned info = row_info[row];
-    const int i = static_cast<int>(info & 0xffffu);
-    const long long out_row = static_cast<long long>(expert) * num_rows + row;
-    const unsigned char* payload = slots + i * c.layout.slot + kHeaderBytes;
-    if (lane == 0) {
-      a.src_info[out_row] = i % num_tokens;
-      a.combine_map[out_row] = static_cast<int>((info >> 16) << 13 | static_cast<unsigned>(i));
-    }
-    const int row_bytes = a.use_fp8 ? hidden : hidden * 2;
-    copy_vectors(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * row_bytes),
-                 reinterpret_cast<const int4*>(payload), row_bytes / 16, lane, 32);
-    if (!a.use_fp8) continue;
-    const auto* scales = reinterpret_cast<const float*>(payload + hidden);
-    if (!a.use_ue8m0) {
-      auto* out = static_cast<float*>(a.recv_scales);
-      for (int g = lane; g < groups; g += 32)
-        out[(static_cast<long long>(expert) * groups + g) * num_rows + row] = __ldcg(scales + g);
-    } else {  // four biased exponents per int, group g in byte g % 4
-      auto* out = static_cast<int*>(a.recv_scales);
-      for (int p = lane; p < groups / 4; p += 32) {
-        unsigned packed = 0;
-        for (int q = 0; q < 4; ++q) packed |= ((__float_as_uint(__ldcg(scales + p * 4 + q)) >> 23) & 0xffu) << (8 * q);
-        out[(static_cast<long long>(expert) * (groups / 4) + p) * num_rows + row] = static_cast<int>(packed);
+    if (!a.use_fp8 || chunk != chunks - 1) continue;
+    // Scales, column-major [E_l, G, R*T] (or UE8M0: four exponents per int), by the last chunk.
+    const auto* scales = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(payload) + hidden);
+    const int words = a.use_ue8m0 ? groups / 4 : groups;
+    for (int w0 = 0; w0 < words; w0 += 32) {  // warp-uniform trip count: shuffles below
+      const int w = w0 + lane;
+      unsigned value = 0;
+      if (w < words && a.use_ue8m0) {
+        for (int q = 0; q < 4; ++q) value |= ((__float_as_uint(__ldcg(scales + w * 4 + q)) >> 23) & 0xffu) << (8 * q);
+      } else if (w < words) {
+        value = __float_as_uint(__ldcg(scales + w));
+      }
+      for (int j = 0; j < n; ++j) {
+        const int e = __shfl_sync(0xffffffffu, expert, j), r = __shfl_sync(0xffffffffu, row, j);
+        if (w < words) static_cast<unsigned*>(a.recv_scales)[(static_cast<long long>(e) * words + w) * num_rows + r] = value;
       }
     }
   }
@@ -249,14 +300,13 @@ __global__ void __launch_bounds__(kThreads, kRecvBlocksPerSm) dispatch_recv_kern
 }  // namespace
 
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
-  const int blocks = call.c.max_tokens;
-  dispatch_send_kernel<<<blocks, kThreads, 0, stream>>>(call);
+  dispatch_send_kernel<<<call.c.max_tokens + 1, kThreads, 0, stream>>>(call);
 }
 
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
-  const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
-  const size_t smem = sizeof(unsigned) * call.c.num_ranks * call.c.max_tokens;
-  dispatch_recv_kernel<<<grid, kThreads, smem, stream>>>(call);
+  const long long items = static_cast<long long>(call.c.num_ranks) * call.c.max_tokens * call.chunks_per_slot;
+  const int blocks = static_cast<int>(std::min<long long>((items + kWarps - 1) / kWarps, 1024));
+  dispatch_recv_kernel<<<blocks, kThreads, 0, stream>>>(call);
 }
 
 }  // namespace ep

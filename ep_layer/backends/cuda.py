@@ -21,7 +21,6 @@ from ..quant import FP8_GROUP, UE8M0_PACK
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf
 
 MAX_HIDDEN = 16384
-MAX_EXPERTS = 1024
 _OPS = ("low_latency_dispatch", "low_latency_combine")
 _TIMEOUT, _MISMATCH, _BAD_EXPERT = 1, 2, 3
 
@@ -110,14 +109,13 @@ class CudaBackend(Backend):
         if common is None:
             expect(hidden % FP8_GROUP == 0 and hidden <= MAX_HIDDEN, "x", f"a hidden size that is a multiple "
                    f"of {FP8_GROUP} and at most {MAX_HIDDEN} for the cuda backend", hidden)
-            expect(num_experts <= MAX_EXPERTS, "num_experts", f"at most {MAX_EXPERTS}", num_experts)
+            expect(num_experts <= layout.MAX_EXPERTS, "num_experts", f"at most {layout.MAX_EXPERTS}", num_experts)
             need = layout.low_latency_buffer_bytes(max_tokens, hidden, self.num_ranks, num_experts)
             expect(need <= self.num_rdma_bytes, "num_rdma_bytes", f"at least {need} for T={max_tokens}, "
                    f"H={hidden} (Buffer.get_low_latency_rdma_size_hint)", self.num_rdma_bytes)
-            dispatch, combine, _ = layout.half_bytes(max_tokens, hidden, self.num_ranks)
-            half = sum(layout.half_bytes(max_tokens, hidden, self.num_ranks))
-            offsets = (layout.CONTROL_BYTES, half, 0, layout.dispatch_slot_bytes(hidden), dispatch,
-                       dispatch + combine)
+            dispatch, combine, flags, counts = layout.half_bytes(max_tokens, hidden, self.num_ranks)
+            offsets = (layout.CONTROL_BYTES, dispatch + combine + flags + counts, 0,
+                       layout.dispatch_slot_bytes(hidden), dispatch, dispatch + combine, dispatch + combine + flags)
             check = zlib.crc32(repr(key).encode())
             common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
                                          self._system_scope, self._peer_bases.data_ptr(), self._base, offsets,
@@ -128,6 +126,10 @@ class CudaBackend(Backend):
     def _stream(self) -> int:
         """The current CUDA stream as a raw pointer (torch.cuda.current_stream() costs ~20 us of host time)."""
         return torch._C._cuda_getCurrentRawStream(self._device.index)
+
+    def _chunks_per_slot(self, slots: int) -> int:
+        """Split each received token into channel chunks until there are ~16 warps of work per SM."""
+        return max(1, min(8, math.ceil(16 * self._num_sms / slots)))
 
     def _blocks_per_expert(self, num_local: int) -> int:
         # About one block per SM in total (measured on H200: fewer blocks leave the copies latency-bound,
@@ -161,7 +163,7 @@ class CudaBackend(Backend):
             recv_x = torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=dev)
             data_ptr, scales_ptr = recv_x.data_ptr(), 0
         args = (ticket.data_ptr(), x.shape[0], topk_idx.shape[1], spec.use_fp8, spec.round_scale,
-                spec.use_ue8m0, self._blocks_per_expert(num_local), x.data_ptr(), topk_idx.data_ptr(),
+                spec.use_ue8m0, self._chunks_per_slot(rows), x.data_ptr(), topk_idx.data_ptr(),
                 data_ptr, scales_ptr, recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                 combine_map.data_ptr(), recv_stats.data_ptr() if recv_stats is not None else 0,
                 wait_stats.data_ptr() if wait_stats is not None else 0)
