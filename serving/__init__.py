@@ -1,1 +1,1 @@
-"""Serving engine and OpenAI-compatible HTTP server; see DESIGN.md section 5."""
+"""ep-layer's serving engine and OpenAI-compatible HTTP server for DeepSeek-V3 with expert parallelism."""

@@ -1,0 +1,40 @@
+"""`ForwardBatch`: what the engine hands the model for one step, the contract between the two.
+
+A step runs a flat batch of new tokens from several sequences at once: prefill chunks and single
+decode tokens alike. The KV cache is paged: each sequence owns blocks of `block_size` token slots,
+listed in its block table; a new token's latent KV goes to `slot_mapping` (block * block_size + offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [num_tokens]: new tokens of all sequences, sequence after sequence
+    positions: torch.Tensor  # int64 [num_tokens]: each token's position in its sequence
+    query_start: torch.Tensor  # int32 [num_seqs + 1]: sequence i's tokens are [query_start[i], query_start[i+1])
+    seq_lens: torch.Tensor  # int32 [num_seqs]: tokens of sequence i in the cache after this step
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], -1 past a sequence's blocks
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot that each new token's KV is written to
+    logits_indices: torch.Tensor  # int64 [num_seqs]: which token of the flat batch gives sequence i's logits
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @staticmethod
+    def empty(device: torch.device | str = "cpu", max_blocks_per_seq: int = 1) -> ForwardBatch:
+        """No tokens: what an idle expert-parallel rank runs so that its peers' MoE layers can proceed."""
+        i64 = dict(dtype=torch.int64, device=device)
+        i32 = dict(dtype=torch.int32, device=device)
+        return ForwardBatch(torch.empty(0, **i64), torch.empty(0, **i64), torch.zeros(1, **i32),
+                            torch.empty(0, **i32), torch.empty(0, max_blocks_per_seq, **i32),
+                            torch.empty(0, **i64), torch.empty(0, **i64))
