@@ -304,7 +304,7 @@ def test_bad_expert_id_raises() -> None:
 def _ipc_rank(rank: int, world_size: int, seed: int) -> None:
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank % torch.cuda.device_count())  # several GPUs: peers over NVLink
     rng = np.random.default_rng(seed)  # same stream on every rank: shared shapes, per-rank inputs below
     max_tokens, hidden, num_local, topk = 16, 1024, 3, 4
     num_experts = world_size * num_local
@@ -353,7 +353,7 @@ def test_ipc_ranks_match_reference(world_size: int, seed: int) -> None:
 def _silent_rank(rank: int, world_size: int) -> float:
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
     size = Buffer.get_low_latency_rdma_size_hint(8, 512, world_size, 4)
     buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=2.0)
     if rank == 1:
