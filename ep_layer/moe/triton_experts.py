@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_GROUP, per_token_cast_to_fp8
+from ..quant import FP8_GROUP
 from .block_fp8 import WEIGHT_BLOCK
 from .experts import ExpertKernels, RecvX, split_recv_x
 from .weights import ExpertWeights
@@ -35,6 +35,7 @@ BLOCK_N = 128  # down: output columns per program
 BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
+CAST_ROWS = 32  # rows per program of the intermediate's FP8 cast
 
 
 def available() -> bool:
@@ -110,6 +111,42 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @triton.jit
+    def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, M, I, GROUPS, BLOCK_ROWS: tl.constexpr,
+                          GROUP: tl.constexpr):
+        """FP8 cast of one [BLOCK_ROWS, 128] tile of x [E, M, I] (the design's rule, IEEE float32
+        divisions): scale = max(amax, 1e-4) / 448 per row and group, q = e4m3(x / scale), saturated.
+        Tiles past recv_count return at once, so only received rows cost anything."""
+        expert = tl.program_id(0).to(tl.int64)
+        pid_m = tl.program_id(1)
+        group = tl.program_id(2)
+        count = tl.load(count_ptr + expert)
+        if pid_m * BLOCK_ROWS >= count:
+            return
+        rows = pid_m * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        cols = group * GROUP + tl.arange(0, GROUP)
+        ok = rows < count
+        offs = expert * M * I + rows[:, None] * I + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+        scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        q = tl.clamp(tl.div_rn(x, scale[:, None]), -448.0, 448.0)
+        tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
+        tl.store(s_ptr + expert * M * GROUPS + rows * GROUPS + group, scale, mask=ok)
+
+
+def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-per-128 FP8 cast of x [E, M, I] for rows below recv_count only (others untouched):
+    (e4m3 [E, M, I], float32 scales [E, M, I/128])."""
+    e, m, i = x.shape
+    q = torch.empty(e, m, i, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(e, m, i // FP8_GROUP, dtype=torch.float32, device=x.device)
+    grid = (e, triton.cdiv(m, CAST_ROWS), i // FP8_GROUP)
+    _cast_rows_kernel[grid](x, q, s, recv_count, m, i, i // FP8_GROUP, BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP,
+                            num_warps=NUM_WARPS)
+    return q, s
+
+
 def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch.Tensor,
                         b_scales: torch.Tensor | None, recv_count: torch.Tensor, out: torch.Tensor,
                         up_offset: int = 0, gated: bool = False) -> torch.Tensor:
@@ -155,7 +192,6 @@ class TritonExperts(ExpertKernels):
         masked_grouped_gemm(data, scales, weights.gate_up, weights.gate_up_scale, recv_count, act,
                             up_offset=i, gated=True)
         act_scales = None
-        if weights.fp8:  # rows past recv_count hold garbage here; the down GEMM never reads them
-            q, s = per_token_cast_to_fp8(act.view(e * m, i))
-            act, act_scales = q.view(e, m, i), s.view(e, m, i // FP8_GROUP)
+        if weights.fp8:  # only received rows are cast; the down GEMM never reads the others
+            act, act_scales = cast_rows_to_fp8(act, recv_count)
         return masked_grouped_gemm(act, act_scales, weights.down, weights.down_scale, recv_count, out)

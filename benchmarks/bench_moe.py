@@ -1,0 +1,460 @@
+"""Fused MoE layer benchmark at DeepSeek-V3's shapes (FP8 block weights): the reference backend vs our
+cuda backend, the plain vs the two-micro-batch schedule, eager vs CUDA-graph replay; the expert GEMMs
+against the HBM roofline; and the communication time that the two-micro-batch overlap hides.
+
+EP = 1 is one real rank; larger EP sizes are emulated on one GPU (ep_layer.emulation): one layer per
+rank, each with its own experts (E / EP of them: the weights total the same ~11 GB at every EP size)
+and its own T tokens, driven in step in one stream. A time covers the work of all EP ranks together.
+On one GPU and one stream nothing runs concurrently and no transfer is ever in flight, so the overlap
+has nothing to hide there: `hid_*%` then measures what the two-micro-batch schedule costs (negative:
+it adds more than it hides), not what it would hide across GPUs.
+
+Weights are random (e4m3 codes with random 128x128 block scales, made on the GPU) and loaded by their
+HF names; routing is DeepSeek-V3's noaux_tc on random router weights, so load is near uniform.
+
+    python benchmarks/bench_moe.py --smoke       # tiny layer (H=512, 16 experts, I=256): run this first
+    python benchmarks/bench_moe.py               # EP 1 2 4 8 x T 1 32 128 256 (a few minutes on an H200)
+    python benchmarks/bench_moe.py --quick       # T 1 128, fewer repetitions
+    python benchmarks/bench_moe.py --ep 8 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from bench_ll import copy_bandwidth  # this script's folder is on sys.path
+
+from ep_layer import Buffer, native
+from ep_layer.checks import MAX_TOKENS_PER_RANK
+from ep_layer.emulation import emulated_buffers
+from ep_layer.layout import MAX_RANKS
+from ep_layer.moe import FusedMoE, run_interleaved, triton_experts
+from ep_layer.moe.block_fp8 import num_blocks
+from ep_layer.moe.schedule import Steps
+
+PROJECTIONS = ("gate", "up", "down")
+FP8_CODE_SPREAD = 64.0  # randn * 64 spans e4m3's range; the block scales undo it
+EXPERT_KERNELS = "triton"  # FusedMoE's expert_kernels: fail rather than time a fallback
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A DeepSeek-V3 MoE layer's sizes (config.json names in the comments)."""
+
+    hidden: int = 7168  # hidden_size
+    num_experts: int = 256  # n_routed_experts
+    intermediate: int = 2048  # moe_intermediate_size
+    top_k: int = 8  # num_experts_per_tok
+    n_group: int = 8
+    topk_group: int = 4
+    routed_scaling_factor: float = 2.5
+    n_shared_experts: int = 1
+
+    def proj_shape(self, projection: str, intermediate: int) -> tuple[int, int]:
+        """[rows, cols] of a `{projection}_proj.weight` in an HF checkpoint."""
+        return (self.hidden, intermediate) if projection == "down" else (intermediate, self.hidden)
+
+
+DEEPSEEK_V3 = Shape()
+SMOKE = Shape(hidden=512, num_experts=16, intermediate=256, top_k=4, n_group=4, topk_group=2)
+
+
+@dataclass(frozen=True)
+class Reps:
+    """Timed repetitions (each result is the median)."""
+
+    eager: int
+    graph: int
+    reference: int
+
+
+FULL_REPS = Reps(eager=20, graph=30, reference=8)
+QUICK_REPS = Reps(eager=5, graph=10, reference=3)
+
+
+# ---------------------------------------------------------------------------- requirements
+def require_gpu() -> None:
+    """Exit with a clear message unless there is a GPU, our CUDA kernels and Triton."""
+    if not torch.cuda.is_available():
+        sys.exit(f"bench_moe.py needs a CUDA GPU, and torch {torch.__version__} sees none "
+                 f"(torch CUDA build: {torch.version.cuda})")
+    try:
+        native.load()
+    except ImportError as error:
+        sys.exit(f"bench_moe.py needs the CUDA kernels: {error}")
+    if not triton_experts.available():
+        sys.exit(f"bench_moe.py needs Triton for the expert GEMMs: {triton_experts.unavailable_reason()}")
+
+
+# ---------------------------------------------------------------------------- timing
+def time_eager(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median microseconds from the start of one eager call to the end of its GPU work (launch
+    overhead included: the GPU idles while the host launches), starting from an idle GPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def time_graph(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median microseconds of one `fn()` replayed from a CUDA graph (warm-up in a side stream first,
+    which also compiles the Triton kernels). The graph and its memory pool are freed on return."""
+    release_memory()  # the eager calls' cached blocks, before the graph takes a pool of its own
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    del graph
+    release_memory()
+    return statistics.median(samples)
+
+
+def release_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- weights
+def random_fp8_weight(rows: int, cols: int, seed: int, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [rows, cols], float32 weight_scale_inv [ceil(rows/128), ceil(cols/128)]) with values
+    ~1/sqrt(cols), made on `device`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    codes = torch.randn(rows, cols, device=device, generator=gen).mul_(FP8_CODE_SPREAD).clamp_(-448, 448)
+    scale = torch.rand(num_blocks(rows), num_blocks(cols), device=device, generator=gen).add_(0.5)
+    return codes.to(torch.float8_e4m3fn), scale.div_(FP8_CODE_SPREAD * cols ** 0.5)
+
+
+def hf_tensors(shape: Shape, experts: range, device: torch.device, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A DeepSeek-V3 layer's `mlp.` tensors by their HF names: the router, the routed experts in `experts`
+    and the shared experts, made one at a time (expert e's tensors are the same whichever rank asks)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, e = shape.hidden, shape.num_experts
+    yield "gate.weight", (torch.randn(e, h, device=device, generator=gen) / h ** 0.5).to(torch.bfloat16)
+    yield "gate.e_score_correction_bias", (torch.rand(e, device=device, generator=gen) - 0.5) * 0.1
+    prefixes = [(f"experts.{i}", shape.intermediate, i) for i in experts]
+    if shape.n_shared_experts:
+        prefixes.append(("shared_experts", shape.intermediate * shape.n_shared_experts, e))
+    for prefix, inter, index in prefixes:
+        for p, projection in enumerate(PROJECTIONS):
+            weight, scale = random_fp8_weight(*shape.proj_shape(projection, inter),
+                                              seed + 1 + 3 * index + p, device)
+            yield f"{prefix}.{projection}_proj.weight", weight
+            yield f"{prefix}.{projection}_proj.weight_scale_inv", scale
+
+
+def expert_weight_bytes(layer: FusedMoE) -> int:
+    """Bytes one routed expert's GEMMs read: FP8 gate, up and down weights plus their float32 block scales."""
+    w = layer.experts
+    tensors = (w.gate_up, w.down, w.gate_up_scale, w.down_scale)
+    return sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+
+
+# ---------------------------------------------------------------------------- the layers of one EP size
+def new_layer(shape: Shape, buffer: Buffer, max_tokens: int, device: torch.device | str) -> FusedMoE:
+    return FusedMoE(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, None,
+                    n_group=shape.n_group, topk_group=shape.topk_group,
+                    routed_scaling_factor=shape.routed_scaling_factor, quant="fp8-block",
+                    n_shared_experts=shape.n_shared_experts, buffer=buffer, max_tokens_per_rank=max_tokens,
+                    expert_kernels=EXPERT_KERNELS, device=device)
+
+
+def reference_layer(layer: FusedMoE, shape: Shape, max_tokens: int) -> FusedMoE:
+    """The same layer (sharing its weights, no copy) on the reference backend, for EP = 1."""
+    ref = new_layer(shape, Buffer(None, low_latency_mode=True, backend="reference"), max_tokens, "meta")
+    ref.load_state_dict(layer.state_dict(), assign=True)
+    return ref
+
+
+class EpLayers:
+    """One layer per EP rank (emulated beyond 1), each holding its own experts, all on `device`."""
+
+    def __init__(self, shape: Shape, ep: int, max_tokens: int, seed: int, device: torch.device,
+                 make_buffers: Callable[[int, int], list[Buffer]]) -> None:
+        self.shape, self.ep, self.max_tokens = shape, ep, max_tokens
+        self.buffer_bytes = Buffer.get_low_latency_rdma_size_hint(max_tokens, shape.hidden, ep, shape.num_experts)
+        self.layers: list[FusedMoE] = []
+        per_rank = shape.num_experts // ep
+        for rank, buffer in enumerate(make_buffers(ep, self.buffer_bytes)):
+            layer = new_layer(shape, buffer, max_tokens, device)
+            layer.load_weights(hf_tensors(shape, range(rank * per_rank, (rank + 1) * per_rank), device, seed))
+            self.layers.append(layer)
+        self.expert_bytes = expert_weight_bytes(self.layers[0])
+
+    def destroy(self) -> None:
+        for layer in self.layers:
+            layer.buffer.destroy()
+        self.layers.clear()
+
+
+def cuda_buffers(ep: int, size: int) -> list[Buffer]:
+    """EP = 1: one real rank's Buffer; more: ranks emulated on the current GPU."""
+    if ep == 1:
+        return [Buffer(None, num_rdma_bytes=size, low_latency_mode=True, backend="cuda")]
+    return emulated_buffers(ep, size)
+
+
+# ---------------------------------------------------------------------------- one (EP, T) point
+def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two micro-batches of `x`, split as FusedMoE.forward_two_microbatches splits it."""
+    half = (x.shape[0] + 1) // 2
+    return x[:half], x[half:]
+
+
+class Case:
+    """All ranks' tokens for one (EP, T) point, and closures that run one step of every rank."""
+
+    def __init__(self, setup: EpLayers, tokens: int, seed: int) -> None:
+        self.setup, self.layers, self.tokens = setup, setup.layers, tokens
+        device = self.layers[0].gate_weight.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        h = setup.shape.hidden
+        self.xs = [torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16) for _ in self.layers]
+        self.routes = [layer.route(x) for layer, x in zip(self.layers, self.xs)]
+        num_local = setup.shape.num_experts // setup.ep
+        # Expert outputs for the communication-only variant: any bf16 values in combine's input layout.
+        self.y = torch.zeros(num_local, setup.ep * setup.max_tokens, h, dtype=torch.bfloat16, device=device)
+        received = self.dispatch_all()
+        self.recv = [(r[0], r[1]) for r in received]  # static inputs of the GEMM-only variant
+        self.active_experts = sum(int((count > 0).sum()) for _, count in self.recv)
+        routed = torch.unique(torch.cat([idx.flatten() for idx, _ in self.routes]))
+        self.routed_experts = int((routed >= 0).sum())
+
+    def dispatch_all(self) -> list[tuple]:
+        """Every rank's dispatch send, then every receive: (recv_x, recv_count, handle) per rank."""
+        sent = [layer.buffer.low_latency_dispatch(x, idx, self.setup.max_tokens, layer.num_experts,
+                                                  use_fp8=layer.fp8, return_recv_hook=True)
+                for layer, x, (idx, _) in zip(self.layers, self.xs, self.routes)]
+        for s in sent:
+            s[4]()
+        return [s[:3] for s in sent]
+
+    def plain(self) -> list[torch.Tensor]:
+        if len(self.layers) == 1:
+            return [self.layers[0](self.xs[0])]
+        return run_interleaved([layer.steps(x) for layer, x in zip(self.layers, self.xs)])
+
+    def overlap(self) -> list[torch.Tensor]:
+        if len(self.layers) == 1:
+            return [self.layers[0].forward_two_microbatches(self.xs[0])]
+        outs = run_interleaved([layer.steps(h) for layer, x in zip(self.layers, self.xs) for h in halves(x)])
+        return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(len(self.layers))]
+
+    def gemms(self) -> list[torch.Tensor]:
+        """The routed experts' GEMMs alone, on every rank's received tokens."""
+        return [layer.run_experts(x, count) for layer, (x, count) in zip(self.layers, self.recv)]
+
+    def communication(self) -> list[torch.Tensor]:
+        """The plain schedule with routing, shared and routed experts skipped: dispatch and combine only."""
+        return run_interleaved([self._communication_steps(layer, x, idx, weights)
+                                for layer, x, (idx, weights) in zip(self.layers, self.xs, self.routes)])
+
+    def _communication_steps(self, layer: FusedMoE, x: torch.Tensor, topk_idx: torch.Tensor,
+                             topk_weights: torch.Tensor) -> Steps[torch.Tensor]:
+        _, _, handle, _, dispatch_hook = layer.buffer.low_latency_dispatch(
+            x, topk_idx, self.setup.max_tokens, layer.num_experts, cumulative_local_expert_recv_stats=layer.expert_load,
+            use_fp8=layer.fp8, return_recv_hook=True)
+        yield
+        dispatch_hook()
+        combined, _, combine_hook = layer.buffer.low_latency_combine(self.y, topk_idx, topk_weights, handle,
+                                                                     return_recv_hook=True)
+        yield
+        combine_hook()
+        return combined
+
+
+def relative_difference(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """||got - want|| / ||want|| over all ranks' outputs."""
+    g, w = torch.cat(got).float(), torch.cat(want).float()
+    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+
+
+@dataclass
+class Row:
+    ep: int
+    tokens: int
+    experts: int  # routed experts that received at least one token (all ranks)
+    ref_eager: float
+    eager: float
+    overlap_eager: float
+    graph: float
+    overlap_graph: float
+    gemm: float
+    gemm_bytes: int
+    comm_eager: float
+    comm_graph: float
+    overlap_diff: float
+    ref_diff: float
+
+    def cells(self, copy_bw: float) -> list[str]:
+        gemm_bw = self.gemm_bytes / (self.gemm * 1e-6)
+        hidden_graph = (self.graph - self.overlap_graph) / self.comm_graph
+        hidden_eager = (self.eager - self.overlap_eager) / self.comm_eager
+        values = [self.ep, self.tokens, self.experts, self.ref_eager, self.eager, self.overlap_eager, self.graph,
+                  self.overlap_graph, self.gemm, self.gemm_bytes / copy_bw * 1e6, gemm_bw / 1e9,
+                  100 * gemm_bw / copy_bw, self.comm_graph, self.comm_eager, 100 * hidden_graph,
+                  100 * hidden_eager, self.overlap_diff, self.ref_diff]
+        return [format_cell(v) for v in values]
+
+
+HEADER = ("EP", "T", "experts", "ref_eager", "eager", "ovl_eager", "graph", "ovl_graph", "gemm", "gemm_floor",
+          "gemm_GB/s", "%copy_bw", "comm_graph", "comm_eager", "hid_graph%", "hid_eager%", "ovl_diff", "ref_diff")
+
+
+def format_cell(v: object) -> str:
+    if isinstance(v, float):
+        if v != v:  # NaN: not measured
+            return "-"
+        return f"{v:.2e}" if 0 < abs(v) < 0.01 else f"{v:.1f}"
+    return str(v)
+
+
+def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
+    plain_out = case.plain()
+    overlap_out = case.overlap()
+    overlap_diff = relative_difference(overlap_out, plain_out)
+    eager = time_eager(case.plain, reps.eager)
+    overlap_eager = time_eager(case.overlap, reps.eager)
+    comm_eager = time_eager(case.communication, reps.eager)
+    graph = time_graph(case.plain, reps.graph)
+    overlap_graph = time_graph(case.overlap, reps.graph)
+    comm_graph = time_graph(case.communication, reps.graph)
+    gemm = time_graph(case.gemms, reps.graph)
+    ref_eager = ref_diff = float("nan")
+    if reference and setup.ep == 1:
+        ref = reference_layer(setup.layers[0], setup.shape, setup.max_tokens)
+        ref_diff = relative_difference([ref(case.xs[0])], plain_out)
+        ref_eager = time_eager(lambda: ref(case.xs[0]), reps.reference, warmup=1)
+        del ref
+    return Row(setup.ep, case.tokens, case.active_experts, ref_eager, eager, overlap_eager, graph, overlap_graph,
+               gemm, case.active_experts * setup.expert_bytes, comm_eager, comm_graph, overlap_diff, ref_diff)
+
+
+def print_table(rows: list[Row], copy_bw: float) -> None:
+    cells = [r.cells(copy_bw) for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADER)]
+    print(" | ".join(h.rjust(w) for h, w in zip(HEADER, widths)))
+    for row in cells:
+        print(" | ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8], help="EP sizes (beyond 1: emulated)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help="tokens per rank (default 1 32 128 256; --quick: 1 128; --smoke: 1 32)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="num_max_dispatch_tokens_per_rank, fixed for every T as a serving engine fixes it "
+                             "(default: the largest --tokens)")
+    parser.add_argument("--quick", action="store_true", help="fewer token counts and repetitions")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"a tiny layer (H={SMOKE.hidden}, {SMOKE.num_experts} experts, I={SMOKE.intermediate}, "
+                             f"top-{SMOKE.top_k}) to check that everything runs")
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the reference backend (EP=1, eager)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.tokens is None:
+        args.tokens = [1, 32] if args.smoke else [1, 128] if args.quick else [1, 32, 128, 256]
+    if min(args.tokens) < 1:
+        parser.error(f"--tokens: expected positive token counts, got {args.tokens}")
+    if args.max_tokens is None:
+        args.max_tokens = max(args.tokens)
+    shape = SMOKE if args.smoke else DEEPSEEK_V3
+    for ep in args.ep:
+        if not 1 <= ep <= MAX_RANKS or shape.num_experts % ep:
+            parser.error(f"--ep: expected 1 to {MAX_RANKS} ranks dividing {shape.num_experts} experts, got {ep}")
+    if not 1 <= args.max_tokens <= MAX_TOKENS_PER_RANK:
+        parser.error(f"--max-tokens: expected 1 to {MAX_TOKENS_PER_RANK}, got {args.max_tokens}")
+    if max(args.tokens) > args.max_tokens:
+        parser.error(f"--tokens: expected at most --max-tokens={args.max_tokens}, got {args.tokens}")
+    args.shape = shape
+    args.reps = QUICK_REPS if args.quick else FULL_REPS
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    require_gpu()
+    started = time.perf_counter()
+    shape: Shape = args.shape
+    copy_bw = copy_bandwidth()
+    release_memory()
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)")
+    print(f"# H={shape.hidden} E={shape.num_experts} I={shape.intermediate} top-{shape.top_k} "
+          f"n_group={shape.n_group} topk_group={shape.topk_group} shared={shape.n_shared_experts} FP8 block weights; "
+          f"num_max_dispatch_tokens_per_rank={args.max_tokens}")
+    print(" ".join(HEADER), flush=True)
+    rows = []
+    for ep in args.ep:
+        built = time.perf_counter()
+        setup = EpLayers(shape, ep, args.max_tokens, args.seed, torch.device("cuda", torch.cuda.current_device()),
+                         cuda_buffers)
+        torch.cuda.synchronize()
+        print(f"# EP={ep}: {len(setup.layers)} layer(s) of {shape.num_experts // ep} experts made in "
+              f"{time.perf_counter() - built:.1f} s, "
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, buffer "
+              f"{setup.buffer_bytes / 2**20:.0f} MiB per rank", flush=True)
+        for tokens in args.tokens:
+            case = Case(setup, tokens, seed=args.seed + 1000 * ep + tokens)
+            if case.active_experts != case.routed_experts:
+                print(f"# warning: EP={ep} T={tokens}: {case.active_experts} experts received tokens but "
+                      f"routing chose {case.routed_experts}", flush=True)
+            row = measure(case, setup, args.reps, args.reference)
+            rows.append(row)
+            del case
+            release_memory()
+            print(" ".join(row.cells(copy_bw)), flush=True)
+        for layer in setup.layers:
+            layer.buffer.check()
+        print(f"# EP={ep}: peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+        setup.destroy()
+        del setup
+        release_memory()
+        torch.cuda.reset_peak_memory_stats()
+    print()
+    print("Times in microseconds for all EP ranks together (EP > 1 emulated on one GPU, one stream), median of "
+          f"{args.reps.eager} eager calls or {args.reps.graph} graph replays. experts = routed experts that got a "
+          "token; ref_eager = reference backend (EP=1 only); eager/graph = cuda backend, plain schedule; ovl_* = "
+          "two micro-batches; gemm = routed experts' GEMMs alone (CUDA graph); gemm_floor = their FP8 weights + "
+          "block scales (experts that got a token) at the copy bandwidth; gemm_GB/s = those bytes / gemm; "
+          "comm_* = dispatch + combine alone (plain schedule, no expert compute); hid_*% = (plain - overlap) / "
+          "comm: the share of communication the overlap hides (negative: it adds more than it hides; on one "
+          "GPU no transfer is in flight, so there is nothing to hide); ovl_diff, ref_diff = relative difference of "
+          "the two-micro-batch and reference outputs from the plain one.")
+    print_table(rows, copy_bw)
+    print(f"# {time.perf_counter() - started:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""`ep_layer.moe` on a GPU: the Triton expert kernels (bf16: against the PyTorch path, itself checked
+against float64 and transformers in test_moe.py; FP8: both paths against float64 with a derived error
+bound), CUDA-graph capture, and the whole layer on one GPU with the reference backend and with emulated
+ranks of the cuda backend. Skipped without a GPU and Triton.
+
+bf16 tolerance: |triton - torch| <= 2**-5 * (|ref| + rms(ref)). The two paths round to bf16 at the same
+points but sum in different orders, so an intermediate lands at most a bf16 ulp (2**-8) apart, and the
+outputs a few output ulps apart: 2**-5 leaves a wide margin over that and catches any indexing error.
+The FP8 expert check is explained at `fp8_expert_oracle`; the layer tests still compare the GPU layer
+with the CPU layer at 2**-4 for FP8.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from moe_helpers import MoeConfig, dense_weights, hf_weights
+
+from ep_layer import Buffer, native
+from ep_layer.moe import ExpertWeights, FusedMoE, TorchExperts, run_interleaved, triton_experts
+from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason()),
+]
+
+TOL = {False: 2.0 ** -5, True: 2.0 ** -4}  # by fp8
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    got, want = got.double().cpu(), want.double().cpu()
+    if want.numel() == 0:
+        return
+    scale = want.abs() + want.pow(2).mean().sqrt()
+    worst = ((got - want).abs() / scale).max().item()
+    assert worst <= tol, f"{what}: max |err| / (|ref| + rms) = {worst:.4f} > {tol}"
+
+
+def assert_close_fp8_paths(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Two whole FP8 layers (GPU vs CPU) agree in aggregate: where one path's intermediate lands on the
+    other side of an e4m3 rounding boundary, single elements move by up to a step (~2**-4 relative), so
+    the RMS difference is held to 2**-5 of the output's RMS and single elements only to 2**-3; an
+    indexing or scale error moves the RMS by far more."""
+    got, want = got.double().cpu(), want.double().cpu()
+    rms = want.pow(2).mean().sqrt()
+    rel_rms = ((got - want).pow(2).mean().sqrt() / rms).item()
+    worst = ((got - want).abs() / (want.abs() + rms)).max().item()
+    assert rel_rms <= 2.0 ** -5 and worst <= 2.0 ** -3, f"{what}: rms diff {rel_rms:.4f}, worst element {worst:.4f}"
+
+
+def assert_layer_close(got: torch.Tensor, want: torch.Tensor, quant: str, what: str) -> None:
+    if quant == "fp8-block":
+        assert_close_fp8_paths(got, want, what)
+    else:
+        assert_close(got, want, TOL[False], what)
+
+
+def expert_store(gen: torch.Generator, num_experts: int, hidden: int, inter: int, fp8: bool,
+                 device: str) -> ExpertWeights:
+    return expert_weights(gen, num_experts, hidden, inter, fp8, device)[0]
+
+
+def expert_weights(gen: torch.Generator, num_experts: int, hidden: int, inter: int, fp8: bool,
+                   device: str) -> tuple[ExpertWeights, dict[str, torch.Tensor]]:
+    """Random experts in the kernels' storage, and the same tensors with their HF names."""
+    cfg = MoeConfig(num_experts=num_experts, hidden=hidden, intermediate=inter, n_group=1, topk_group=1)
+    weights = hf_weights(cfg, gen, "fp8" if fp8 else "bf16")
+    store = ExpertWeights(num_experts, hidden, inter, fp8, device)
+    for e in range(num_experts):
+        for p in ("gate", "up", "down"):
+            store.weight_slot(e, p).copy_(weights[f"experts.{e}.{p}_proj.weight"])
+            if fp8:
+                store.scale_slot(e, p).copy_(weights[f"experts.{e}.{p}_proj.weight_scale_inv"])
+    return store, weights
+
+
+def masked_inputs(gen: torch.Generator, counts: list[int], rows: int, hidden: int, fp8: bool, device: str):
+    """Dispatch-shaped input: random rows below each count, NaN garbage above; FP8 with column-major scales."""
+    x = torch.full((len(counts), rows, hidden), float("nan"))
+    for e, n in enumerate(counts):
+        x[e, :n] = torch.randn(n, hidden, generator=gen) * 2
+    x = x.to(torch.bfloat16).to(device)
+    if not fp8:
+        return x
+    data, scales = per_token_cast_to_fp8(x.view(-1, hidden))
+    scales = scales.view(len(counts), rows, -1).transpose(1, 2).contiguous().transpose(1, 2)
+    return data.view(x.shape), scales
+
+
+def to_cpu(x):
+    return tuple(t.cpu() for t in x) if isinstance(x, tuple) else x.cpu()
+
+
+# ---------------------------------------------------------------------------- FP8 expert oracle
+BF16_BITS = 8  # significant bits of bf16: rounding moves a value by at most 2**(e - 8) in binade [2**e, 2**(e+1))
+E4M3_BITS = 4  # of e4m3 (3 stored + the implicit one); binades below 2**-6 are subnormal with 2**-6's spacing
+E4M3_MIN_EXP = -6
+HOEFFDING_Z = 8.5  # P(|sum of bounded zero-mean terms| > Z * sqrt(sum of squared bounds)) <= 2 exp(-Z**2 / 2) = 4e-16
+RMS_SIGMAS = 6.0  # the per-expert mean square error may exceed its expectation by this many standard deviations
+ACCUMULATION = 2.0 ** -9  # float32 sums, FP8 tensor-core partial sums, scale products: relative to rms(ref)
+TRITON_VS_TORCH = 1.5  # the Triton path's RMS error (all rows) may be at most this multiple of PyTorch's
+
+
+def half_ulp(v: torch.Tensor, bits: int, min_exp: int | None = None) -> torch.Tensor:
+    """The most rounding to nearest moves a value of magnitude v (>= 0) on a grid with `bits` significant
+    bits (and below 2**min_exp, subnormal spacing): 2**(floor(log2 v) - bits), 0 for v = 0 without
+    subnormals."""
+    exponent = torch.floor(torch.log2(v))
+    if min_exp is not None:
+        exponent = exponent.clamp(min=min_exp)
+    return torch.exp2(exponent - bits)
+
+
+class Fp8Oracle:
+    """float64 truth for one expert on FP8 inputs, and how far an implementation of the module contract
+    (ep_layer/moe/experts.py) may honestly be from it.
+
+    Reference: the exact SwiGLU MLP, in float64, of the dequantised FP8 input rows with the dequantised
+    FP8 block weights, WITHOUT re-quantising the intermediate a = SiLU(gate) * up. That is deliberate.
+    The contract rounds `a` to bf16 and casts it to e4m3 per token and 128 channels; a reference that did
+    the same from its float64 `a` would be a third FP8 path: wherever an implementation's float32 (or
+    reduced-precision tensor-core) `a` lies on the other side of a rounding boundary, it picks the
+    neighbouring e4m3 value, a whole step (up to 2**-3 relative) away from the reference's, and such
+    flips are what made comparing two FP8 paths fail. Against the exact `a`, an implementation is within
+    half a step of its own grid whichever neighbour it picks, so its deviation is a sum of bounded,
+    zero-mean rounding errors whose size is known element by element:
+
+      delta_j (one intermediate) <= c_j = half_ulp_bf16(a_j) + half_step_e4m3(a_j on its group's grid),
+      the group's grid being amax / 448 (amax over the token's 128 channels, as the implementation's bf16
+      values have it: within 2**-8 of the exact one, so the grid gets a 2**-7 margin, and the binade
+      a 2**-5 one);
+      err_i = sum_j down_ij * delta_j + bf16 rounding of the output (<= half_ulp_bf16(y_i)) + float32 /
+      tensor-core accumulation (<= ACCUMULATION * rms(y), generous: float32 sums are ~1e-6 relative).
+
+    Two checks follow, per expert and per path:
+    - per element (Hoeffding, independent rounding errors assumed): |err_i| <= Z * sqrt(sum_j down_ij**2
+      * c_j**2) + half_ulp_bf16(y_i) + ACCUMULATION * rms(y); a false alarm has probability < 1e-8 over
+      a whole test (< 5e6 elements), while an indexing bug (wrong scale block, row, expert, K block)
+      moves elements by the order of |y|, about 3x this bound on a typical element;
+    - mean square (the sensitive one): with uniform rounding errors, var_j = (bf16 half_ulp**2 + e4m3
+      half_step**2) / 3, the error's mean square over the expert has expectation E = sum_i sum_j
+      down_ij**2 var_j + output rounding, and variance <= 2 sum_rows var^T (G o G) var, G = down^T down
+      (the Gaussian bound on each delta_j**2's variance, and the cross terms); the RMS error must stay
+      within sqrt(E + 6 sd) + ACCUMULATION * rms(y). Rounding gives RMS errors of ~3% of rms(y) with a
+      ratio measured / expected close to 1; an indexing bug gives errors of order rms(y).
+    """
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor, weights: dict[str, torch.Tensor],
+                 prefix: str, device: torch.device | str) -> None:
+        n, h = data.shape
+        w = {p: torch.from_numpy(v).to(device) for p, v in dense_weights(weights, prefix).items()}
+        groups = data.to(device).double().view(n, h // FP8_GROUP, FP8_GROUP)
+        x = (groups * scales.to(device).double().unsqueeze(-1)).view(n, h)  # exact: 4 x 24 significant bits
+        gate, up = x @ w["gate"].T, x @ w["up"].T
+        a = gate * torch.sigmoid(gate) * up
+        self.ref = a @ w["down"].T
+        self.rms_ref = self.ref.pow(2).mean().sqrt().item()
+        inter = a.shape[1]
+        padded = -(-inter // FP8_GROUP) * FP8_GROUP  # the kernels' zero padding joins the last group
+        mag = torch.zeros(n, padded, dtype=torch.float64, device=device)
+        mag[:, :inter] = a.abs()
+        amax = mag.view(n, -1, FP8_GROUP).amax(dim=-1).clamp(min=1e-4)
+        grid = (amax / 448 * (1 + 2.0 ** -7)).repeat_interleave(FP8_GROUP, dim=1)[:, :inter]
+        e4m3 = grid * half_ulp(a.abs() / grid * (1 + 2.0 ** -5), E4M3_BITS, E4M3_MIN_EXP)
+        bf16 = half_ulp(a.abs(), BF16_BITS)
+        bound = bf16 + e4m3  # the most each intermediate can be off
+        var = (bf16.pow(2) + e4m3.pow(2)) / 3  # its variance for uniform rounding errors
+        down2 = w["down"].pow(2)  # [H, I]
+        out_round = half_ulp(self.ref.abs() * (1 + 2.0 ** -6), BF16_BITS)
+        self.slack = ACCUMULATION * self.rms_ref
+        self.width = HOEFFDING_Z * (bound.pow(2) @ down2.T).sqrt() + out_round + self.slack
+        self.expected_ms = ((var @ down2.T).sum() + out_round.pow(2).sum() / 3).item() / (n * h)
+        gram = w["down"].T @ w["down"]
+        self.sd_ms = (2 * ((var @ gram.pow(2)) * var).sum()).sqrt().item() / (n * h)
+        self.rms_bound = (self.expected_ms + RMS_SIGMAS * self.sd_ms) ** 0.5 + self.slack
+
+    def errors(self, got: torch.Tensor) -> dict[str, float]:
+        """Error statistics of one path's bf16 output [n, H] (printed with every failure)."""
+        err = got.to(self.ref.device).double() - self.ref
+        rel = err.abs() / self.width
+        worst = int(rel.flatten().argmax()) if rel.numel() else 0
+        row, col = divmod(worst, self.ref.shape[1])
+        rms = err.pow(2).mean().sqrt().item()
+        return {"rms_err": rms, "rel_rms": rms / self.rms_ref, "rms_bound": self.rms_bound,
+                "rms_vs_expected": rms / self.expected_ms ** 0.5, "z_ms": (rms ** 2 - self.expected_ms) / self.sd_ms,
+                "worst_vs_bound": rel.max().item(), "worst_row": row, "worst_col": col,
+                "worst_err": err[row, col].item(), "worst_ref": self.ref[row, col].item(),
+                "over_bound": int((rel > 1).sum()), "finite": bool(got.isfinite().all())}
+
+    def describe(self, stats: dict[str, float]) -> str:
+        return (f"rms err {stats['rms_err']:.4g} = {stats['rel_rms']:.4f} rms(ref) (bound {stats['rms_bound']:.4g}, "
+                f"expected {self.expected_ms ** 0.5:.4g} = {self.expected_ms ** 0.5 / self.rms_ref:.4f} rms(ref); "
+                f"measured/expected {stats['rms_vs_expected']:.3f}, {stats['z_ms']:+.1f} sd); worst element "
+                f"|err| / bound {stats['worst_vs_bound']:.3f} at [{stats['worst_row']}, {stats['worst_col']}] "
+                f"(err {stats['worst_err']:.4g}, ref {stats['worst_ref']:.4g}); {stats['over_bound']} element(s) "
+                f"over bound; finite {stats['finite']}")
+
+
+def check_fp8_experts(got: torch.Tensor, want: torch.Tensor, x: tuple[torch.Tensor, torch.Tensor],
+                      counts: list[int], weights: dict[str, torch.Tensor], what: str) -> None:
+    """Triton (got) and PyTorch (want) FP8 expert outputs [E, M, H] against float64 (Fp8Oracle), each expert
+    on its own; then the Triton path's RMS error against the PyTorch path's over all received rows (pooled:
+    an expert with one row has too few rounding errors for a steady ratio)."""
+    data, scales = x
+    reports, square_sums, ref_square_sum = [], {"triton": 0.0, "torch": 0.0}, 0.0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        oracle = Fp8Oracle(data[e, :n], scales[e, :n], weights, f"experts.{e}", got.device)
+        stats = {name: oracle.errors(out[e, :n]) for name, out in (("triton", got), ("torch", want))}
+        reports.append(f"{what} expert {e} ({n} rows, rms(ref) {oracle.rms_ref:.4g}):\n" + "\n".join(
+            f"  {name}: {oracle.describe(s)}" for name, s in stats.items()))
+        for s in stats.values():
+            assert s["finite"] and s["over_bound"] == 0 and s["rms_err"] <= oracle.rms_bound, reports[-1]
+        for name, s in stats.items():
+            square_sums[name] += s["rms_err"] ** 2 * n
+        ref_square_sum += oracle.rms_ref ** 2 * n
+    rows = sum(counts)
+    triton_rms, torch_rms = ((square_sums[name] / rows) ** 0.5 for name in ("triton", "torch"))
+    limit = TRITON_VS_TORCH * torch_rms + ACCUMULATION * (ref_square_sum / rows) ** 0.5
+    assert triton_rms <= limit, (f"{what}: triton's RMS error over all rows {triton_rms:.4g} is over "
+                                 f"{TRITON_VS_TORCH} x torch's {torch_rms:.4g}\n" + "\n".join(reports))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("hidden", "inter", "rows"), [(256, 192, 96), (512, 256, 128), (7168, 2048, 64)])
+def test_triton_experts_match_torch(fp8: bool, hidden: int, inter: int, rows: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = 5
+    counts = [0, rows, int(torch.randint(1, rows, (1,), generator=gen)), 1, 65 % rows]
+    store, weights = expert_weights(gen, num_experts, hidden, inter, fp8, "cuda")
+    x = masked_inputs(gen, counts, rows, hidden, fp8, "cuda")
+    recv_count = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    got = triton_experts.TritonExperts()(x, recv_count, store)
+    want = TorchExperts()(to_cpu(x), recv_count.cpu(), copy.deepcopy(store).cpu())
+    what = f"seed={seed} hidden={hidden} inter={inter} fp8={fp8}"
+    if fp8:
+        check_fp8_experts(got, want, x, counts, weights, what)
+        return
+    for e, n in enumerate(counts):
+        assert_close(got[e, :n], want[e, :n], TOL[fp8], f"{what} expert {e} ({n} rows)")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rows_past_recv_count_are_not_written(fp8: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    counts, rows, hidden, inter = [0, 70, 128, 3], 128, 256, 128
+    store = expert_store(gen, len(counts), hidden, inter, fp8, "cuda")
+    x = masked_inputs(gen, counts, rows, hidden, fp8, "cuda")
+    data, scales = x if fp8 else (x, None)
+    recv_count = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    out = torch.full((len(counts), rows, inter), 7.0, dtype=torch.bfloat16, device="cuda")
+    triton_experts.masked_grouped_gemm(data, scales, store.gate_up, store.gate_up_scale, recv_count, out,
+                                       up_offset=store.padded_intermediate, gated=True)
+    for e, n in enumerate(counts):
+        assert bool((out[e, n:] == 7.0).all()), f"expert {e}: rows past recv_count={n} were written"
+        assert not out[e, :n].isnan().any(), f"expert {e}: garbage rows leaked into valid ones"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_experts_in_cuda_graph(fp8: bool, seed: int) -> None:
+    """Captured once, replayed with new data and new recv_count: no host sync, counts read on device."""
+    gen = torch.Generator().manual_seed(seed)
+    num_experts, rows, hidden, inter = 4, 64, 512, 256
+    store = expert_store(gen, num_experts, hidden, inter, fp8, "cuda")
+    kernels = triton_experts.TritonExperts()
+    static_x = masked_inputs(gen, [rows] * num_experts, rows, hidden, fp8, "cuda")
+    static_count = torch.full((num_experts,), rows, dtype=torch.int32, device="cuda")
+    kernels(static_x, static_count, store)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = kernels(static_x, static_count, store)
+    for _ in range(3):
+        counts = torch.randint(0, rows + 1, (num_experts,), generator=gen).tolist()
+        fresh = masked_inputs(gen, counts, rows, hidden, fp8, "cuda")
+        for dst, src in zip(static_x if fp8 else (static_x,), fresh if fp8 else (fresh,)):
+            dst.copy_(src)
+        static_count.copy_(torch.tensor(counts, dtype=torch.int32))
+        graph.replay()
+        want = kernels(fresh, static_count.clone(), store)
+        for e, n in enumerate(counts):
+            assert torch.equal(static_out[e, :n], want[e, :n]), f"seed={seed} replay differs, expert {e}"
+
+
+# ---------------------------------------------------------------------------- the layer on a GPU
+def loaded_layer(cfg: MoeConfig, quant: str, weights: dict, buffer: Buffer, device: str) -> FusedMoE:
+    layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, None, n_group=cfg.n_group,
+                     topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor, quant=quant,
+                     n_shared_experts=cfg.n_shared_experts, buffer=buffer, max_tokens_per_rank=cfg.max_tokens,
+                     device=device)
+    layer.load_weights(weights.items())
+    return layer
+
+
+def cpu_layer(cfg: MoeConfig, quant: str, weights: dict) -> FusedMoE:
+    """The layer on CPU at EP = 1 with PyTorch experts: the reference, as a token's output does not depend on EP."""
+    return loaded_layer(cfg, quant, weights, Buffer(None, low_latency_mode=True, backend="reference"), "cpu")
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
+def test_layer_on_gpu_matches_cpu(quant: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MoeConfig(hidden=512, intermediate=256, num_experts=32, top_k=8, n_group=8, topk_group=4, max_tokens=64)
+    weights = hf_weights(cfg, gen, "bf16" if quant == "bf16" else "fp8")
+    x = torch.randn(64, cfg.hidden, generator=gen).to(torch.bfloat16)
+    layer = loaded_layer(cfg, quant, weights, Buffer(None, low_latency_mode=True, backend="reference"), "cuda")
+    want = cpu_layer(cfg, quant, weights)(x)
+    assert_layer_close(layer(x.cuda()), want, quant, f"seed={seed} {quant}")
+    assert_layer_close(layer.forward_two_microbatches(x.cuda()), want, quant, f"seed={seed} {quant} two micro-batches")
+
+
+@pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("two_microbatches", [False, True])
+def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, two_microbatches: bool, seed: int) -> None:
+    """4 emulated EP ranks (cuda backend) step together; the whole step is captured in one CUDA graph and
+    replayed on fresh tokens."""
+    from ep_layer.emulation import emulated_buffers
+
+    gen = torch.Generator().manual_seed(seed)
+    ranks = 4
+    cfg = MoeConfig(hidden=512, intermediate=256, num_experts=16, top_k=4, n_group=4, topk_group=2, max_tokens=32)
+    weights = hf_weights(cfg, gen, "bf16" if quant == "bf16" else "fp8")
+    size = Buffer.get_low_latency_rdma_size_hint(cfg.max_tokens, cfg.hidden, ranks, cfg.num_experts)
+    layers = [loaded_layer(cfg, quant, weights, b, "cuda") for b in emulated_buffers(ranks, size)]
+    reference = cpu_layer(cfg, quant, weights)
+    counts = [cfg.max_tokens, 0, 1, 17]
+    xs = [torch.zeros(n, cfg.hidden, dtype=torch.bfloat16, device="cuda") for n in counts]
+
+    def step() -> list[torch.Tensor]:
+        if two_microbatches:
+            halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
+            outs = run_interleaved([layer.steps(h) for layer, pair in zip(layers, halves) for h in pair])
+            return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(ranks)]
+        return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for replay in range(3):
+        tokens = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16) for n in counts]
+        for x, t in zip(xs, tokens):
+            x.copy_(t)
+        graph.replay()
+        for layer in layers:
+            layer.buffer.check()
+        for r, (got, x) in enumerate(zip(outs, tokens)):
+            assert_layer_close(got, reference(x), quant, f"seed={seed} replay {replay} rank {r}")
+    for layer in layers:
+        layer.buffer.destroy()
