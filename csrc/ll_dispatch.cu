@@ -72,7 +72,7 @@ __device__ void publish_counts(const DispatchCall& a, unsigned seq) {
   if (threadIdx.x == 0) *c.ticket = seq;
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a) {
+__global__ void __launch_bounds__(kThreads, 2) dispatch_send_kernel(DispatchCall a) {
   const Common& c = a.c;
   const unsigned seq = next_seq(c, kDispatch);
   if (blockIdx.x == gridDim.x - 1) {  // one extra block counts, in parallel with the token blocks
@@ -81,44 +81,57 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
     return;
   }
   const int num_local = c.num_experts / c.num_ranks, hidden = c.hidden, lane = threadIdx.x % 32;
-  __shared__ long long ids[kMaxTopk];
-  __shared__ int experts[kMaxTopk], positions[kMaxTopk];
+  // Per top-k position k of the current token: its expert, whether k is the first position choosing
+  // that expert (the entry that stands for all of them), the mask of positions choosing it, its
+  // destination rank and local index, and its row offset. Thread k fills position k.
+  __shared__ int experts[kMaxTopk], dest_of[kMaxTopk], local_of[kMaxTopk], positions[kMaxTopk];
   __shared__ unsigned kmasks[kMaxTopk];
+  __shared__ bool is_entry[kMaxTopk];
   __shared__ int dests[kMaxRanks];
-  __shared__ int num_entries, num_dests;
+  __shared__ int num_dests;
+  __shared__ unsigned dest_mask;
+  __shared__ signed char entry_of[kMaxExperts];  // expert -> its entry's position k, or -1
+  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) entry_of[e] = -1;
 
   for (int t = blockIdx.x; t < c.max_tokens; t += gridDim.x - 1) {
     const bool real = t < a.num_tokens;
-    if (threadIdx.x < a.num_topk && real) ids[threadIdx.x] = a.topk_idx[static_cast<long long>(t) * a.num_topk + threadIdx.x];
-    if (threadIdx.x < kMaxTopk) positions[threadIdx.x] = 0;
-    __syncthreads();
-    // The token's distinct experts, each with the mask of top-k positions that chose it.
-    if (threadIdx.x == 0) {
-      int n = 0;
-      unsigned dest_mask = 0;
-      for (int k = 0; real && k < a.num_topk; ++k) {
-        const long long e = ids[k];
-        if (e < -1 || e >= c.num_experts) {
-          record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(e));
-          continue;
-        }
-        if (e < 0) continue;
-        int j = 0;
-        while (j < n && experts[j] != e) ++j;
-        if (j == n) {
-          experts[n] = static_cast<int>(e);
-          kmasks[n++] = 0;
-          dest_mask |= 1u << (static_cast<int>(e) / num_local);
-        }
-        kmasks[j] |= 1u << k;
+    if (threadIdx.x == 0) dest_mask = 0;
+    if (threadIdx.x < kMaxTopk) {
+      const int k = threadIdx.x;
+      long long e = k < a.num_topk && real ? a.topk_idx[static_cast<long long>(t) * a.num_topk + k] : -1;
+      if (e < -1 || e >= c.num_experts) {
+        record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(e));
+        e = -1;
       }
-      num_entries = n;
+      experts[k] = static_cast<int>(e);
+      positions[k] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x < kMaxTopk) {
+      const int k = threadIdx.x, e = experts[k];
+      bool first = e >= 0;
+      unsigned mask = 0;
+#pragma unroll
+      for (int j = 0; j < kMaxTopk; ++j) {
+        first &= !(j < k && experts[j] == e);
+        mask |= static_cast<unsigned>(experts[j] == e) << j;
+      }
+      is_entry[k] = first;
+      kmasks[k] = mask;
+      dest_of[k] = first ? e / num_local : -1;
+      local_of[k] = first ? e % num_local : 0;
+      if (first) {
+        atomicOr(&dest_mask, 1u << dest_of[k]);
+        entry_of[e] = static_cast<signed char>(k);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
       int d = 0;
       for (unsigned m = dest_mask; m; m &= m - 1) dests[d++] = __ffs(m) - 1;
       num_dests = d;
     }
     __syncthreads();
-    const int n = num_entries;
     // The payload first: its stores drain while the row offsets below are computed.
     const __nv_bfloat16* row = a.x + static_cast<long long>(t) * hidden;
     if (num_dests > 0 && a.use_fp8) {
@@ -165,32 +178,36 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchCall a)
                      reinterpret_cast<const int4*>(row), hidden / 8, threadIdx.x, kThreads);
     }
     // Row offset of each entry: how many earlier tokens of this rank chose the same expert.
-    for (int base = 0; n > 0 && base < t; base += kThreads) {
+    for (int base = 0; num_dests > 0 && base < t; base += kThreads) {
       const int earlier = base + threadIdx.x;
-      unsigned hit = 0;
+      unsigned hit = 0;  // bit k: the earlier token chose the expert of position k
       if (earlier < t) {
         long long earlier_ids[kMaxTopk];
         load_ids(a, earlier, earlier_ids);
 #pragma unroll
-        for (int k = 0; k < kMaxTopk; ++k)
-          for (int j = 0; j < n; ++j) hit |= static_cast<unsigned>(earlier_ids[k] == experts[j]) << j;
+        for (int k = 0; k < kMaxTopk; ++k) {
+          const int j = earlier_ids[k] >= 0 && earlier_ids[k] < c.num_experts ? entry_of[earlier_ids[k]] : -1;
+          if (j >= 0) hit |= 1u << j;
+        }
       }
-      for (int j = 0; j < n; ++j) {
+#pragma unroll
+      for (int j = 0; j < kMaxTopk; ++j) {
         const unsigned votes = __ballot_sync(0xffffffffu, (hit >> j) & 1u);
         if (lane == 0 && votes) atomicAdd(&positions[j], __popc(votes));
       }
     }
 
     __syncthreads();
+    if (threadIdx.x < kMaxTopk && is_entry[threadIdx.x]) entry_of[experts[threadIdx.x]] = -1;  // next token
     // Every destination gets a header for every token slot (empty if no expert there), flag last.
     if (threadIdx.x < c.num_ranks) {
       const int r = threadIdx.x;
       auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, seq, t));
       int m = 0;
-      for (int j = 0; j < n; ++j) {
-        if (experts[j] / num_local != r) continue;
-        header->entries[m++] = make_uint2(static_cast<unsigned>(experts[j] % num_local) | (kmasks[j] << 16),
-                                          static_cast<unsigned>(positions[j]));
+      for (int k = 0; k < kMaxTopk; ++k) {
+        if (dest_of[k] != r) continue;
+        header->entries[m++] = make_uint2(static_cast<unsigned>(local_of[k]) | (kmasks[k] << 16),
+                                          static_cast<unsigned>(positions[k]));
       }
       header->token = t;
       header->num_entries = m;
