@@ -1,0 +1,168 @@
+"""Prometheus metrics on a registry of our own: vLLM's names, labels (model_name, engine) and bucket
+boundaries, so existing vLLM dashboards work; plus `ep_layer:` metrics from the ranks' device counters,
+read only when /metrics is scraped.
+
+The vllm: metrics are fed by `ServingMetrics` as the coordinator's observer (from its reader thread):
+TTFT, inter-token latency and end-to-end latency are measured in the server process from request
+arrival to the arrival of each output; queue time is the engine's (arrival to first scheduled)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.messages import EPStats, RequestOutput, SchedulerStats
+from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+
+# vLLM's boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                       20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+_LABELS = ("model_name", "engine")
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last_token: float | None = None
+
+
+class ServingMetrics:
+    """The registry behind /metrics; an EngineObserver for the DPCoordinator."""
+
+    def __init__(self, model_name: str, num_ranks: int) -> None:
+        disable_created_metrics()  # no *_created series, as vLLM (a process-wide prometheus_client setting)
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _LABELS, buckets=INTER_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _LABELS, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", _LABELS,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             _LABELS, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             _LABELS, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                              _LABELS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _LABELS,
+                                     registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         _LABELS, registry=r)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               (*_LABELS, "finished_reason"), registry=r)
+        self.ep = EPCollector(model_name)
+        r.register(self.ep)
+        for rank in range(num_ranks):
+            labels = (model_name, str(rank))
+            for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting,
+                           self.kv_usage, self.prompt_tokens, self.generation_tokens):
+                metric.labels(*labels)
+            for reason in FINISH_REASONS:
+                self.success.labels(*labels, reason)
+        self._lock = threading.Lock()
+        self._timing: dict[str, _Timing] = {}
+
+    # ------------------------------------------------------------------ EngineObserver
+    def on_request(self, rank: int, request_id: str, now: float) -> None:
+        with self._lock:
+            self._timing[request_id] = _Timing(now)
+
+    def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
+        labels = (self.model_name, str(rank))
+        with self._lock:
+            timing = self._timing.get(output.request_id)
+            if timing is None:
+                return
+            if output.finished:
+                del self._timing[output.request_id]
+        if output.queue_time is not None:
+            self.queue_time.labels(*labels).observe(output.queue_time)
+        n = len(output.new_token_ids)
+        if n:
+            if timing.last_token is None:
+                self.ttft.labels(*labels).observe(now - timing.arrival)
+                self.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
+            else:
+                self.itl.labels(*labels).observe(now - timing.last_token)
+            timing.last_token = now
+            self.generation_tokens.labels(*labels).inc(n)
+        if output.finished:
+            self.e2e.labels(*labels).observe(now - timing.arrival)
+            self.success.labels(*labels, output.finish_reason).inc()
+
+    def on_stats(self, rank: int, stats: SchedulerStats) -> None:
+        labels = (self.model_name, str(rank))
+        self.running.labels(*labels).set(stats.num_running)
+        self.waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
+
+    # ------------------------------------------------------------------ exposition
+    def render(self, ep_stats: list[EPStats]) -> bytes:
+        """The text exposition, with the ep_layer: metrics from `ep_stats` (just collected)."""
+        self.ep.snapshot = ep_stats
+        return generate_latest(self.registry)
+
+
+class EPCollector(Collector):
+    """ep_layer: metrics from the ranks' counters, as of the last scrape:
+    - expert_tokens_total{layer, expert}: tokens routed to each (global) expert, from FusedMoE.expert_load;
+    - expert_load_imbalance{layer}: max over experts / mean of those tokens (1 = balanced);
+    - dispatch_wait_seconds_total / combine_wait_seconds_total{engine, src_rank}: time each rank waited
+      for each source rank in dispatch / combine (the Buffer's wait-cost stats, where the model keeps them);
+    - engine_steps_total / engine_step_seconds_total{engine, kind}: steps by kind (prefill, decode, empty)
+      and their host time, model forward + sampling (mean step latency = the ratio of their rates)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.snapshot: list[EPStats] = []
+
+    def collect(self) -> Iterable[Metric]:
+        name, stats = self.model_name, self.snapshot
+        tokens = CounterMetricFamily("ep_layer:expert_tokens", "Tokens routed to each expert (all ranks' "
+                                     "experts, global ids).", labels=["model_name", "layer", "expert"])
+        imbalance = GaugeMetricFamily("ep_layer:expert_load_imbalance", "Max over experts of routed tokens "
+                                      "divided by their mean (1 = balanced).", labels=["model_name", "layer"])
+        layers = sorted({layer for s in stats for layer in s.expert_load})
+        for layer in layers:
+            loads: list[int] = []
+            for s in stats:  # ranks in order: rank r holds experts [r * E_l, (r + 1) * E_l)
+                loads += s.expert_load.get(layer, [])
+            for expert, count in enumerate(loads):
+                tokens.add_metric([name, str(layer), str(expert)], count)
+            mean = sum(loads) / len(loads) if loads else 0
+            if mean > 0:
+                imbalance.add_metric([name, str(layer)], max(loads) / mean)
+        yield tokens
+        yield imbalance
+        for what in ("dispatch", "combine"):
+            wait = CounterMetricFamily(f"ep_layer:{what}_wait_seconds", f"Time spent waiting for each source "
+                                       f"rank's data in {what}.", labels=["model_name", "engine", "src_rank"])
+            for s in stats:
+                for src, ns in enumerate(s.dispatch_wait_ns if what == "dispatch" else s.combine_wait_ns):
+                    wait.add_metric([name, str(s.rank), str(src)], ns / 1e9)
+            yield wait
+        steps = CounterMetricFamily("ep_layer:engine_steps", "Engine steps by kind (prefill, decode, empty).",
+                                    labels=["model_name", "engine", "kind"])
+        seconds = CounterMetricFamily("ep_layer:engine_step_seconds", "Host time of engine steps by kind "
+                                      "(model forward and sampling).", labels=["model_name", "engine", "kind"])
+        for s in stats:
+            for kind, count in sorted(s.steps.items()):
+                steps.add_metric([name, str(s.rank), kind], count)
+                seconds.add_metric([name, str(s.rank), kind], s.step_seconds.get(kind, 0.0))
+        yield steps
+        yield seconds

@@ -1,0 +1,118 @@
+"""`ep-serve`: the OpenAI-compatible server for DeepSeek-V3 checkpoints, with expert parallelism over
+engine rank processes (vLLM's flags and meanings)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .engine.config import DEFAULT_LOADER, EP_BACKENDS, EngineConfig
+
+DEFAULT_TINY_NAME = "ep-layer-tiny"
+log = logging.getLogger("ep-serve")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ep-serve",
+        description="Serve a DeepSeek-V3 checkpoint over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/models, /health, /version, /metrics).",
+        formatter_class=_HelpFormatter)
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="HF DeepSeek-V3 checkpoint directory (config.json, safetensors, tokenizer.json); "
+                        "omitted: the built-in tiny model (deterministic weights, written to a cache directory)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: MODEL as given, or 'ep-layer-tiny')")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens (prompt + completion) per request (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once per rank")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine rank processes, each with its own copy of attention and its own requests")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the routed experts over the data-parallel ranks, which then step together "
+                        "(an idle rank runs an empty batch)")
+    p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
+                   help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
+                        "torch.distributed one, or 'auto' (cuda when built and on GPU)")
+    p.add_argument("--max-tokens-per-rank", type=int, default=256,
+                   help="tokens per step and rank (chunked-prefill budget), the MoE layers' T")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks per rank (default: from --gpu-memory-utilization on GPU, 1 GiB on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU memory left after loading the model that the KV cache may take")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the ranks run (auto: cuda if available; rank r uses GPU r mod #GPUs)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests that give none")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs for decode (accepted for vLLM compatibility: decode runs "
+                        "eagerly in this version either way)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn and ep-serve log level")
+    return p
+
+
+def engine_config(args: argparse.Namespace, model: str, served_name: str, loader: str = DEFAULT_LOADER) -> EngineConfig:
+    if args.data_parallel_size < 1:
+        raise SystemExit(f"ep-serve: --data-parallel-size: expected >= 1, got {args.data_parallel_size}")
+    return EngineConfig(
+        model=model, served_model_name=served_name, loader=loader, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.gpu_memory_utilization,
+        data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+        ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.model is None:
+        from .engine.loading import tiny_checkpoint
+
+        model, default_name = tiny_checkpoint(), DEFAULT_TINY_NAME
+        log.info("no MODEL given: serving the built-in tiny DeepSeek-V3 from %s", model)
+    else:
+        model, default_name = args.model, args.model
+    try:
+        config = engine_config(args, model, args.served_model_name or default_name)
+    except ValueError as e:
+        raise SystemExit(f"ep-serve: {e}") from None
+    serve(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+
+
+def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None, log_level: str = "info") -> None:
+    """Start the engine ranks, then serve HTTP until interrupted; the ranks stop with the server."""
+    import uvicorn
+
+    from .api.server import build_app, make_server_state
+
+    if config.data_parallel_size > 1 and not config.enable_expert_parallel:
+        log.info("%d independent data-parallel ranks (no --enable-expert-parallel: each holds all experts)",
+                 config.data_parallel_size)
+    try:
+        state = make_server_state(config, api_key)
+    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+        raise SystemExit(f"ep-serve: could not start: {e}") from None
+    try:
+        uvicorn.run(build_app(state), host=host, port=port, log_level=log_level)
+    finally:
+        state.coordinator.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

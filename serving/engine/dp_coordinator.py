@@ -1,0 +1,282 @@
+"""The server side of the engine ranks: spawns them, sends each request to the least-loaded rank, and
+hands their outputs back to per-request callbacks from one reader thread. Knows when a rank died.
+
+Processes: the API server (this object, FastAPI, metrics) + N engine ranks (rank_worker.py), talking
+through typed messages (messages.py) over one multiprocessing queue per rank and one shared queue back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from .config import EngineConfig
+from .messages import (
+    AbortRequest,
+    AddRequest,
+    CollectStats,
+    EPStats,
+    ModelInfo,
+    RankFailed,
+    RankReady,
+    RequestOutput,
+    SchedulerStats,
+    Shutdown,
+    StatsReply,
+    StepOutputs,
+    Wake,
+)
+from .rank_worker import run_rank
+from .sequence import FINISH_ABORT, SamplingParams
+
+OutputSink = Callable[[RequestOutput], None]
+log = logging.getLogger(__name__)
+_READ_POLL_S = 0.2
+_HOST = "127.0.0.1"
+
+
+class EngineObserver(Protocol):
+    """Sees what the ranks do (the metrics), from the reader thread."""
+
+    def on_request(self, rank: int, request_id: str, now: float) -> None: ...
+
+    def on_output(self, rank: int, output: RequestOutput, now: float) -> None: ...
+
+    def on_stats(self, rank: int, stats: SchedulerStats) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """An engine rank died; the engine takes no more requests."""
+
+
+@dataclasses.dataclass
+class _InFlight:
+    rank: int
+    sink: OutputSink
+
+
+class DPCoordinator:
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.config = config
+        self.num_ranks = config.data_parallel_size
+        self.observer = observer
+        self.info: ModelInfo | None = None
+        self.dead_reason: str | None = None
+        self._ctx = mp.get_context("spawn")
+        self._inboxes = [self._ctx.Queue() for _ in range(self.num_ranks)]
+        self._outbox = self._ctx.Queue()
+        self._procs: list[Any] = []
+        self._store: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+        self._inflight: dict[str, _InFlight] = {}
+        self._load = [0] * self.num_ranks
+        self._replies: dict[int, list[EPStats]] = {}
+        self._replies_cv = threading.Condition(self._lock)
+        self._tokens = itertools.count(1)
+        self._reader: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout_s: float = 600.0) -> ModelInfo:
+        """Spawn the ranks and wait until every one has loaded the model; raise with a rank's traceback
+        if one fails."""
+        config = self.config
+        if config.expert_parallel:
+            self._store = dist.TCPStore(_HOST, 0, self.num_ranks, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout_s))
+            config = dataclasses.replace(config, dist_port=self._store.port)
+        for rank in range(self.num_ranks):
+            proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[rank], self._outbox),
+                                     name=f"ep-serve-rank{rank}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+        ready: dict[int, ModelInfo] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(ready) < self.num_ranks:
+                try:
+                    msg = self._outbox.get(timeout=_READ_POLL_S)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in ready]
+                    if dead:
+                        raise RuntimeError(f"engine rank(s) {dead} exited while loading the model") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"engine ranks not ready after {timeout_s:.0f} s: "
+                                           f"{sorted(set(range(self.num_ranks)) - set(ready))}") from None
+                    continue
+                if isinstance(msg, RankFailed):
+                    raise RuntimeError(f"engine rank {msg.rank} failed to start:\n{msg.error}")
+                if isinstance(msg, RankReady):
+                    ready[msg.rank] = msg.info
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = ready[0]
+        self._reader = threading.Thread(target=self._read_loop, name="ep-serve-outputs", daemon=True)
+        self._reader.start()
+        return self.info
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the ranks (politely, then by force) and fail what is still in flight."""
+        self._stopping.set()
+        for inbox, proc in zip(self._inboxes, self._procs):
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    inbox.put(Shutdown())
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout_s)
+        self._fail_all("the engine was shut down")
+        for q in (*self._inboxes, self._outbox):
+            q.close()
+            q.cancel_join_thread()
+        if self._procs:
+            log.info("engine ranks stopped (exit codes %s)", [p.exitcode for p in self._procs])
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and all(p.is_alive() for p in self._procs)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> int:
+        """Send a request to the least-loaded rank; `sink` gets its outputs (from the reader thread).
+        Returns the rank."""
+        with self._lock:
+            if self.dead_reason is not None:
+                raise EngineDeadError(self.dead_reason)
+            if request_id in self._inflight:
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            rank = min(range(self.num_ranks), key=lambda r: (self._load[r], r))
+            self._inflight[request_id] = _InFlight(rank, sink)
+            self._load[rank] += 1
+        if self.observer is not None:
+            self.observer.on_request(rank, request_id, time.monotonic())
+        self._inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params))
+        if self.config.expert_parallel:
+            for other in range(self.num_ranks):
+                if other != rank:
+                    self._inboxes[other].put(Wake())
+        return rank
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (its blocks are freed); its final output comes with finish_reason "abort"."""
+        with self._lock:
+            entry = self._inflight.get(request_id)
+        if entry is not None:
+            self._inboxes[entry.rank].put(AbortRequest(request_id))
+
+    def load(self) -> list[int]:
+        """Requests in flight per rank."""
+        with self._lock:
+            return list(self._load)
+
+    def collect_stats(self, timeout_s: float = 5.0) -> list[EPStats]:
+        """Every live rank's device counters (read by the ranks between steps); [] if they do not
+        answer within the timeout."""
+        if not self.alive:
+            return []
+        token = next(self._tokens)
+        with self._lock:
+            self._replies[token] = []
+        for inbox in self._inboxes:
+            inbox.put(CollectStats(token))
+        deadline = time.monotonic() + timeout_s
+        with self._replies_cv:
+            while len(self._replies[token]) < self.num_ranks:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._replies_cv.wait(left):
+                    break
+            replies = self._replies.pop(token)
+        return sorted(replies, key=lambda s: s.rank) if len(replies) == self.num_ranks else []
+
+    # ------------------------------------------------------------------ reader thread
+    def _read_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                msg = self._outbox.get(timeout=_READ_POLL_S)
+            except queue.Empty:
+                self._check_ranks()
+                continue
+            except (EOFError, OSError):
+                break
+            now = time.monotonic()
+            if isinstance(msg, StepOutputs):
+                self._deliver(msg, now)
+            elif isinstance(msg, StatsReply):
+                with self._replies_cv:
+                    if msg.token in self._replies:
+                        self._replies[msg.token].append(msg.stats)
+                        self._replies_cv.notify_all()
+            elif isinstance(msg, RankFailed):
+                self._mark_dead(f"engine rank {msg.rank} failed:\n{msg.error}")
+            self._check_ranks()
+
+    def _deliver(self, msg: StepOutputs, now: float) -> None:
+        if self.observer is not None:
+            try:
+                self.observer.on_stats(msg.rank, msg.stats)
+            except Exception:
+                log.exception("observer.on_stats failed")
+        for out in msg.outputs:
+            with self._lock:
+                entry = self._inflight.get(out.request_id)
+                if entry is not None and out.finished:
+                    del self._inflight[out.request_id]
+                    self._load[entry.rank] -= 1
+            if entry is not None:
+                self._hand_out(entry, out, now)
+
+    def _check_ranks(self) -> None:
+        if self._stopping.is_set() or self.dead_reason is not None:
+            return
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:
+            self._mark_dead(f"engine rank(s) {dead} exited (exit code "
+                            f"{[self._procs[r].exitcode for r in dead]})")
+
+    def _mark_dead(self, reason: str) -> None:
+        with self._lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = reason
+        if self.config.expert_parallel:
+            # The others would wait for the dead rank in their next collective: stop them too.
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            entries = list(self._inflight.items())
+            self._inflight.clear()
+            self._load = [0] * self.num_ranks
+        now = time.monotonic()
+        for request_id, entry in entries:
+            self._hand_out(entry, RequestOutput(request_id, [], "", 0, 0, FINISH_ABORT, error=reason), now)
+
+    def _hand_out(self, entry: _InFlight, out: RequestOutput, now: float) -> None:
+        """Observer, then sink; their errors are logged, never allowed to stop the reader thread."""
+        try:
+            if self.observer is not None:
+                self.observer.on_output(entry.rank, out, now)
+            entry.sink(out)
+        except Exception:
+            log.exception("handing out the output of request %s failed", out.request_id)

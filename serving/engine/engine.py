@@ -1,0 +1,164 @@
+"""`LLMEngine`: one rank's engine. Requests in, a step at a time (schedule, run the model, sample,
+detokenize, check stops), request outputs out. The rank process (rank_worker.py) drives it; tests and
+scripts can drive it directly."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from .block_manager import BlockManager
+from .detokenizer import Codec, OutputText, as_codec
+from .ep_stats import read_ep_stats
+from .messages import EPStats, RequestOutput, SchedulerStats
+from .model_runner import ModelRunner
+from .sampling import Sampler, make_generator
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
+
+
+def eos_token_ids(config: Any) -> frozenset[int]:
+    """The model's end-of-sequence ids: config.eos_token_ids (a tuple) or eos_token_id (an int or a list)."""
+    eos = getattr(config, "eos_token_ids", None)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    return frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, *, num_blocks: int, block_size: int,
+                 max_model_len: int, max_num_seqs: int, max_tokens_per_rank: int, device: torch.device,
+                 seed: int = 0, rank: int = 0, num_ranks: int = 1) -> None:
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.eos_token_ids = eos_token_ids(cfg)
+        self.max_model_len = max_model_len
+        if num_blocks * block_size < max_model_len:
+            raise ValueError(f"num_kv_blocks: {num_blocks} blocks of {block_size} tokens cannot hold one "
+                             f"sequence of max_model_len={max_model_len} tokens")
+        self.codec: Codec = as_codec(tokenizer)
+        self.device, self.rank, self.num_ranks = device, rank, num_ranks
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_rank)
+        self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank)
+        self.sampler = Sampler(device, seed)
+        self.model = model
+        self.requests: dict[str, Sequence] = {}
+        self._steps: dict[str, int] = defaultdict(int)
+        self._step_seconds: dict[str, float] = defaultdict(float)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError for an id in use, an empty prompt, ids outside the vocab, or
+        more tokens than max_model_len."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if not prompt_token_ids:
+            raise ValueError("prompt: expected at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.max_model_len}")
+        prompt = list(prompt_token_ids)
+        seq = Sequence(request_id, prompt, params, OutputText(self.codec, prompt, params.stop), time.monotonic(),
+                       make_generator(params.seed, self.device) if params.seed is not None else None)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; its final output, or None if it is not here."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.finish(FINISH_ABORT)
+        self.scheduler.finish(seq)
+        return self._output(seq, [])
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def schedule(self) -> ScheduledBatch:
+        return self.scheduler.schedule(time.monotonic())
+
+    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> list[RequestOutput]:
+        """Run the model on `batch` (an empty one too: the MoE layers must take part), sample the
+        sequences whose prompt is complete, and return their outputs."""
+        start = time.perf_counter()
+        kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
+        logits = self.runner.execute(batch, graph_size)
+        done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                if seq.num_computed_tokens + n == seq.num_tokens]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        outputs: list[RequestOutput] = []
+        if done:
+            seqs = [batch.seqs[i] for i in done]
+            rows = logits if len(done) == len(batch.seqs) else logits[torch.tensor(done, device=logits.device)]
+            tokens = self.sampler(rows, [s.params for s in seqs], [s.generator for s in seqs])
+            outputs = [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+        self._steps[kind] += 1
+        self._step_seconds[kind] += time.perf_counter() - start
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """One step on this engine alone (no expert-parallel peers)."""
+        return self.execute(self.schedule())
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 max_steps: int = 100_000) -> list[str]:
+        """Run prompts to completion (a bounded loop); their output texts, in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        texts = dict.fromkeys(ids, "")
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        for _ in range(max_steps):
+            if not any(rid in self.requests for rid in ids):
+                break
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id] += out.new_text
+        else:
+            raise RuntimeError(f"generate: not done after {max_steps} steps")
+        return [texts[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ stats
+    def scheduler_stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(len(s.running), len(s.waiting), self.block_manager.usage, s.num_preemptions)
+
+    def ep_stats(self) -> EPStats:
+        """Cumulative device counters (a device sync: call at scrape time only) and step timings."""
+        return read_ep_stats(self.model, self.rank, self.num_ranks, dict(self._steps), dict(self._step_seconds))
+
+    # ------------------------------------------------------------------ helpers
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        p = seq.params
+        if token in self.eos_token_ids and not p.ignore_eos:
+            seq.finish(FINISH_STOP)
+        elif token in p.stop_token_ids:
+            seq.finish(FINISH_STOP, token)
+        else:
+            stop = seq.text.add(token)
+            if stop is not None:
+                seq.finish(FINISH_STOP, stop)
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish(FINISH_LENGTH)
+        if seq.finished:
+            self.requests.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+        return self._output(seq, [token])
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        first = bool(new_tokens) and len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None
+        return RequestOutput(
+            seq.request_id, new_tokens, seq.text.take(seq.finished), seq.num_prompt_tokens,
+            len(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
+            seq.first_scheduled_time - seq.arrival_time if first else None)

@@ -1,0 +1,116 @@
+"""Typed messages between the API server and the engine ranks (over multiprocessing queues)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import SamplingParams
+
+# ---------------------------------------------------------------- server -> rank
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Sent to the other ranks with each request under expert parallelism, so idle ranks join the step."""
+
+
+@dataclass(frozen=True)
+class CollectStats:
+    """Asks a rank for its device counters (read at scrape time only)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---------------------------------------------------------------- rank -> server
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    device: str
+
+
+@dataclass(frozen=True)
+class RankReady:
+    rank: int
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    error: str
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step did for a request: new tokens, the text they completed, and the end if reached."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    queue_time: float | None = None  # seconds from arrival to first scheduled; on the first output only
+    error: str | None = None  # why the engine refused the request (finish_reason "abort")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    rank: int
+    outputs: list[RequestOutput]
+    stats: SchedulerStats
+
+
+@dataclass(frozen=True)
+class EPStats:
+    """A rank's cumulative counters (see serving.engine.ep_stats)."""
+
+    rank: int
+    num_ranks: int
+    expert_load: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> tokens per local expert
+    dispatch_wait_ns: list[int] = field(default_factory=list)  # per source rank, summed over layers
+    combine_wait_ns: list[int] = field(default_factory=list)
+    steps: dict[str, int] = field(default_factory=dict)  # step kind -> count
+    step_seconds: dict[str, float] = field(default_factory=dict)  # step kind -> summed host time
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    token: int
+    stats: EPStats

@@ -1,0 +1,219 @@
+"""The engine rank process: joins the rank group (expert parallelism), loads the model through the
+configured loader, then loops: take messages from the server, agree with the other ranks on the step,
+step (or run an empty batch), send the outputs back."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import signal
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig
+from .engine import LLMEngine, eos_token_ids
+from .messages import (
+    AbortRequest,
+    AddRequest,
+    CollectStats,
+    ModelInfo,
+    RankFailed,
+    RankReady,
+    RequestOutput,
+    SchedulerStats,
+    Shutdown,
+    StatsReply,
+    StepOutputs,
+    Wake,
+)
+from .scheduler import ScheduledBatch
+from .step_sync import StepSync
+
+_HOST = "127.0.0.1"
+IDLE_POLL_S = 0.05  # an idle expert-parallel rank joins the step agreement at least this often
+_PARENT_POLL_S = 1.0  # an idle lone rank checks this often that the server is still there
+_DIST_TIMEOUT = timedelta(minutes=30)
+
+
+def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+    kind = config.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        index = rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(kind)
+
+
+def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
+    """The configured loader's (model, tokenizer) for this rank."""
+    return importlib.import_module(config.loader).load_model(config, group, device)
+
+
+def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_model_len: int) -> int:
+    """config.num_kv_blocks, else what memory allows: on GPU a fraction of the memory left after
+    loading (split between the ranks that share the GPU), on CPU cpu_kv_cache_bytes; never more than
+    max_num_seqs full-length sequences need, never less than one."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    cfg = model.config
+    if hasattr(model, "kv_cache_bytes_per_block"):
+        block_bytes = model.kv_cache_bytes_per_block(config.block_size)
+    else:
+        block_bytes = config.block_size * cfg.num_hidden_layers * cfg.kv_cache_dim * 2  # bf16 latent KV
+    per_seq = -(-max_model_len // config.block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        ranks_per_gpu = -(-config.data_parallel_size // torch.cuda.device_count())
+        budget = int(free * config.kv_cache_memory_fraction / ranks_per_gpu)
+    else:
+        budget = config.cpu_kv_cache_bytes
+    return max(per_seq, min(budget // block_bytes, per_seq * config.max_num_seqs))
+
+
+def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> None:
+    """Process entry point (spawned by serving.engine.dp_coordinator)."""
+    # Ctrl-C reaches the whole process group: the server stops the ranks in step, not the signal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.data_parallel_size))
+        device = resolve_device(config, rank)
+        group, sync_group = _init_group(config, rank, device)
+        model, tokenizer = load_model(config, group, device)
+        max_positions = int(model.config.max_position_embeddings)
+        max_model_len = config.max_model_len or max_positions
+        if max_model_len > max_positions:
+            raise ValueError(f"max_model_len: expected at most the model's max_position_embeddings="
+                             f"{max_positions}, got {max_model_len}")
+        blocks = num_kv_blocks(config, model, device, max_model_len)
+        engine = LLMEngine(model, tokenizer, num_blocks=blocks, block_size=config.block_size,
+                           max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
+                           max_tokens_per_rank=config.max_tokens_per_rank, device=device, seed=config.seed + rank,
+                           rank=rank, num_ranks=config.data_parallel_size)
+        info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
+                         config.block_size, str(device))
+        outbox.put(RankReady(rank, info))
+        RankLoop(rank, engine, StepSync(sync_group), inbox, outbox, config.expert_parallel).run()
+    except BaseException:
+        outbox.put(RankFailed(rank, traceback.format_exc()))
+        _flush(outbox)
+        # Skip interpreter teardown: a process group with a dead or stuck peer can block in it.
+        os._exit(1)
+    _flush(outbox)
+    if dist.is_initialized():
+        dist.destroy_process_group()  # all ranks agreed to stop: nothing is in flight
+
+
+def _init_group(config: EngineConfig, rank: int,
+                device: torch.device) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(the MoE group, a gloo group for the step agreement); (None, None) for an independent rank.
+    The MoE group is NCCL with one GPU per rank; gloo on CPU, and when ranks share GPUs (NCCL cannot;
+    the cuda backend only exchanges IPC handles through the group)."""
+    if not config.expert_parallel:
+        return None, None
+    world = config.data_parallel_size
+    backend = "gloo"
+    if device.type == "cuda":
+        from ep_layer import native
+
+        ep_backend = config.ep_backend
+        if ep_backend == "auto":
+            ep_backend = "cuda" if native.available() else "reference"
+        if world <= torch.cuda.device_count():
+            backend = "nccl"
+        elif ep_backend == "reference":
+            raise ValueError(f"ep_backend: the reference backend on GPU needs a GPU per rank (NCCL), got {world} "
+                             f"ranks on {torch.cuda.device_count()} GPU(s); build the cuda backend for shared GPUs")
+    store = dist.TCPStore(_HOST, config.dist_port, world, is_master=False, timeout=_DIST_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_DIST_TIMEOUT)
+    # The step agreement has a CPU group of its own, apart from the MoE layers' traffic.
+    return dist.group.WORLD, dist.new_group(backend="gloo")
+
+
+def _flush(outbox: mp.Queue) -> None:
+    with contextlib.suppress(Exception):
+        outbox.close()
+        outbox.join_thread()
+
+
+class RankLoop:
+    def __init__(self, rank: int, engine: LLMEngine, sync: StepSync, inbox: mp.Queue, outbox: mp.Queue,
+                 expert_parallel: bool) -> None:
+        self.rank, self.engine, self.sync = rank, engine, sync
+        self.inbox, self.outbox = inbox, outbox
+        self.expert_parallel = expert_parallel
+        self._last_stats = SchedulerStats()
+
+    def run(self) -> None:
+        idle = True
+        while True:
+            stop = not self._handle(self._receive(block=idle and not self.engine.has_work()))
+            batch = self.engine.schedule() if not stop else ScheduledBatch()
+            plan = self.sync.agree(batch.num_tokens, batch.is_decode_only, stop)
+            if plan.stop:
+                return
+            idle = not plan.step
+            if idle:
+                self._send([])
+                continue
+            graph_size = self.engine.runner.graph_size(plan.max_num_tokens) if plan.decode_only else None
+            self._send(self.engine.execute(batch, graph_size))
+
+    def _receive(self, block: bool) -> list[Any]:
+        messages: list[Any] = []
+        if block:
+            timeout = IDLE_POLL_S if self.expert_parallel else _PARENT_POLL_S
+            while True:
+                try:
+                    messages.append(self.inbox.get(timeout=timeout))
+                    break
+                except queue.Empty:
+                    parent = mp.parent_process()
+                    if parent is not None and not parent.is_alive():
+                        return [Shutdown()]
+                    if self.expert_parallel:
+                        break
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _handle(self, messages: list[Any]) -> bool:
+        """Apply the server's messages; False on shutdown."""
+        outputs: list[RequestOutput] = []
+        for msg in messages:
+            if isinstance(msg, AddRequest):
+                try:
+                    self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                except ValueError as e:
+                    outputs.append(RequestOutput(msg.request_id, [], "", len(msg.prompt_token_ids), 0,
+                                                 "abort", error=str(e)))
+            elif isinstance(msg, AbortRequest):
+                out = self.engine.abort(msg.request_id)
+                if out is not None:
+                    outputs.append(out)
+            elif isinstance(msg, CollectStats):
+                self.outbox.put(StatsReply(msg.token, self.engine.ep_stats()))
+            elif isinstance(msg, Shutdown):
+                return False
+            elif not isinstance(msg, Wake):
+                raise TypeError(f"rank {self.rank}: unexpected message {type(msg).__name__}")
+        if outputs:
+            self._send(outputs)
+        return True
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        """Outputs with the scheduler's state; nothing when there is nothing new."""
+        stats = self.engine.scheduler_stats()
+        if outputs or stats != self._last_stats:
+            self._last_stats = stats
+            self.outbox.put(StepOutputs(self.rank, outputs, stats))

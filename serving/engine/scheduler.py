@@ -1,0 +1,100 @@
+"""Continuous batching with chunked prefill: each step takes up to `token_budget` tokens (the MoE
+layer's T), running sequences first (one decode token each, or the next chunk of their prompt), then
+waiting ones. When the KV cache runs out, the newest running sequence is preempted and recomputed
+later."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: for each sequence, its next `num_new_tokens` uncomputed tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes just its last token (the case CUDA graphs cover)."""
+        return all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens
+                   for s, n in zip(self.seqs, self.num_new_tokens))
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.token_budget
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.block_manager.can_grow(seq, target) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                preempted = True
+            if not self.block_manager.can_grow(seq, target):
+                self._preempt(self.running.pop(i))
+                preempted = True
+                continue
+            self.block_manager.grow(seq, target)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.block_manager.grow(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence from the queues and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,37 @@
+"""How expert-parallel ranks step together (vLLM's DP coordination): before each step, one all-reduce
+(MAX, on a small gloo group of its own) of (has work, tokens, has prefill, stop) decides whether every
+rank steps (a rank without work runs an empty batch so the MoE collectives line up), when all ranks
+only decode, the padded decode size every rank uses (the same CUDA graph, the same dispatch T), and
+whether to stop (all ranks leave together, so none is left waiting in a collective)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: bool  # some rank has tokens to compute: all ranks step
+    max_num_tokens: int  # the largest batch of any rank
+    decode_only: bool  # no rank computes a prefill chunk (CUDA graphs apply)
+    stop: bool = False  # some rank was told to shut down: all ranks leave
+
+
+class StepSync:
+    """group: a CPU (gloo) group over the ranks, or None for a rank that steps alone."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._buf = torch.zeros(4, dtype=torch.int64)
+
+    def agree(self, num_tokens: int, decode_only: bool, stop: bool = False) -> StepPlan:
+        prefill = int(num_tokens > 0 and not decode_only)
+        if self.group is None:
+            return StepPlan(num_tokens > 0 and not stop, num_tokens, not prefill, stop)
+        self._buf[0], self._buf[1], self._buf[2], self._buf[3] = int(num_tokens > 0), num_tokens, prefill, int(stop)
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        step, max_tokens, any_prefill, any_stop = self._buf.tolist()
+        return StepPlan(bool(step) and not any_stop, max_tokens, not any_prefill, bool(any_stop))

@@ -1,0 +1,280 @@
+"""DeepSeek-V3 for serving: embedding, decoder layers (MLA attention over a paged latent KV cache, dense
+MLP for the first `first_k_dense_replace` layers, ep_layer's FusedMoE for the others), final norm,
+lm_head. One instance per expert-parallel rank: attention and dense parts are replicated, routed
+experts are sharded (rank r owns experts [r * E_l, (r + 1) * E_l)), and every rank runs its own
+batch, in step with the others (an idle rank runs ForwardBatch.empty(): the MoE layers must be
+called on every rank, even with no tokens).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ep_layer import Buffer
+from ep_layer.moe import FusedMoE
+
+from ..config import ModelConfig
+from ..forward_batch import ForwardBatch
+from .linear import Linear
+from .mla import MLAttention
+from .norm import Embedding, RMSNorm
+from .paged_attention import AttentionMetadata
+from .rotary import RotaryEmbedding
+from .weights import CheckpointError, copy_checked
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+_MOE_PREFIX = "mlp."
+_SHOWN = 8  # missing tensors listed in an error
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down_proj(SiLU(gate_proj(x)) * up_proj(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, *, fp8: bool, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        kwargs = dict(fp8=fp8, dtype=dtype, device=device)
+        self.gate_proj = Linear(hidden, intermediate, **kwargs)
+        self.up_proj = Linear(hidden, intermediate, **kwargs)
+        self.down_proj = Linear(intermediate, hidden, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    mlp: DenseMLP | FusedMoE
+
+    def __init__(self, config: ModelConfig, index: int, buffer: Buffer | None, max_tokens_per_rank: int,
+                 expert_kernels: str, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
+        self.self_attn = MLAttention(c, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
+        self.is_moe = c.is_moe_layer(index)
+        if self.is_moe:
+            self.mlp = FusedMoE(c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
+                                None, n_group=c.n_group, topk_group=c.topk_group,
+                                routed_scaling_factor=c.routed_scaling_factor,
+                                quant="fp8-block" if c.fp8 else "bf16", n_shared_experts=c.n_shared_experts,
+                                buffer=buffer, max_tokens_per_rank=max_tokens_per_rank,
+                                norm_topk_prob=c.norm_topk_prob, expert_kernels=expert_kernels, device=device)
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, fp8=c.fp8, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        h = self.post_attention_layernorm(x)
+        # FusedMoE works in bf16 (its dispatch sends bf16 or FP8); other dtypes round-trip through it.
+        h = self.mlp(h.to(torch.bfloat16)).to(x.dtype) if self.is_moe else self.mlp(h)
+        return x + h
+
+
+class DeepseekV3Model(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig, buffer: Buffer | None, max_tokens_per_rank: int, expert_kernels: str,
+                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        c = config
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, buffer, max_tokens_per_rank, expert_kernels, dtype, device)
+                                    for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(c, device)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 on one expert-parallel rank; `forward(batch)` runs one paged-attention step.
+
+    ep_buffer: the ep_layer low-latency Buffer all MoE layers share; without one, a Buffer is made for
+    `group` (None: the default process group if torch.distributed is initialised, else one rank)
+    with `backend` ("auto" | "cuda" | "reference"). max_tokens_per_rank: the most tokens one step may
+    hold (every rank dispatches with this T). dtype: activations and unquantised weights; FP8
+    checkpoints keep e4m3 weights with their block scales. Weights start at zero: load them with
+    `load_weights` (serving.loader does it from a checkpoint directory).
+    """
+
+    kv_cache: torch.Tensor | None
+
+    def __init__(self, config: ModelConfig, *, ep_buffer: Buffer | None = None,
+                 group: dist.ProcessGroup | None = None, backend: str = "auto", max_tokens_per_rank: int = 128,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
+                 expert_kernels: str = "auto") -> None:
+        super().__init__()
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+        self.config, self.dtype = config, dtype
+        self.device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", as tensors report it
+        self.max_tokens_per_rank = max_tokens_per_rank
+        has_moe = config.first_k_dense_replace < config.num_hidden_layers
+        if ep_buffer is None and has_moe:
+            ep_buffer = _make_buffer(group, backend, max_tokens_per_rank, config)
+        self.ep_buffer = ep_buffer
+        self.ep_rank, self.ep_size = (ep_buffer.rank, ep_buffer.group_size) if ep_buffer is not None else (0, 1)
+        if config.n_routed_experts % self.ep_size:
+            raise ValueError(f"n_routed_experts={config.n_routed_experts} is not a multiple of the expert-parallel "
+                             f"size {self.ep_size}")
+        self.experts_per_rank = config.n_routed_experts // self.ep_size
+        self.model = DeepseekV3Model(config, ep_buffer, max_tokens_per_rank, expert_kernels, dtype, self.device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, fp8=False, dtype=dtype, device=self.device)
+        self.kv_cache = None
+
+    # ------------------------------------------------------------------ KV cache
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """Allocate (zeroed) and keep the paged latent cache [num_layers, num_blocks, block_size,
+        kv_cache_dim] in the model dtype: per token and layer, [c_kv | k_pe] (see paged_attention)."""
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        c = self.config
+        self.kv_cache = torch.zeros(c.num_hidden_layers, num_blocks, block_size, c.kv_cache_dim, dtype=self.dtype,
+                                    device=self.device)
+        return self.kv_cache
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block of `block_size` tokens takes over all layers (for sizing the cache)."""
+        c = self.config
+        return c.num_hidden_layers * block_size * c.kv_cache_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One step: writes the new tokens' latent KV to their slots, attends (prefill chunks to their
+        sequence's earlier tokens and causally to the chunk, decodes to the cache) and returns float32
+        logits [len(logits_indices), vocab] (one row per sequence by the contract)."""
+        cache = self.kv_cache
+        if cache is None:
+            raise RuntimeError("forward: no KV cache; call allocate_kv_cache(num_blocks, block_size) first")
+        self._check_batch(batch)
+        meta = AttentionMetadata.from_batch(batch, block_size=cache.shape[2], num_blocks=cache.shape[1])
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache[i], meta)
+        h = self.model.norm(x[batch.logits_indices])
+        return self.lm_head(h).float()
+
+    def _check_batch(self, batch: ForwardBatch) -> None:
+        t, s = batch.num_tokens, batch.num_seqs
+        i64, i32 = torch.int64, torch.int32
+        expected = (("input_ids", i64, (t,)), ("positions", i64, (t,)), ("slot_mapping", i64, (t,)),
+                    ("query_start", i32, (s + 1,)), ("seq_lens", i32, (s,)),
+                    ("block_tables", i32, (s, batch.block_tables.shape[-1])),
+                    ("logits_indices", i64, (batch.logits_indices.shape[0],)))
+        for name, dtype, shape in expected:
+            value = getattr(batch, name)
+            if value.dtype != dtype or tuple(value.shape) != shape or value.device != self.device:
+                raise ValueError(f"batch.{name}: expected {dtype} {list(shape)} on {self.device}, got "
+                                 f"{value.dtype} {list(value.shape)} on {value.device}")
+        if t > self.max_tokens_per_rank:
+            raise ValueError(f"batch: {t} tokens, expected at most max_tokens_per_rank={self.max_tokens_per_rank} "
+                             "(every rank's MoE dispatch is sized for it; schedule fewer tokens per step)")
+
+    # ------------------------------------------------------------------ weights
+    def needs_weight(self, name: str) -> bool:
+        """False for checkpoint tensors this rank skips without reading: the multi-token-prediction
+        layer(s) and other ranks' routed experts. Everything else goes to `load_weights`."""
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            return True
+        layer, rest = int(match[1]), match[2]
+        c = self.config
+        if c.num_hidden_layers <= layer < c.num_hidden_layers + c.num_nextn_predict_layers:
+            return False
+        expert = _EXPERT.match(rest) if layer < c.num_hidden_layers and c.is_moe_layer(layer) else None
+        if expert is None:
+            return True
+        first = self.ep_rank * self.experts_per_rank
+        e = int(expert[1])
+        return first <= e < first + self.experts_per_rank or e >= c.n_routed_experts  # bad ids fail in load
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load every tensor of an HF DeepSeek-V3 checkpoint, by its checkpoint name, in any order
+        (tensors `needs_weight` rejects are ignored). Raises CheckpointError naming the tensor for an
+        unexpected, duplicate, mis-shaped or mistyped tensor, and listing any that are missing.
+
+        A MoE layer's tensors go to its FusedMoE together once all of them (router, this rank's
+        experts, shared experts) have arrived, so a loader reading shard by shard holds at most the
+        layers that straddle the shards it is reading."""
+        direct = self._direct_weights()
+        per_moe_layer = self._moe_tensor_count()
+        pending: dict[int, list[tuple[str, torch.Tensor]]] = {
+            i: [] for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name in seen:
+                raise CheckpointError(f"{name}: given twice")
+            seen.add(name)
+            if not self.needs_weight(name):
+                continue
+            match = _LAYER.fullmatch(name)
+            layer = int(match[1]) if match else -1
+            if layer in pending and match[2].startswith(_MOE_PREFIX):
+                pending[layer].append((match[2][len(_MOE_PREFIX):], tensor))
+                if len(pending[layer]) == per_moe_layer:
+                    self._load_moe(layer, pending.pop(layer))
+                continue
+            target = direct.pop(name, None)
+            if target is None:
+                raise CheckpointError(f"unexpected tensor {name}" + _unexpected_hint(name, self.config))
+            copy_checked(name, tensor, target)
+        for layer, tensors in pending.items():
+            self._load_moe(layer, tensors)  # raises: some of the layer's tensors are missing
+        if direct:
+            missing = sorted(direct)
+            shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
+            raise CheckpointError(f"{len(missing)} tensor(s) missing from the checkpoint: {shown}")
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.absorb_weights()
+
+    def _direct_weights(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> storage, for every tensor outside the FusedMoE layers."""
+        moe = tuple(f"model.layers.{i}.mlp." for i, layer in enumerate(self.model.layers) if layer.is_moe)
+        return {name: t for name, t in self.state_dict(keep_vars=True).items() if not name.startswith(moe)}
+
+    def _moe_tensor_count(self) -> int:
+        """Tensors one MoE layer takes on this rank: router weight and bias, 3 projections per own
+        expert and for the shared experts, each with its block scales for FP8."""
+        per_projection = 2 if self.config.fp8 else 1
+        experts = self.experts_per_rank + (1 if self.config.n_shared_experts else 0)
+        return 2 + 3 * per_projection * experts
+
+    def _load_moe(self, layer: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        try:
+            self.model.layers[layer].mlp.load_weights(tensors)
+        except ValueError as e:
+            raise CheckpointError(f"model.layers.{layer}.mlp: {e}") from None
+
+
+def _unexpected_hint(name: str, config: ModelConfig) -> str:
+    if name.endswith("weight_scale_inv") and not config.fp8:
+        return " (FP8 block scales, but config.json has no FP8 quantization_config)"
+    match = _LAYER.fullmatch(name)
+    if match and int(match[1]) >= config.num_hidden_layers:
+        return (f" (layer {match[1]}: the config has num_hidden_layers={config.num_hidden_layers} and "
+                f"num_nextn_predict_layers={config.num_nextn_predict_layers})")
+    return ""
+
+
+def _make_buffer(group: dist.ProcessGroup | None, backend: str, max_tokens: int, config: ModelConfig) -> Buffer:
+    if group is not None:
+        ranks = dist.get_world_size(group)
+    else:
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if config.n_routed_experts % ranks:
+        raise ValueError(f"n_routed_experts={config.n_routed_experts} is not a multiple of the expert-parallel "
+                         f"size {ranks}")
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, config.hidden_size, ranks, config.n_routed_experts)
+    return Buffer(group, num_rdma_bytes=size, low_latency_mode=True, backend=backend)

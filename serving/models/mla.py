@@ -1,0 +1,84 @@
+"""DeepSeek multi-head latent attention (MLA) over a paged latent KV cache, in the absorbed form.
+
+Per token: q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x)), split per head into q_nope and
+q_pe; [c_kv | k_pe] = kv_a_proj_with_mqa(x), c_kv normalised by kv_a_layernorm; q_pe and k_pe get
+RoPE. The cache keeps [c_kv | k_pe] only. kv_b_proj maps c_kv to each head's k_nope (W_UK) and v
+(W_UV); instead of expanding the cache, q_nope is absorbed into W_UK (q_nope . W_UK c = (W_UK^T
+q_nope) . c), so a head's score is [q_nope W_UK | q_pe] . [c_kv | k_pe], and its output is W_UV
+applied to the attention-weighted sum of c_kv.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .linear import Linear
+from .norm import RMSNorm
+from .paged_attention import AttentionMetadata, paged_mla_attention, write_kv
+from .rotary import RotaryEmbedding, softmax_scale
+
+# DeepSeek's code and transformers build q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
+# not config.rms_norm_eps (the two agree in V3's config).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """One layer's MLA; HF names for its weights (q_a_proj, q_a_layernorm, q_b_proj or q_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj)."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        c, fp8 = config, config.fp8
+        self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.scale = softmax_scale(c)
+        self.interleave = c.rope_interleave
+        h, heads, q_dim = c.hidden_size, c.num_attention_heads, c.num_attention_heads * c.qk_head_dim
+        kwargs = dict(fp8=fp8, dtype=dtype, device=device)
+        self.q_lora = c.q_lora_rank is not None
+        if not self.q_lora:
+            self.q_proj = Linear(h, q_dim, **kwargs)
+        else:
+            self.q_a_proj = Linear(h, c.q_lora_rank, **kwargs)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype=dtype, device=device)
+            self.q_b_proj = Linear(c.q_lora_rank, q_dim, **kwargs)
+        self.kv_a_proj_with_mqa = Linear(h, c.kv_cache_dim, **kwargs)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype, device=device)
+        self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), **kwargs)
+        self.o_proj = Linear(heads * c.v_head_dim, h, **kwargs)
+        # Absorbed projections, derived from kv_b_proj by `absorb_weights` after loading.
+        self.register_buffer("w_uk", torch.zeros(heads, c.qk_nope_head_dim, c.kv_lora_rank, dtype=dtype,
+                                                 device=device), persistent=False)
+        self.register_buffer("w_uv", torch.zeros(heads, c.v_head_dim, c.kv_lora_rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def absorb_weights(self) -> None:
+        """Split kv_b_proj [H * (nope + v), kv_lora] into W_UK [H, nope, kv_lora] and W_UV [H, v, kv_lora]."""
+        w = self.kv_b_proj.dense_weight(self.w_uk.dtype).view(self.num_heads, -1, self.kv_lora_rank)
+        self.w_uk.copy_(w[:, :self.qk_nope_head_dim])
+        self.w_uv.copy_(w[:, self.qk_nope_head_dim:])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes the new tokens' [c_kv | k_pe] to `cache` (this layer's
+        [num_blocks, block_size, kv_cache_dim]) first, so that they attend to themselves."""
+        n = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(n, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe = RotaryEmbedding.rotate(q_pe, cos, sin, self.interleave)
+        k_pe = RotaryEmbedding.rotate(k_pe, cos, sin, self.interleave)
+        write_kv(cache, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)  # q_nope absorbed into W_UK
+        attn = paged_mla_attention(torch.cat([q_latent, q_pe], dim=-1), cache, meta, self.scale, self.kv_lora_rank)
+        out = torch.einsum("thc,hvc->thv", attn, self.w_uv)  # W_UV after attention
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))

@@ -1,0 +1,90 @@
+"""Attention over the paged latent KV cache (MLA in its absorbed form: one shared 576-wide key per
+token for V3, whose first kv_lora_rank values are also the value).
+
+Cache layout: one tensor [num_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; a
+token's entry is [c_kv (the kv_a_layernorm'd latent) | k_pe (its RoPE'd shared key, de-interleaved
+as serving.models.rotary lays it out)]; slot s is block s // block_size, offset s % block_size.
+
+This is plain PyTorch, one sequence at a time, with a host sync per step to read the batch layout;
+correct on CPU and GPU. GPU kernel: FlashMLA / FlashInfer's MLA paged decode-and-prefill kernel takes
+`q` [T, H, 576], the cache, block tables and sequence lengths and replaces `paged_mla_attention`
+(and makes the step CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class SequenceSlots:
+    """One sequence of the step: its new tokens [start, end) of the flat batch; `slots` int64 [L] are
+    the cache slots of its positions 0..L-1; `visible` bool [end - start, L]: key j <= query position."""
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    visible: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens read and write the cache; built once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    sequences: tuple[SequenceSlots, ...]
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch, block_size: int, num_blocks: int) -> AttentionMetadata:
+        starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+        tables = batch.block_tables.tolist()  # one host copy for the checks below
+        device = batch.positions.device
+        if starts[0] != 0 or starts[-1] != batch.num_tokens:
+            raise ValueError(f"batch.query_start: expected to run from 0 to num_tokens={batch.num_tokens}, "
+                             f"got {starts[0]} ... {starts[-1]}")
+        sequences = []
+        for i, seq_len in enumerate(lens):
+            start, end = starts[i], starts[i + 1]
+            if not 0 <= start <= end or end - start > seq_len:
+                raise ValueError(f"batch: sequence {i} has tokens [{start}, {end}) of the flat batch but "
+                                 f"seq_lens[{i}]={seq_len}; expected 0 <= start <= end and end - start <= seq_len")
+            needed = -(-seq_len // block_size)
+            if needed > batch.block_tables.shape[1]:
+                raise ValueError(f"batch: sequence {i} has {seq_len} tokens, {needed} blocks of {block_size}, "
+                                 f"but block_tables has {batch.block_tables.shape[1]} columns")
+            if not all(0 <= b < num_blocks for b in tables[i][:needed]):
+                raise ValueError(f"batch: block_tables[{i}][:{needed}] = {tables[i][:needed]}; expected block ids "
+                                 f"in [0, {num_blocks}) for the {seq_len} tokens of sequence {i}")
+            blocks = batch.block_tables[i, :needed].long()
+            pos = torch.arange(seq_len, device=device)
+            slots = blocks[pos // block_size] * block_size + pos % block_size
+            visible = pos[None, :] <= batch.positions[start:end, None]
+            sequences.append(SequenceSlots(start, end, slots, visible))
+        return cls(batch.slot_mapping, tuple(sequences))
+
+
+def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
+    """Store each new token's cache entry [T, D] at its slot of one layer's cache [num_blocks, block_size, D]."""
+    cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(cache.dtype))
+
+
+def paged_mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                        kv_lora_rank: int) -> torch.Tensor:
+    """Latent attention output [T, H, kv_lora_rank] for queries q [T, H, D] (q_nope absorbed into W_UK,
+    then q_pe) against one layer's cache [num_blocks, block_size, D]: softmax(q . key * scale) . c_kv."""
+    flat = cache.view(-1, cache.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    for seq in meta.sequences:
+        n = seq.end - seq.start
+        if n == 0:
+            continue
+        keys = flat[seq.slots].to(q.dtype)  # [L, D]
+        scores = torch.matmul(q[seq.start:seq.end], keys.t()) * scale  # [n, H, L]
+        scores = scores.masked_fill(~seq.visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[seq.start:seq.end] = torch.matmul(probs, keys[:, :kv_lora_rank])
+    return out

@@ -1,0 +1,182 @@
+"""A fake model and tokenizer that obey the engine/model contract (serving/forward_batch.py), for the
+engine and API tests.
+
+FakeModel checks every ForwardBatch invariant, writes each new token id into its paged "KV cache" at
+the batch's slot, and computes a sequence's logits from the last three tokens *read back through its
+block table* and the position: a scheduler or block manager bug changes the text. `reference_next`
+computes the same logits from a plain token list, so tests know the right answer independently.
+With a process group, every forward (empty ones too) all-gathers a step counter: ranks that do not
+step together fail, as a real MoE layer's dispatch would hang.
+
+FakeTokenizer: byte-level, with tokens that are single UTF-8 bytes of multi-byte characters (so the
+incremental detokenizer must hold text back) and a few multi-character tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from serving.forward_batch import ForwardBatch
+
+EOS = 0
+_REAL: list[bytes] = [b"<eos>", *(bytes([c]) for c in b" abcdefghijklmnopqrstuvwxyz.,!?"),
+                      b"the ", b"ing ", b"and ", "é".encode(), b"\xc3", b"\xa9", "€".encode()[:2],
+                      "€".encode()[2:], "日本".encode()]
+VOCAB = 64
+_PIECES = _REAL + [f"<{i}>".encode() for i in range(len(_REAL), VOCAB)]  # rarely sampled filler tokens
+KV_DIM, LAYERS = 4, 2
+_WINDOW = 3
+
+
+class FakeTokenizer:
+    """encode: longest match over the pieces (bytes); decode: join the pieces, UTF-8 with replacement."""
+
+    def encode(self, text: str) -> list[int]:
+        data, ids, i = text.encode(), [], 0
+        by_len = sorted(range(1, len(_PIECES)), key=lambda t: -len(_PIECES[t]))
+        while i < len(data):
+            tok = next((t for t in by_len if data.startswith(_PIECES[t], i) and not _PIECES[t].startswith(b"<")),
+                       None)
+            if tok is None:
+                raise ValueError(f"FakeTokenizer cannot encode {data[i:i + 1]!r}")
+            ids.append(tok)
+            i += len(_PIECES[tok])
+        return ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return b"".join(_PIECES[t] for t in token_ids if t != EOS).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    vocab_size: int = VOCAB
+    eos_token_id: int = EOS
+    max_position_embeddings: int = 256
+    kv_cache_dim: int = KV_DIM
+    num_hidden_layers: int = LAYERS
+
+
+def _logits_for(window: list[int], position: int, eos_bias: float) -> torch.Tensor:
+    """Deterministic float32 [VOCAB] from the last tokens and the position."""
+    seed = 1469598103934665603
+    for v in [*window, position]:
+        seed = (seed ^ (v + 1)) * 1099511628211 % (1 << 61)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(VOCAB, generator=gen) * 3
+    logits[len(_REAL):] -= 6  # filler tokens: unlikely
+    logits[EOS] += eos_bias
+    return logits
+
+
+class FakeModel(nn.Module):
+    def __init__(self, max_tokens_per_rank: int, group: dist.ProcessGroup | None = None, eos_bias: float = -4.0,
+                 max_position_embeddings: int = 256, step_delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.config = FakeConfig(max_position_embeddings=max_position_embeddings)
+        self.max_tokens_per_rank, self.group, self.eos_bias = max_tokens_per_rank, group, eos_bias
+        self.step_delay_s = step_delay_s
+        self.kv: torch.Tensor | None = None
+        self.block_size = 0
+        self.num_forwards = 0
+        self.num_empty_forwards = 0
+        self.max_batch_tokens = 0
+        self.batches: list[tuple[int, int]] = []  # (num_seqs, num_tokens) of each forward
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        # Token id + 1 per slot (0 = never written), so a read of a stale or foreign slot shows up.
+        self.kv = torch.zeros(num_blocks * block_size, dtype=torch.int64)
+        self.block_size = block_size
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        assert self.kv is not None, "allocate_kv_cache was not called"
+        self._check(batch)
+        self._lockstep()
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.num_forwards += 1
+        self.num_empty_forwards += batch.num_tokens == 0
+        self.max_batch_tokens = max(self.max_batch_tokens, batch.num_tokens)
+        self.batches.append((batch.num_seqs, batch.num_tokens))
+        self.kv[batch.slot_mapping] = batch.input_ids + 1
+        out = torch.empty(batch.num_seqs, VOCAB, dtype=torch.float32)
+        bs = self.block_size
+        for i in range(batch.num_seqs):
+            length = int(batch.seq_lens[i])
+            table = batch.block_tables[i]
+            positions = range(max(0, length - _WINDOW), length)
+            window = [int(self.kv[int(table[p // bs]) * bs + p % bs]) - 1 for p in positions]
+            assert min(window) >= 0, f"sequence {i}: read a KV slot that was never written"
+            out[i] = _logits_for(window, length - 1, self.eos_bias)
+        return out
+
+    def _check(self, b: ForwardBatch) -> None:
+        n, s = b.num_tokens, b.num_seqs
+        assert b.input_ids.dtype == torch.int64 and b.positions.dtype == torch.int64
+        assert b.slot_mapping.dtype == torch.int64 and b.logits_indices.dtype == torch.int64
+        assert b.query_start.dtype == torch.int32 and b.seq_lens.dtype == torch.int32
+        assert b.block_tables.dtype == torch.int32 and b.block_tables.dim() == 2
+        assert b.positions.shape == (n,) and b.slot_mapping.shape == (n,)
+        assert b.query_start.shape == (s + 1,) and b.logits_indices.shape == (s,)
+        assert b.block_tables.shape[0] == s
+        assert n <= self.max_tokens_per_rank, f"{n} tokens > max_tokens_per_rank={self.max_tokens_per_rank}"
+        assert int(b.query_start[0]) == 0 and int(b.query_start[-1]) == n
+        assert n == 0 or (int(b.input_ids.min()) >= 0 and int(b.input_ids.max()) < VOCAB)
+        bs = self.block_size
+        for i in range(s):
+            lo, hi = int(b.query_start[i]), int(b.query_start[i + 1])
+            length = int(b.seq_lens[i])
+            assert hi > lo, f"sequence {i} has no new tokens"
+            assert b.positions[lo:hi].tolist() == list(range(length - (hi - lo), length))
+            assert int(b.logits_indices[i]) == hi - 1
+            table = b.block_tables[i].tolist()
+            used = -(-length // bs)
+            assert all(x >= 0 for x in table[:used]) and all(x == -1 for x in table[used:])
+            for j in range(lo, hi):
+                p = int(b.positions[j])
+                assert int(b.slot_mapping[j]) == table[p // bs] * bs + p % bs
+        assert len(set(b.slot_mapping.tolist())) == n, "two tokens write the same KV slot"
+
+    def _lockstep(self) -> None:
+        if self.group is None:
+            return
+        mine = torch.tensor([self.num_forwards], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        counts = [int(t) for t in every]
+        assert len(set(counts)) == 1, f"ranks out of step: forward counts {counts}"
+
+
+def reference_next(tokens: list[int], eos_bias: float = -4.0) -> torch.Tensor:
+    """The logits FakeModel gives after `tokens`, computed from the plain list."""
+    return _logits_for(tokens[-_WINDOW:], len(tokens) - 1, eos_bias)
+
+
+def reference_greedy(prompt: list[int], max_tokens: int, eos_bias: float = -4.0,
+                     ignore_eos: bool = False) -> list[int]:
+    """Greedy continuation of `prompt` (stops after EOS unless ignore_eos)."""
+    tokens, out = list(prompt), []
+    for _ in range(max_tokens):
+        t = int(torch.argmax(reference_next(tokens, eos_bias)))
+        out.append(t)
+        tokens.append(t)
+        if t == EOS and not ignore_eos:
+            break
+    return out
+
+
+# This module is an EngineConfig.loader ("serving_fakes"): config.model "fake", "fake-eos" (EOS likely) or
+# "fake-slow" (10 ms per forward).
+def load_model(config: Any, group: dist.ProcessGroup | None, device: torch.device) -> tuple[FakeModel, FakeTokenizer]:
+    eos_bias = 8.0 if config.model == "fake-eos" else -4.0
+    delay = 0.01 if config.model == "fake-slow" else 0.0
+    return FakeModel(config.max_tokens_per_rank, group, eos_bias, step_delay_s=delay), FakeTokenizer()
+
+
+def load_tokenizer(config: Any) -> FakeTokenizer:
+    return FakeTokenizer()

@@ -1,0 +1,311 @@
+"""serving.engine against the fake model (tests/serving_fakes.py), whose logits come from the tokens it
+reads back through the block tables: scheduling, chunked prefill, paged KV blocks, preemption, stop
+conditions, streaming text, seeded sampling, cancellation, and ranks stepping together (EP)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dist_harness import run_ranks
+from serving_fakes import EOS, VOCAB, FakeModel, FakeTokenizer, reference_greedy
+
+from serving.engine.detokenizer import IncrementalDetokenizer, OutputText
+from serving.engine.engine import LLMEngine
+from serving.engine.messages import RequestOutput
+from serving.engine.sampling import Sampler
+from serving.engine.sequence import SamplingParams
+from serving.engine.step_sync import StepSync
+
+TOK = FakeTokenizer()
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(budget: int = 8, block_size: int = 4, num_blocks: int = 256, max_model_len: int = 128,
+                max_num_seqs: int = 8, eos_bias: float = -4.0, group=None, rank: int = 0,
+                num_ranks: int = 1) -> LLMEngine:
+    model = FakeModel(budget, group, eos_bias)
+    return LLMEngine(model, TOK, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
+                     max_num_seqs=max_num_seqs, max_tokens_per_rank=budget, device=torch.device("cpu"),
+                     rank=rank, num_ranks=num_ranks)
+
+
+def prompt_of(n: int, salt: int = 0) -> list[int]:
+    return [1 + (7 * i + 3 * salt) % 30 for i in range(n)]
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+        max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
+    """Add the requests, step until all finish; every output by request."""
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outs
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def text(outs: list[RequestOutput]) -> str:
+    return "".join(o.new_text for o in outs)
+
+
+def check_blocks(engine: LLMEngine) -> None:
+    """Every running sequence holds exactly the blocks its computed tokens need; the rest are free."""
+    bm = engine.block_manager
+    held = [b for s in engine.scheduler.running for b in s.block_table]
+    assert len(held) == len(set(held))
+    for seq in engine.scheduler.running:
+        assert len(seq.block_table) == math.ceil(seq.num_computed_tokens / bm.block_size)
+    for seq in engine.scheduler.waiting:
+        assert seq.block_table == []
+    assert bm.num_free_blocks + len(held) == bm.num_blocks
+    assert engine.scheduler_stats().kv_cache_usage == pytest.approx(len(held) / bm.num_blocks)
+
+
+# ---------------------------------------------------------------------------- batching and the KV cache
+def test_greedy_matches_reference_with_chunked_prefill_and_mixed_batches():
+    engine = make_engine(budget=8)
+    lengths = [1, 5, 8, 9, 17, 30]
+    requests = {f"r{n}": (prompt_of(n, n), GREEDY) for n in lengths}
+    outs = run(engine, requests)
+    for rid, (prompt, _) in requests.items():
+        assert tokens(outs[rid]) == reference_greedy(prompt, 12, ignore_eos=True), rid
+        assert text(outs[rid]) == TOK.decode(reference_greedy(prompt, 12, ignore_eos=True)), rid
+        assert outs[rid][-1].finish_reason == "length" and outs[rid][-1].num_output_tokens == 12
+    assert engine.model.max_batch_tokens == 8  # the budget was used to the full, never exceeded
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_chunked_prefill_steps_and_decode_alongside():
+    engine = make_engine(budget=8)
+    engine.add_request("short", prompt_of(3), GREEDY)
+    assert [o.request_id for o in engine.step()] == ["short"]  # 3-token prefill, first token sampled
+    engine.add_request("long", prompt_of(20, 1), GREEDY)
+    steps = [engine.step() for _ in range(4)]
+    # short decodes one token per step while long's prompt goes in chunks of 7, 7, 6 (budget 8 minus 1).
+    assert engine.model.batches[1:] == [(2, 8), (2, 8), (2, 7), (2, 2)]
+    assert [[o.request_id for o in s] for s in steps] == [["short"], ["short"], ["short", "long"], ["short", "long"]]
+    check_blocks(engine)
+
+
+def test_block_accounting_through_a_run():
+    engine = make_engine(budget=8, block_size=4)
+    for i, n in enumerate([3, 10, 4, 21]):
+        engine.add_request(f"r{i}", prompt_of(n, i), SamplingParams(max_tokens=6 + i, temperature=0, ignore_eos=True))
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        engine.step()
+        check_blocks(engine)
+    assert not engine.has_work()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.block_manager.usage == 0.0
+
+
+def test_preemption_when_the_cache_runs_out_recomputes_correctly():
+    # 3 sequences of up to 40 tokens, blocks of 4: 30 blocks needed, 12 available (one full sequence fits).
+    engine = make_engine(budget=8, block_size=4, num_blocks=12, max_model_len=48)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    requests = {f"r{i}": (prompt_of(20, i), params) for i in range(3)}
+    outs = run(engine, requests)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, (prompt, _) in requests.items():
+        assert tokens(outs[rid]) == reference_greedy(prompt, 20, ignore_eos=True), rid
+    assert engine.block_manager.num_free_blocks == 12
+
+
+def test_generate_runs_prompts_to_completion():
+    prompts = [prompt_of(4, 1), prompt_of(11, 2)]
+    assert make_engine().generate(prompts, GREEDY) == [TOK.decode(reference_greedy(p, 12, ignore_eos=True))
+                                                       for p in prompts]
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    engine = make_engine(max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(f"r{i}", prompt_of(2, i), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    engine.step()
+    stats = engine.scheduler_stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 3)
+
+
+def test_a_sequence_stops_at_max_model_len():
+    engine = make_engine(max_model_len=16)
+    outs = run(engine, {"r": (prompt_of(10), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))})
+    assert len(tokens(outs["r"])) == 6 and outs["r"][-1].finish_reason == "length"
+
+
+def test_add_request_refuses_bad_prompts():
+    engine = make_engine(max_model_len=16)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("b", [1, VOCAB], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("c", prompt_of(16), GREEDY)
+    engine.add_request("d", [1], GREEDY)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("d", [1], GREEDY)
+
+
+# ---------------------------------------------------------------------------- stop conditions and text
+def greedy_text(prompt: list[int], n: int = 40) -> str:
+    return TOK.decode(reference_greedy(prompt, n, ignore_eos=True))
+
+
+def test_stop_string_trims_output_and_streaming_never_shows_it():
+    prompt = prompt_of(6, 2)
+    full = greedy_text(prompt)
+    stop = full[15:18]
+    cut = full.find(stop)
+    assert cut > 0, "pick another prompt: the stop string must not start the text"
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=("never there", stop))
+    outs = run(make_engine(), {"r": (prompt, params)})["r"]
+    assert text(outs) == full[:cut]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    streamed = ""
+    for o in outs:
+        streamed += o.new_text
+        assert full[:cut].startswith(streamed), "streamed text went past the stop string's start"
+
+
+def test_earliest_stop_string_wins():
+    prompt = prompt_of(5, 4)
+    full = greedy_text(prompt)
+    early, late = full[8:10], full[20:23]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(late, early))
+    outs = run(make_engine(), {"r": (prompt, params)})["r"]
+    assert text(outs) == full[:full.find(early)] and outs[-1].stop_reason == early
+
+
+def test_stop_token_ids_and_eos():
+    prompt = prompt_of(4, 3)
+    ref = reference_greedy(prompt, 12, ignore_eos=True)
+    stop_id = ref[4]
+    first = ref.index(stop_id)
+    outs = run(make_engine(), {"r": (prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,),
+                                                           ignore_eos=True))})["r"]
+    assert tokens(outs) == ref[:first + 1]  # the stop token counts as generated, its text is not shown
+    assert text(outs) == TOK.decode(ref[:first]) and outs[-1].stop_reason == stop_id
+    # A model that likes EOS: stop there (EOS not in the text), or go on to max_tokens with ignore_eos.
+    ref_eos = reference_greedy(prompt, 12, eos_bias=8.0)
+    assert ref_eos[-1] == EOS and len(ref_eos) < 12
+    engine = make_engine(eos_bias=8.0)
+    outs = run(engine, {"eos": (prompt, SamplingParams(max_tokens=12, temperature=0)),
+                        "ignore": (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))})
+    assert tokens(outs["eos"]) == ref_eos and outs["eos"][-1].finish_reason == "stop"
+    assert outs["eos"][-1].stop_reason is None and text(outs["eos"]) == TOK.decode(ref_eos[:-1])
+    assert len(tokens(outs["ignore"])) == 12 and outs["ignore"][-1].finish_reason == "length"
+
+
+def test_incremental_detokenizer_holds_back_split_characters():
+    detok = IncrementalDetokenizer(TOK, [1, 2])
+    first, second = [t for t in range(VOCAB) if TOK.decode([t]) == "\ufffd"][:2]  # b"\xc3", b"\xa9"
+    assert detok.add(TOK.encode("a")[0]) == "a"
+    assert detok.add(first) == ""
+    assert detok.add(second) == "é"
+    text_state = OutputText(TOK, [1])
+    text_state.add(first)
+    assert text_state.take(finished=False) == ""
+    assert text_state.take(finished=True) == "\ufffd"  # what is left at the end is shown as it is
+
+
+# ---------------------------------------------------------------------------- sampling
+def test_seeded_sampling_is_reproducible_whatever_the_batch():
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    prompt = prompt_of(7, 5)
+    alone = tokens(run(make_engine(), {"r": (prompt, params)})["r"])
+    crowd = {f"o{i}": (prompt_of(3 + i, i), SamplingParams(max_tokens=15, temperature=0.8, ignore_eos=True))
+             for i in range(4)}
+    crowd["r"] = (prompt, params)
+    batched = tokens(run(make_engine(), crowd)["r"])
+    assert alone == batched
+    other = tokens(run(make_engine(), {"r": (prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=99,
+                                                                     ignore_eos=True))})["r"])
+    assert other != alone
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    prompt = prompt_of(5, 6)
+    ref = reference_greedy(prompt, 10, ignore_eos=True)
+    for params in (SamplingParams(max_tokens=10, temperature=0.7, top_k=1, ignore_eos=True, seed=1),
+                   SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True)):
+        assert tokens(run(make_engine(), {"r": (prompt, params)})["r"]) == ref
+
+
+def test_sampler_respects_top_k_and_top_p_sets():
+    torch.manual_seed(0)
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0]]).repeat(200, 1)
+    top2 = Sampler("cpu")(logits, [SamplingParams(temperature=1.0, top_k=2)] * 200, [None] * 200)
+    assert set(top2) == {0, 1}
+    # softmax = [.66, .24, .09, ...]: top_p 0.8 keeps the first two
+    top_p = Sampler("cpu")(logits, [SamplingParams(temperature=1.0, top_p=0.8)] * 200, [None] * 200)
+    assert set(top_p) == {0, 1}
+
+
+# ---------------------------------------------------------------------------- cancellation
+def test_abort_frees_blocks_and_leaves_the_others_alone():
+    engine = make_engine(max_num_seqs=2)
+    keep, drop, queued = prompt_of(9, 1), prompt_of(12, 2), prompt_of(4, 3)
+    engine.add_request("keep", keep, GREEDY)
+    engine.add_request("drop", drop, GREEDY)
+    engine.add_request("queued", queued, GREEDY)  # waits: max_num_seqs=2
+    outs: list[RequestOutput] = []
+    for _ in range(4):
+        outs += engine.step()
+    free_before = engine.block_manager.num_free_blocks
+    dropped = engine.requests["drop"]
+    held = len(dropped.block_table)
+    assert held > 0
+    final = engine.abort("drop")
+    assert final is not None and final.finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks == free_before + held
+    assert engine.abort("drop") is None
+    check_blocks(engine)
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        outs += engine.step()
+    got = [t for o in outs if o.request_id == "keep" for t in o.new_token_ids]
+    assert got == reference_greedy(keep, 12, ignore_eos=True)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # A waiting request can be aborted too.
+    engine.add_request("w", prompt_of(3), GREEDY)
+    assert engine.abort("w").finish_reason == "abort" and not engine.has_work()
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+def _ep_rank(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    sync = StepSync(dist.new_group(backend="gloo"))
+    engine = make_engine(budget=8, group=dist.group.WORLD, rank=rank, num_ranks=world_size)
+    mine = {0: [3, 20, 7], 1: [2]}[rank]
+    for i, n in enumerate(mine):
+        engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
+    got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
+    for _ in range(500):
+        batch = engine.schedule()
+        plan = sync.agree(batch.num_tokens, batch.is_decode_only)
+        if not plan.step:
+            break
+        for out in engine.execute(batch):
+            got[out.request_id] += out.new_token_ids
+    want = {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
+            for i, n in enumerate(mine)}
+    return {"ok": got == want, "forwards": engine.model.num_forwards, "empty": engine.model.num_empty_forwards}
+
+
+def test_expert_parallel_ranks_step_together_with_empty_batches():
+    results = run_ranks(_ep_rank, 2, timeout_s=60)
+    assert all(r["ok"] for r in results), results
+    assert results[0]["forwards"] == results[1]["forwards"]  # FakeModel also checks this at every forward
+    assert results[0]["empty"] == 0 and results[1]["empty"] > 0
