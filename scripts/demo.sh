@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job for now (until the serving engine lands): sets up .venv if needed, then runs dispatch and
+# A small dispatch/combine demo: sets up .venv if needed, then runs dispatch and
 # combine across 4 CPU ranks and prints a report. Extra arguments go to the demo, e.g.
 # `bash scripts/demo.sh --ranks 2 --no-fp8`; see `bash scripts/demo.sh --help`.
 set -euo pipefail
