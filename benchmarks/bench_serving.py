@@ -1,0 +1,196 @@
+"""Serving benchmark: a concurrency sweep of streaming completions against an ep-serve server.
+
+For each concurrency level it keeps that many requests in flight (each generating exactly
+--max-tokens tokens: ignore_eos) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
+floor of one decode step: the weight bytes one rank reads per step (its attention, dense layers, shared
+experts and lm_head, plus its experts that the step's tokens activate, counted from the checkpoint's
+safetensors headers) over the HBM bandwidth.
+
+    python benchmarks/bench_serving.py                                  # launches ep-serve (tiny model, EP=2, CPU)
+    python benchmarks/bench_serving.py --launch "/ckpt --enable-expert-parallel --data-parallel-size 8"
+    python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model-dir /ckpt --concurrency 1 8 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+H200_HBM_BYTES_PER_S = 4.8e12  # datasheet; bench_ll.py measures the copy rate of the card at hand
+
+
+@dataclass
+class Sample:
+    ttft: float
+    tpot: float
+    tokens: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if first is None or tokens == 0:
+        raise RuntimeError("stream ended without tokens")
+    return Sample(first - start, (end - first) / max(tokens - 1, 1), tokens)
+
+
+async def sweep_level(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
+                      max_tokens: int) -> tuple[list[Sample], float]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(i: int) -> Sample:
+        async with gate:
+            prompt = " ".join(f"w{(i * 7 + j) % 97}" for j in range(prompt_len))
+            return await one_request(client, model, prompt, max_tokens)
+
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+        samples = await asyncio.gather(*(limited(i) for i in range(requests)))
+        return list(samples), time.perf_counter() - start
+
+
+def tensor_bytes(model_dir: Path) -> dict[str, int]:
+    """Tensor name -> bytes, from the safetensors headers only (no tensor data is read)."""
+    sizes: dict[str, int] = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                sizes[name] = meta["data_offsets"][1] - meta["data_offsets"][0]
+    return sizes
+
+
+def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> float:
+    """Weight bytes one rank reads in a decode step of `tokens_per_rank` tokens on each of `ranks` ranks."""
+    config = json.loads((model_dir / "config.json").read_text())
+    experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
+    mtp_prefix = f"model.layers.{config['num_hidden_layers']}."
+    dense, expert_bytes = 0, {}
+    for name, size in tensor_bytes(model_dir).items():
+        if name.startswith(mtp_prefix) or name == "model.embed_tokens.weight":
+            continue  # the MTP layer is not served; the embedding is gathered row by row
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            expert_bytes[layer] = expert_bytes.get(layer, 0) + size
+        else:
+            dense += size
+    # Expected experts of one layer that a step's tokens (from all ranks) activate, this rank's share.
+    active = experts * (1 - (1 - topk / experts) ** (tokens_per_rank * ranks)) / ranks
+    return dense + sum(total / experts * active for total in expert_bytes.values())
+
+
+def launch(args_line: str, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "serving.cli", *shlex.split(args_line), "--port", str(port)]
+    print("# launching:", " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_healthy(url: str, server: subprocess.Popen | None, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise SystemExit(f"ep-serve exited with {server.returncode}: {server.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="an already running server (else one is launched)")
+    parser.add_argument("--launch", default="--enable-expert-parallel --data-parallel-size 2",
+                        help="ep-serve arguments for the launched server (default: built-in tiny model, EP=2)")
+    parser.add_argument("--port", type=int, default=8311)
+    parser.add_argument("--model", help="model name in the API (default: the server's first model)")
+    parser.add_argument("--model-dir", type=Path, help="checkpoint directory, for the weight-bytes floor "
+                        "(default: the server's model root from /v1/models)")
+    parser.add_argument("--ranks", type=int, default=None, help="EP ranks of the server (for the floor)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (default 4 x concurrency, >= 8)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt words")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
+    args = parser.parse_args()
+
+    server = None
+    url = args.url
+    if url is None:
+        url = f"http://127.0.0.1:{args.port}"
+        server = launch(args.launch, args.port)
+    try:
+        wait_healthy(url, server)
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        model = args.model or models[0]["id"]
+        model_dir = args.model_dir or Path(models[0]["root"])
+        ranks = args.ranks or (int(shlex.split(args.launch)[shlex.split(args.launch).index("--data-parallel-size") + 1])
+                               if server is not None and "--data-parallel-size" in args.launch else 1)
+        print(f"# model {model} ({model_dir}), {ranks} rank(s), prompt {args.prompt_len} words, "
+              f"{args.max_tokens} tokens per request, HBM {args.hbm_bytes_per_s / 1e12:.1f} TB/s", flush=True)
+        rows = []
+        for concurrency in args.concurrency:
+            requests = args.requests or max(8, 4 * concurrency)
+            samples, elapsed = asyncio.run(sweep_level(url, model, concurrency, requests, args.prompt_len,
+                                                       args.max_tokens))
+            ttft = [s.ttft * 1e3 for s in samples]
+            tpot = [s.tpot * 1e3 for s in samples]
+            tokens = sum(s.tokens for s in samples)
+            per_rank = max(1, round(concurrency / ranks))
+            floor_us = decode_step_bytes(model_dir, per_rank, ranks) / args.hbm_bytes_per_s * 1e6 \
+                if model_dir.is_dir() else float("nan")
+            rows.append((concurrency, requests, percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50),
+                         percentile(tpot, 99), tokens / elapsed, floor_us))
+            print(" ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+        header = ("conc", "requests", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok/s",
+                  "step_floor_us")
+        print("\n" + " | ".join(f"{h:>12}" for h in header))
+        for row in rows:
+            print(" | ".join(f"{v:12.2f}" if isinstance(v, float) else f"{v:>12}" for v in row))
+        print("step_floor_us: one rank's decode-step weight bytes over the HBM bandwidth (the TPOT floor on a GPU)")
+    finally:
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
