@@ -236,7 +236,7 @@ struct DispatchCall {
   int* recv_count;               // [E_l]
   int* src_info;                 // [E_l, R*T]
   long long* layout_range;       // [E_l, R]
-  int* combine_map;              // [E_l, R*T]: (source rank << 16) | (token * kMaxTopk + k)
+  int* combine_map;              // [E_l, R*T]: (top-k position mask << 13) | (source rank * T + token)
   int* recv_stats;               // [E_l] or null
   long long* wait_stats;         // [R] or null
 };
