@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..quant import FP8_GROUP, UE8M0_PACK
+
 # (src_info int32 [E_l, R*T], layout_range int64 [E_l, R], T, H, E), as DeepEP's handle.
 Handle = tuple[torch.Tensor, torch.Tensor, int, int, int]
 RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -26,6 +28,21 @@ class DispatchSpec:
     use_fp8: bool
     round_scale: bool
     use_ue8m0: bool
+
+
+def empty_recv_x(spec: DispatchSpec, num_local: int, rows: int, device: torch.device) -> RecvX:
+    """Dispatch's received-token output, uninitialised: bf16 [E_l, rows, H], or with FP8 (e4m3 data
+    [E_l, rows, H], scales) where the scales (float32 [.., H/128], or UE8M0 int32 [.., H/512]) are
+    column-major in the last two dims, as DeepEP's grouped GEMMs want them."""
+    h = spec.hidden
+    if not spec.use_fp8:
+        return torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=device)
+    data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=device)
+    if spec.use_ue8m0:
+        cols, dtype = h // (FP8_GROUP * UE8M0_PACK), torch.int32
+    else:
+        cols, dtype = h // FP8_GROUP, torch.float32
+    return data, torch.empty(num_local, cols, rows, dtype=dtype, device=device).transpose(1, 2)
 
 
 @dataclass(frozen=True)

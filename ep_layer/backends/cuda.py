@@ -17,8 +17,8 @@ import torch.distributed as dist
 from .. import layout, native
 from ..checks import expect
 from ..errors import EPTimeoutError
-from ..quant import FP8_GROUP, UE8M0_PACK
-from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf
+from ..quant import FP8_GROUP
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
 
 MAX_HIDDEN = 16384
 _OPS = ("low_latency_dispatch", "low_latency_combine")
@@ -150,18 +150,8 @@ class CudaBackend(Backend):
         ticket, recv_count, src_info, combine_map = ints.split([1, num_local, num_local * rows, num_local * rows])
         src_info, combine_map = src_info.view(num_local, rows), combine_map.view(num_local, rows)
         layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=dev)
-        if spec.use_fp8:
-            data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=dev)
-            if spec.use_ue8m0:
-                cols, dtype = h // (FP8_GROUP * UE8M0_PACK), torch.int32
-            else:
-                cols, dtype = h // FP8_GROUP, torch.float32
-            scales = torch.empty(num_local, cols, rows, dtype=dtype, device=dev).transpose(1, 2)
-            recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (data, scales)
-            data_ptr, scales_ptr = data.data_ptr(), scales.data_ptr()
-        else:
-            recv_x = torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=dev)
-            data_ptr, scales_ptr = recv_x.data_ptr(), 0
+        recv_x = empty_recv_x(spec, num_local, rows, dev)
+        data_ptr, scales_ptr = (recv_x[0].data_ptr(), recv_x[1].data_ptr()) if spec.use_fp8 else (recv_x.data_ptr(), 0)
         args = (ticket.data_ptr(), x.shape[0], topk_idx.shape[1], spec.use_fp8, spec.round_scale,
                 spec.use_ue8m0, self._chunks_per_slot(rows), x.data_ptr(), topk_idx.data_ptr(),
                 data_ptr, scales_ptr, recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),

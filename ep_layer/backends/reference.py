@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_topk_values
-from ..quant import FP8_GROUP, UE8M0_PACK, per_token_cast_to_fp8
-from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf
+from ..quant import per_token_cast_to_fp8
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
 from .exchange import PeerExchange
 
 _DISPATCH, _COMBINE = 1, 2
@@ -113,20 +113,8 @@ class ReferenceBackend(Backend):
         recv_count = torch.empty(num_local, dtype=torch.int32, device=device)
         src_info = torch.empty(num_local, rows, dtype=torch.int32, device=device)
         layout_range = torch.empty(num_local, num_ranks, dtype=torch.int64, device=device)
-        if spec.use_fp8:
-            recv_data = torch.empty(num_local, rows, h, dtype=torch.float8_e4m3fn, device=device)
-            if spec.use_ue8m0:
-                scale_cols, scale_dtype = h // (FP8_GROUP * UE8M0_PACK), torch.int32
-            else:
-                scale_cols, scale_dtype = h // FP8_GROUP, torch.float32
-            # Column-major in the last two dims, as DeepEP's grouped GEMMs want them.
-            recv_scales = torch.empty(num_local, scale_cols, rows, dtype=scale_dtype,
-                                      device=device).transpose(1, 2)
-            recv_x = (recv_data, recv_scales)
-            out_columns = [recv_data, recv_scales]
-        else:
-            recv_x = torch.empty(num_local, rows, h, dtype=torch.bfloat16, device=device)
-            out_columns = [recv_x]
+        recv_x = empty_recv_x(spec, num_local, rows, device)
+        out_columns = list(recv_x) if spec.use_fp8 else [recv_x]
         widths = [8, num_local] + [c.shape[-1] * c.element_size() for c in out_columns]
 
         def receive() -> None:
