@@ -7,6 +7,7 @@ zero-copy combine buffer.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,8 +42,15 @@ class _DispatchRecord:
 
     def __init__(self, handle: Handle, slot: int, private: object) -> None:
         self.src_info = weakref.ref(handle[0])
+        self.layout_range = weakref.ref(handle[1])
+        self.sizes = handle[2:]  # (T, H, E)
         self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
         self.private = private  # backend state that combine needs (e.g. row -> source slot map)
+
+    def matches(self, handle: tuple) -> bool:
+        """`handle` is the one this dispatch returned, unaltered."""
+        return (self.src_info() is handle[0] and self.layout_range() is handle[1]
+                and all(a is b or (type(a) is int and a == b) for a, b in zip(handle[2:], self.sizes)))
 
 
 class Buffer:
@@ -62,10 +70,10 @@ class Buffer:
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         expect(low_latency_mode, "low_latency_mode", "True (only DeepEP's low-latency mode is supported)",
                low_latency_mode)
-        expect(isinstance(num_rdma_bytes, int) and num_rdma_bytes >= 0, "num_rdma_bytes",
-               "a non-negative int", num_rdma_bytes)
-        expect(isinstance(timeout_s, (int, float)) and timeout_s > 0, "timeout_s", "a positive number of "
-               "seconds", timeout_s)
+        expect(type(num_rdma_bytes) is int and num_rdma_bytes >= 0, "num_rdma_bytes", "a non-negative int",
+               num_rdma_bytes)
+        expect(type(timeout_s) in (int, float) and 0 < timeout_s < math.inf, "timeout_s",
+               "a positive, finite number of seconds", timeout_s)
         rank, size = group_rank_and_size(group)
         self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s)))
         self.num_nvl_bytes = num_nvl_bytes
@@ -74,6 +82,7 @@ class Buffer:
     @classmethod
     def from_backend(cls, backend: Backend) -> Buffer:
         """A Buffer around an existing backend (e.g. one of several ranks emulated in one process)."""
+        expect(isinstance(backend, Backend), "backend", "an ep_layer.backends.Backend", type(backend).__name__)
         buffer = cls.__new__(cls)
         buffer._attach(backend)
         buffer.num_nvl_bytes = 0
@@ -108,12 +117,15 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """DeepEP's SM budget for its normal kernels; the low-latency kernels size themselves."""
-        Buffer.num_sms = new_num_sms
+        Buffer.num_sms = check_positive_int(new_num_sms, "new_num_sms")
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Forget outstanding dispatches and reset the backend's communication state."""
         backend = self._live()
+        check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", MAX_TOKENS_PER_RANK)
+        check_positive_int(hidden, "hidden")
+        check_experts(num_experts, self.group_size)
         self._dispatches.clear()
         self._combine_buffers.clear()
         backend.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -258,7 +270,7 @@ class Buffer:
         expect(ok, "handle", "the handle returned by low_latency_dispatch", type(handle).__name__)
         assert isinstance(handle, tuple)
         record = self._dispatches.get(id(handle[0]))
-        if record is None or record.src_info() is not handle[0]:
+        if record is None or not record.matches(handle):
             raise ValueError(f"handle: not from one of this Buffer's last {_OUTSTANDING} dispatches "
                              "(at most two results may be outstanding)")
         return record

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import expect
+
 
 class EventOverlap:
     """A CUDA event marking when an `async_finish` call completes, plus tensors it keeps alive.
@@ -15,6 +17,11 @@ class EventOverlap:
 
     def __init__(self, event: torch.cuda.Event | None = None,
                  extra_tensors: Sequence[torch.Tensor] | None = None) -> None:
+        expect(event is None or isinstance(event, torch.cuda.Event), "event", "None or a torch.cuda.Event",
+               type(event).__name__)
+        expect(extra_tensors is None or (isinstance(extra_tensors, (list, tuple))
+                                         and all(isinstance(t, torch.Tensor) for t in extra_tensors)),
+               "extra_tensors", "None or a list or tuple of tensors", type(extra_tensors).__name__)
         self.event = event
         self.extra_tensors = tuple(extra_tensors or ())
 

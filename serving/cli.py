@@ -10,6 +10,7 @@ import sys
 from .engine.config import DEFAULT_LOADER, EP_BACKENDS, EngineConfig
 
 DEFAULT_TINY_NAME = "ep-layer-tiny"
+DEFAULT_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
 log = logging.getLogger("ep-serve")
 
 
@@ -36,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but --api-key-exempt-paths")
+    p.add_argument("--api-key-exempt-paths", default="/health,/metrics", metavar="PATHS",
+                   help="comma-separated paths served without the API key ('' for none)")
+    p.add_argument("--max-waiting-seqs", type=int, default=None,
+                   help="sequences that may wait per rank beyond --max-num-seqs running; past that, new requests "
+                        "get 503 with Retry-After (default: 4 x --max-num-seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens (prompt + completion) per request (default: the model's "
                         "max_position_embeddings)")
@@ -57,14 +63,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU memory left after loading the model that the KV cache may take")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the ranks run (auto: cuda if available; rank r uses GPU r mod #GPUs)")
+                   help="where the ranks run (auto: cuda if available; the r-th rank of a host uses GPU r mod #GPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests that give none")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode (accepted for vLLM compatibility: decode runs "
                         "eagerly in this version either way)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn and ep-serve log level")
+    _add_multi_host_args(p)
     return p
+
+
+def _add_multi_host_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "multi-host jobs", "Start one ep-serve per host with the same --data-parallel-size: each runs its own ranks "
+        "and serves HTTP for them (vLLM's hybrid load balancing); all ranks join one torch.distributed job at "
+        "the rank-0 host. Needs --enable-expert-parallel.")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None, metavar="N",
+                   help="ranks this ep-serve runs (default: all of --data-parallel-size; required with "
+                        "--data-parallel-start-rank)")
+    g.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0, metavar="RANK",
+                   help="global rank of this ep-serve's first rank")
+    g.add_argument("--data-parallel-rank", "-dpn", type=int, default=None, metavar="RANK",
+                   help="run this one rank only (vLLM's external load balancing): the same as "
+                        "--data-parallel-start-rank RANK --data-parallel-size-local 1")
+    g.add_argument("--data-parallel-address", "-dpa", default="127.0.0.1", metavar="ADDR",
+                   help="address of the host that runs rank 0, where the ranks meet")
+    g.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None, metavar="PORT",
+                   help=f"port on the rank-0 host where the ranks meet (torch.distributed's TCP store; default: "
+                        f"{DEFAULT_RPC_PORT} when the ranks span several ep-serve processes, else a free port)")
+    g.add_argument("--data-parallel-hybrid-lb", "-dph", action="store_true",
+                   help="accepted for vLLM compatibility: the ep-serve of each host serves its own ranks either way")
+
+
+def _rank_placement(args: argparse.Namespace) -> dict[str, int | str | None]:
+    """EngineConfig's fields for which ranks this process runs and where the ranks meet."""
+    start, local = args.data_parallel_start_rank, args.data_parallel_size_local
+    if args.data_parallel_rank is not None:
+        if start != 0 or local not in (None, 1):
+            raise SystemExit("ep-serve: --data-parallel-rank: runs one rank; leave out --data-parallel-start-rank "
+                             "and --data-parallel-size-local")
+        start, local = args.data_parallel_rank, 1
+    elif start != 0 and local is None:
+        raise SystemExit("ep-serve: --data-parallel-size-local: expected with --data-parallel-start-rank (how many "
+                         "ranks this host runs)")
+    spans = (local if local is not None else args.data_parallel_size - start) < args.data_parallel_size
+    port = args.data_parallel_rpc_port
+    if port is None:
+        port = DEFAULT_RPC_PORT if spans else 0
+    return dict(data_parallel_size_local=local, data_parallel_start_rank=start,
+                data_parallel_address=args.data_parallel_address, dist_port=port)
 
 
 def engine_config(args: argparse.Namespace, model: str, served_name: str, loader: str = DEFAULT_LOADER) -> EngineConfig:
@@ -75,7 +123,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager)
+        ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
+        **_rank_placement(args))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,24 +141,29 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args, model, args.served_model_name or default_name)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
-    serve(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    if config.spans_processes:
+        ranks = config.local_ranks
+        log.info("ranks %d..%d of %d run here; all ranks meet at %s:%d", ranks.start, ranks.stop - 1,
+                 config.data_parallel_size, config.data_parallel_address, config.dist_port)
+    serve(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+          open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
+          max_waiting_seqs=args.max_waiting_seqs)
 
 
-def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None, log_level: str = "info") -> None:
-    """Start the engine ranks, then serve HTTP until interrupted; the ranks stop with the server."""
-    import uvicorn
-
-    from .api.server import build_app, make_server_state
+def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None, log_level: str = "info",
+          open_paths: frozenset[str] = frozenset({"/health", "/metrics"}), max_waiting_seqs: int | None = None) -> None:
+    """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server."""
+    from .api.server import make_server_state, run_http
 
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
         log.info("%d independent data-parallel ranks (no --enable-expert-parallel: each holds all experts)",
                  config.data_parallel_size)
     try:
-        state = make_server_state(config, api_key)
+        state = make_server_state(config, api_key, open_paths=open_paths, max_waiting_seqs=max_waiting_seqs)
     except (RuntimeError, TimeoutError, OSError, ValueError) as e:
         raise SystemExit(f"ep-serve: could not start: {e}") from None
     try:
-        uvicorn.run(build_app(state), host=host, port=port, log_level=log_level)
+        run_http(state, host=host, port=port, log_level=log_level)
     finally:
         state.coordinator.shutdown()
 

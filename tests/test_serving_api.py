@@ -43,7 +43,7 @@ def fake_config(**overrides) -> EngineConfig:
 @contextlib.contextmanager
 def http_server(state: ServerState) -> Iterator[str]:
     """uvicorn serving build_app(state) from a thread, on a port the OS picked; yields the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY on TCP only
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))

@@ -68,6 +68,10 @@ class FusedMoE(nn.Module):
                                if n_shared_experts else None)
         # Rows each local expert received, summed over forwards, on device (expert-load metrics).
         self.register_buffer("expert_load", torch.zeros(self.num_local_experts, dtype=torch.int32, device=device))
+        # Nanoseconds dispatch / combine waited for each source rank, summed over forwards (per-rank wait
+        # metrics; the Buffer adds to them on device). Not part of the weights.
+        for name in ("dispatch_wait_recv_cost_stats", "combine_wait_recv_cost_stats"):
+            self.register_buffer(name, torch.zeros(self.num_ranks, dtype=torch.int64, device=device), persistent=False)
         self.expert_kernels = expert_kernels
         self._kernels: dict[torch.device, ExpertKernels] = {}
 
@@ -98,13 +102,15 @@ class FusedMoE(nn.Module):
         topk_idx, topk_weights = self.route(x)
         recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(
             x, topk_idx, self.max_tokens_per_rank, self.num_experts,
-            cumulative_local_expert_recv_stats=self.expert_load, use_fp8=self.fp8, return_recv_hook=True)
+            cumulative_local_expert_recv_stats=self.expert_load,
+            dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8, return_recv_hook=True)
         yield
         shared = self.shared_expert(x)
         dispatch_hook()
         y = self.run_experts(recv_x, recv_count)
-        combined, _, combine_hook = self.buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
-                                                                    return_recv_hook=True)
+        combined, _, combine_hook = self.buffer.low_latency_combine(
+            y, topk_idx, topk_weights, handle, return_recv_hook=True,
+            combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
         yield
         combine_hook()
         return combined if shared is None else combined + shared

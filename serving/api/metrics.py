@@ -65,6 +65,10 @@ class ServingMetrics:
                                          _LABELS, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                (*_LABELS, "finished_reason"), registry=r)
+        self.rejected = Counter("ep_layer:requests_rejected", "Requests refused with a 503 because the engine "
+                                "ranks' running and waiting sequences were at their limits.", ["model_name"],
+                                registry=r)
+        self.rejected.labels(model_name)
         self.ep = EPCollector(model_name)
         r.register(self.ep)
         for rank in range(num_ranks):
@@ -104,6 +108,9 @@ class ServingMetrics:
         if output.finished:
             self.e2e.labels(*labels).observe(now - timing.arrival)
             self.success.labels(*labels, output.finish_reason).inc()
+
+    def on_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
 
     def on_stats(self, rank: int, stats: SchedulerStats) -> None:
         labels = (self.model_name, str(rank))

@@ -1,14 +1,21 @@
 """The OpenAI-compatible HTTP server (FastAPI): /v1/completions (+ SSE streaming), /v1/models, /health,
 /version, /metrics. It validates and tokenizes requests, hands them to the engine ranks through the
 DPCoordinator and turns the ranks' outputs into responses. Bad input is a 400 in vLLM's error
-envelope, an unknown model a 404; only a dead engine (503) or a bug (500) is a 5xx."""
+envelope, an unknown model a 404, a body over the size limit a 413; only a full engine (503 with
+Retry-After: running and waiting sequences at their limits), a dead one (503) or a bug (500) is a 5xx.
+Error bodies never carry a traceback: those go to the server log."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import importlib
 import json
+import logging
+import signal
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,13 +45,22 @@ from .protocol import (
     error_body,
 )
 
-_OPEN_PATHS = ("/health", "/metrics")  # reachable without the API key
+DEFAULT_OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+MAX_BODY_BYTES = 16 << 20  # a longer request body is a 413
+WAITING_PER_RUNNING = 4  # default waiting sequences per rank, as a multiple of max_num_seqs
+RETRY_AFTER_S = 1  # what a 503 for a full engine tells the client to wait
+SHUTDOWN_GRACE_S = 10  # on SIGTERM/SIGINT: how long requests in flight may take to finish
 _DISCONNECT_POLL_S = 1.0
 _STATS_TIMEOUT_S = 5.0
+_TRACEBACK = "Traceback (most recent call last):"
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class ServerState:
+    """capacity: most sequences (prompts x n) in flight at once over all ranks, running and waiting;
+    past it new requests get a 503 (None: no limit). open_paths: served without the API key."""
+
     coordinator: DPCoordinator
     codec: Codec
     metrics: ServingMetrics
@@ -53,36 +69,110 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     api_key: str | None = None
+    open_paths: frozenset[str] = DEFAULT_OPEN_PATHS
+    capacity: int | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
 
 
-def make_server_state(config: EngineConfig, api_key: str | None = None,
-                      start_timeout_s: float = 600.0) -> ServerState:
-    """Load the tokenizer, start the engine ranks (waits until they have loaded the model)."""
+def make_server_state(config: EngineConfig, api_key: str | None = None, start_timeout_s: float = 600.0, *,
+                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
+                      max_waiting_seqs: int | None = None) -> ServerState:
+    """Load the tokenizer, start the engine ranks (waits until they have loaded the model).
+    max_waiting_seqs: waiting sequences per rank before new requests get a 503 (default
+    WAITING_PER_RUNNING x max_num_seqs)."""
+    if max_waiting_seqs is None:
+        max_waiting_seqs = WAITING_PER_RUNNING * config.max_num_seqs
+    if max_waiting_seqs < 0:
+        raise ValueError(f"max_waiting_seqs: expected >= 0, got {max_waiting_seqs}")
     codec = as_codec(importlib.import_module(config.loader).load_tokenizer(config))
     metrics = ServingMetrics(config.served_model_name, config.data_parallel_size)
     coordinator = DPCoordinator(config, metrics)
     info = coordinator.start(start_timeout_s)
+    capacity = len(coordinator.load()) * (config.max_num_seqs + max_waiting_seqs)  # over the ranks served here
     return ServerState(coordinator, codec, metrics, config.served_model_name, config.model, info.max_model_len,
-                       info.vocab_size, api_key)
+                       info.vocab_size, api_key, frozenset(open_paths), capacity)
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def _error(status: int, message: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+@functools.lru_cache(maxsize=64)
+def _public(reason: str) -> str:
+    """An engine error as a client sees it: a rank's traceback goes to the server log (once per
+    distinct reason), only its last line (the exception) into the response."""
+    head, found, trace = reason.partition(_TRACEBACK)
+    if not found:
+        return reason
+    log.error("%s", reason)
+    last = next((line.strip() for line in reversed(trace.splitlines()) if line.strip()), "")
+    return f"{head.strip()} {last}".strip()
+
+
+class _Guard:
+    """ASGI middleware in front of everything that reads a request: the API key (401), then the body
+    size (413 at once for a Content-Length over the limit; a chunked body is read up to the limit
+    and handed on)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = self.state
+        headers = dict(scope["headers"])
+        if state.api_key is not None and scope["path"] not in state.open_paths:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), state.api_key.encode()):
+                return await _error(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is "
+                                         "required")(scope, receive, send)
+        limit = state.max_body_bytes
+        too_large = _error(413, f"request body: expected at most {limit} bytes")
+        length = headers.get(b"content-length")
+        if length is not None:  # the HTTP parser holds the body to exactly this length
+            if int(length) > limit:
+                return await too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body: dict | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="ep-serve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving = state
+    app.add_middleware(_Guard, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.param)
+        return _error(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -95,22 +185,14 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if state.api_key is not None and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-                return _error(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is required")
-        return await call_next(request)
+        # Starlette logs the traceback after this handler; the client gets the exception's type only.
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log")
 
     @app.get("/health")
     async def health() -> Response:
         if state.coordinator.alive:
             return Response(status_code=200)
-        return _error(503, f"engine is dead: {state.coordinator.dead_reason or 'a rank exited'}")
+        return _error(503, f"engine is dead: {_public(state.coordinator.dead_reason or 'a rank exited')}")
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -143,20 +225,24 @@ class _Completion:
     async def run(self) -> Response:
         self._check_model()
         _refuse_unsupported(self.body)
-        prompts = await asyncio.to_thread(self._prompts)
+        items = self._items()
+        self._admit(len(items) * self.body.n)  # before the work of tokenizing
+        prompts = await asyncio.to_thread(self._tokenize, items)
         params = [self._params(p, j) for p in prompts for j in range(self.body.n)]
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.request_ids = [f"{self.id}-{i}" for i in range(len(params))]
         self.pending = set(self.request_ids)
+        self._next_poll = time.monotonic() + _DISCONNECT_POLL_S
         loop = asyncio.get_running_loop()
+        self._admit(len(params))  # again: the load changed while tokenizing; no await from here to submit
         try:
             for i, (rid, p) in enumerate(zip(self.request_ids, params)):
                 prompt = prompts[i // self.body.n]
                 self.state.coordinator.submit(rid, prompt, p, self._sink(loop, i))
         except EngineDeadError as e:
             self._abort_pending()
-            raise APIError(503, f"engine is dead: {e}") from None
+            raise APIError(503, f"engine is dead: {_public(str(e))}") from None
         if self.body.stream:
             return StreamingResponse(self._stream(), media_type="text/event-stream")
         return await self._complete()
@@ -167,7 +253,23 @@ class _Completion:
         if model is not None and model not in (self.state.served_model_name, self.state.model_path):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
-    def _prompts(self) -> list[list[int]]:
+    def _admit(self, need: int) -> None:
+        """400 for a request larger than the server's capacity; 503 with Retry-After when `need` more
+        sequences would not fit beside those in flight (the ranks' running and waiting limits)."""
+        capacity = self.state.capacity
+        if capacity is None:
+            return
+        if need > capacity:
+            raise APIError(400, f"n: the request needs {need} sequences (prompts x n), the server holds at "
+                                f"most {capacity} at once", "n")
+        in_flight = sum(self.state.coordinator.load())
+        if in_flight + need > capacity:
+            self.state.metrics.on_rejected()
+            raise APIError(503, f"the server is busy ({in_flight} sequences running or waiting, at most "
+                                f"{capacity}): retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _items(self) -> list[Any]:
+        """The prompts of the request, each a string or a list of token ids."""
         prompt = self.body.prompt
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
@@ -177,10 +279,18 @@ class _Completion:
             items = list(prompt)
         if not items:
             raise APIError(400, "prompt: expected at least one prompt", "prompt")
-        token_lists = [self.state.codec.encode(x) if isinstance(x, str) else list(x) for x in items]
+        return items
+
+    def _tokenize(self, items: list[Any]) -> list[list[int]]:
+        """Each prompt's token ids, checked against the vocabulary and max_model_len."""
         vocab, max_len = self.state.vocab_size, self.state.max_model_len
-        for i, ids in enumerate(token_lists):
-            where = "prompt" if len(token_lists) == 1 else f"prompt[{i}]"
+        token_lists = []
+        for i, item in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            try:
+                ids = self.state.codec.encode(item) if isinstance(item, str) else list(item)
+            except ValueError as e:  # text this tokenizer cannot take (UnicodeError is a ValueError too)
+                raise APIError(400, f"{where}: cannot be tokenized: {e}", "prompt") from None
             if not ids:
                 raise APIError(400, f"{where}: the prompt is empty (no tokens)", "prompt")
             bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -192,6 +302,7 @@ class _Completion:
                                f"requested {len(ids) + want} tokens ({len(ids)} in the prompt, {want} in the "
                                f"completion). Please reduce the length of the prompt or the completion.",
                                "max_tokens" if self.body.max_tokens is not None else "prompt")
+            token_lists.append(ids)
         return token_lists
 
     def _params(self, prompt: list[int], choice: int) -> SamplingParams:
@@ -219,14 +330,20 @@ class _Completion:
         return put
 
     async def _next(self) -> tuple[int, RequestOutput] | None:
-        """The next output; None once the client has gone (everything still running is aborted)."""
+        """The next output; None once the client has gone. The client is checked at least every
+        _DISCONNECT_POLL_S, also while outputs keep coming."""
         while True:
             try:
-                return await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
+                item = await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                item = None
+            now = time.monotonic()
+            if item is None or now >= self._next_poll:
+                self._next_poll = now + _DISCONNECT_POLL_S
                 if await self.raw.is_disconnected():
-                    self._abort_pending()
                     return None
+            if item is not None:
+                return item
 
     def _abort_pending(self) -> None:
         for rid in list(self.pending):
@@ -236,22 +353,24 @@ class _Completion:
         if out.finished:
             self.pending.discard(self.request_ids[index])
         if out.error is not None:
-            self._abort_pending()
             dead = not self.state.coordinator.alive
-            raise APIError(503 if dead else 400, out.error)
+            raise APIError(503 if dead else 400, _public(out.error))
 
     async def _complete(self) -> Response:
         texts = [""] * len(self.request_ids)
         finals: list[RequestOutput | None] = [None] * len(self.request_ids)
-        while self.pending:
-            item = await self._next()
-            if item is None:
-                return _error(400, "client disconnected")
-            index, out = item
-            self._account(index, out)
-            texts[index] += out.new_text
-            if out.finished:
-                finals[index] = out
+        try:
+            while self.pending:
+                item = await self._next()
+                if item is None:
+                    return _error(400, "client disconnected")
+                index, out = item
+                self._account(index, out)
+                texts[index] += out.new_text
+                if out.finished:
+                    finals[index] = out
+        finally:
+            self._abort_pending()  # the client went away, an error, or cancelled: free the engine's blocks
         choices = [CompletionChoice(index=i, text=texts[i], finish_reason=f.finish_reason, stop_reason=f.stop_reason)
                    for i, f in enumerate(finals) if f is not None]
         completion_tokens = sum(f.num_output_tokens for f in finals if f is not None)
@@ -289,7 +408,7 @@ class _Completion:
                     yield _sse(chunk.model_dump())
             yield "data: [DONE]\n\n"
         finally:
-            self._abort_pending()  # the client went away mid-stream: free the engine's blocks
+            self._abort_pending()  # the client went away, an error, or cancelled: free the engine's blocks
 
 
 _PROMPT_TYPES = "expected a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -304,7 +423,9 @@ def _describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
         if e.get("type") == "json_invalid":
             return f"invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
         field = str(loc[0]) if loc and isinstance(loc[0], str) else "body"
-        if field == "prompt" and e.get("type") != "missing":
+        if field == "prompt" and e.get("type") == "value_error":  # a string of the right type, but invalid
+            by_field[field] = e.get("msg")
+        elif field == "prompt" and e.get("type") != "missing":
             by_field.setdefault(field, _PROMPT_TYPES)
         else:
             detail = ".".join(str(x) for x in loc[1:])
@@ -332,3 +453,25 @@ def _refuse_unsupported(b: CompletionRequest) -> None:
             raise APIError(400, f"{name}: not supported by this server (leave it at its default)", name)
     if b.stream_options is not None and not b.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+
+def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info") -> None:
+    """Serve build_app(state) until SIGTERM or SIGINT, then return: new connections stop at once,
+    requests in flight get SHUTDOWN_GRACE_S to finish (then they are cancelled, which aborts them
+    in the engine). The caller stops the engine ranks afterwards, and the process exits normally."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    if threading.current_thread() is not threading.main_thread():
+        server.run()
+        return
+    # uvicorn re-raises the signal that stopped it to the handler it found installed; with the
+    # default one the process would die there, before the caller has stopped the engine ranks.
+    stop_signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stop_signals}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -14,7 +14,12 @@ class EngineConfig:
     """model: checkpoint directory. loader: a module with load_model(config, group, device) -> (model,
     tokenizer), run in each rank, and load_tokenizer(config), run in the server (default:
     serving.engine.loading). max_tokens_per_rank: tokens per step and rank, the MoE layer's T.
-    max_model_len / num_kv_blocks: None = from the model / from memory."""
+    max_model_len / num_kv_blocks: None = from the model / from memory.
+
+    Multi-host jobs (vLLM's flags): each ep-serve runs the ranks [data_parallel_start_rank,
+    data_parallel_start_rank + data_parallel_size_local) of data_parallel_size and serves HTTP for them;
+    all ranks meet through torch.distributed at data_parallel_address:dist_port, where the ep-serve that
+    runs rank 0 keeps the rendezvous store."""
 
     model: str
     served_model_name: str = "ep-layer-tiny"
@@ -33,6 +38,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # read by a CUDA-graph runner (see ModelRunner.graph_size); eager today
     dist_port: int = 0  # rendezvous port of the rank group (0: the launcher picks a free one)
+    data_parallel_size_local: int | None = None  # ranks this process runs (None: all from the start rank on)
+    data_parallel_start_rank: int = 0  # global rank of this process's first rank
+    data_parallel_address: str = "127.0.0.1"  # host of the rendezvous store (the process that runs rank 0)
 
     def __post_init__(self) -> None:
         if self.ep_backend not in EP_BACKENDS:
@@ -45,6 +53,38 @@ class EngineConfig:
                              f"running sequence needs a token of every decode step), got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
+        self._check_ranks()
+
+    def _check_ranks(self) -> None:
+        size, start, local = self.data_parallel_size, self.data_parallel_start_rank, self.data_parallel_size_local
+        if local is not None and local < 1:
+            raise ValueError(f"data_parallel_size_local: expected >= 1, got {local}")
+        if not 0 <= start < size:
+            raise ValueError(f"data_parallel_start_rank: expected a rank in [0, {size}), got {start}")
+        if start + len(self.local_ranks) > size:
+            raise ValueError(f"data_parallel_size_local: ranks [{start}, {start + len(self.local_ranks)}) go past "
+                             f"data_parallel_size={size}")
+        if self.spans_processes:
+            if not self.enable_expert_parallel:
+                raise ValueError(f"data_parallel_size_local: ranks {start}..{start + len(self.local_ranks) - 1} "
+                                 f"of {size} join other processes' ranks only with enable_expert_parallel (without "
+                                 f"it the ranks are independent: start one server per host instead)")
+            if not 0 < self.dist_port < 65536:
+                raise ValueError(f"dist_port: expected the rendezvous port every host uses, in [1, 65535], got "
+                                 f"{self.dist_port}")
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this process runs."""
+        n = self.data_parallel_size_local
+        if n is None:
+            n = self.data_parallel_size - self.data_parallel_start_rank
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + n)
+
+    @property
+    def spans_processes(self) -> bool:
+        """Some ranks of the job run in other ep-serve processes (other hosts)."""
+        return len(self.local_ranks) < self.data_parallel_size
 
     @property
     def expert_parallel(self) -> bool:

@@ -3,6 +3,9 @@ hands their outputs back to per-request callbacks from one reader thread. Knows 
 
 Processes: the API server (this object, FastAPI, metrics) + N engine ranks (rank_worker.py), talking
 through typed messages (messages.py) over one multiprocessing queue per rank and one shared queue back.
+In a multi-host job this process runs only its own ranks (config.local_ranks) and serves their requests;
+the one that runs rank 0 also keeps the store where every host's ranks meet (torch.distributed).
+Ranks are global everywhere outside this class (messages, observer); inside, lists are by local index.
 """
 
 from __future__ import annotations
@@ -62,14 +65,15 @@ class EngineDeadError(RuntimeError):
 
 @dataclasses.dataclass
 class _InFlight:
-    rank: int
+    rank: int  # local index
     sink: OutputSink
 
 
 class DPCoordinator:
     def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
         self.config = config
-        self.num_ranks = config.data_parallel_size
+        self.first_rank = config.local_ranks.start
+        self.num_ranks = len(config.local_ranks)  # the ranks this process runs
         self.observer = observer
         self.info: ModelInfo | None = None
         self.dead_reason: str | None = None
@@ -92,12 +96,13 @@ class DPCoordinator:
         """Spawn the ranks and wait until every one has loaded the model; raise with a rank's traceback
         if one fails."""
         config = self.config
-        if config.expert_parallel:
-            self._store = dist.TCPStore(_HOST, 0, self.num_ranks, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=timeout_s))
+        if config.expert_parallel and self.first_rank == 0:
+            # Listens on every interface: the other hosts' ranks reach it at data_parallel_address.
+            self._store = dist.TCPStore(_HOST, config.dist_port, config.data_parallel_size, is_master=True,
+                                        wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
             config = dataclasses.replace(config, dist_port=self._store.port)
-        for rank in range(self.num_ranks):
-            proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[rank], self._outbox),
+        for i, rank in enumerate(config.local_ranks):
+            proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[i], self._outbox),
                                      name=f"ep-serve-rank{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
@@ -108,12 +113,13 @@ class DPCoordinator:
                 try:
                     msg = self._outbox.get(timeout=_READ_POLL_S)
                 except queue.Empty:
-                    dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in ready]
+                    dead = [self.first_rank + i for i, p in enumerate(self._procs)
+                            if not p.is_alive() and self.first_rank + i not in ready]
                     if dead:
                         raise RuntimeError(f"engine rank(s) {dead} exited while loading the model") from None
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"engine ranks not ready after {timeout_s:.0f} s: "
-                                           f"{sorted(set(range(self.num_ranks)) - set(ready))}") from None
+                                           f"{sorted(set(config.local_ranks) - set(ready))}") from None
                     continue
                 if isinstance(msg, RankFailed):
                     raise RuntimeError(f"engine rank {msg.rank} failed to start:\n{msg.error}")
@@ -122,7 +128,7 @@ class DPCoordinator:
         except BaseException:
             self.shutdown()
             raise
-        self.info = ready[0]
+        self.info = ready[self.first_rank]
         self._reader = threading.Thread(target=self._read_loop, name="ep-serve-outputs", daemon=True)
         self._reader.start()
         return self.info
@@ -156,8 +162,8 @@ class DPCoordinator:
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> int:
-        """Send a request to the least-loaded rank; `sink` gets its outputs (from the reader thread).
-        Returns the rank."""
+        """Send a request to the least-loaded local rank; `sink` gets its outputs (from the reader thread).
+        Returns the (global) rank."""
         with self._lock:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
@@ -167,13 +173,13 @@ class DPCoordinator:
             self._inflight[request_id] = _InFlight(rank, sink)
             self._load[rank] += 1
         if self.observer is not None:
-            self.observer.on_request(rank, request_id, time.monotonic())
+            self.observer.on_request(self.first_rank + rank, request_id, time.monotonic())
         self._inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params))
         if self.config.expert_parallel:
             for other in range(self.num_ranks):
                 if other != rank:
                     self._inboxes[other].put(Wake())
-        return rank
+        return self.first_rank + rank
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its blocks are freed); its final output comes with finish_reason "abort"."""
@@ -183,13 +189,13 @@ class DPCoordinator:
             self._inboxes[entry.rank].put(AbortRequest(request_id))
 
     def load(self) -> list[int]:
-        """Requests in flight per rank."""
+        """Requests in flight per local rank (config.local_ranks order)."""
         with self._lock:
             return list(self._load)
 
     def collect_stats(self, timeout_s: float = 5.0) -> list[EPStats]:
-        """Every live rank's device counters (read by the ranks between steps); [] if they do not
-        answer within the timeout."""
+        """Every local rank's device counters (read by the ranks between steps), by rank; [] if they
+        do not answer within the timeout."""
         if not self.alive:
             return []
         token = next(self._tokens)
@@ -246,10 +252,10 @@ class DPCoordinator:
     def _check_ranks(self) -> None:
         if self._stopping.is_set() or self.dead_reason is not None:
             return
-        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
         if dead:
-            self._mark_dead(f"engine rank(s) {dead} exited (exit code "
-                            f"{[self._procs[r].exitcode for r in dead]})")
+            self._mark_dead(f"engine rank(s) {[self.first_rank + i for i in dead]} exited (exit code "
+                            f"{[self._procs[i].exitcode for i in dead]})")
 
     def _mark_dead(self, reason: str) -> None:
         with self._lock:
@@ -276,7 +282,7 @@ class DPCoordinator:
         """Observer, then sink; their errors are logged, never allowed to stop the reader thread."""
         try:
             if self.observer is not None:
-                self.observer.on_output(entry.rank, out, now)
+                self.observer.on_output(self.first_rank + entry.rank, out, now)
             entry.sink(out)
         except Exception:
             log.exception("handing out the output of request %s failed", out.request_id)

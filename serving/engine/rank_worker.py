@@ -5,6 +5,7 @@ step (or run an empty batch), send the outputs back."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import multiprocessing as mp
 import os
@@ -36,18 +37,18 @@ from .messages import (
 from .scheduler import ScheduledBatch
 from .step_sync import StepSync
 
-_HOST = "127.0.0.1"
 IDLE_POLL_S = 0.05  # an idle expert-parallel rank joins the step agreement at least this often
 _PARENT_POLL_S = 1.0  # an idle lone rank checks this often that the server is still there
 _DIST_TIMEOUT = timedelta(minutes=30)
 
 
-def resolve_device(config: EngineConfig, rank: int) -> torch.device:
+def resolve_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """This process's local_rank-th rank runs on GPU local_rank mod #GPUs (or on the CPU)."""
     kind = config.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        index = rank % torch.cuda.device_count()
+        index = local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(kind)
@@ -72,7 +73,7 @@ def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_mo
     per_seq = -(-max_model_len // config.block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        ranks_per_gpu = -(-config.data_parallel_size // torch.cuda.device_count())
+        ranks_per_gpu = -(-len(config.local_ranks) // torch.cuda.device_count())
         budget = int(free * config.kv_cache_memory_fraction / ranks_per_gpu)
     else:
         budget = config.cpu_kv_cache_bytes
@@ -80,12 +81,15 @@ def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_mo
 
 
 def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> None:
-    """Process entry point (spawned by serving.engine.dp_coordinator)."""
+    """Process entry point (spawned by serving.engine.dp_coordinator); `rank` is global."""
     # Ctrl-C reaches the whole process group: the server stops the ranks in step, not the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.data_parallel_size))
-        device = resolve_device(config, rank)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(config.local_ranks)))
+        device = resolve_device(config, rank - config.local_ranks.start)
+        if config.spans_processes and config.ep_backend == "auto":
+            # The cuda backend maps its peers' buffers through CUDA IPC, within one node only.
+            config = dataclasses.replace(config, ep_backend="reference")
         group, sync_group = _init_group(config, rank, device)
         model, tokenizer = load_model(config, group, device)
         max_positions = int(model.config.max_position_embeddings)
@@ -116,7 +120,8 @@ def _init_group(config: EngineConfig, rank: int,
                 device: torch.device) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(the MoE group, a gloo group for the step agreement); (None, None) for an independent rank.
     The MoE group is NCCL with one GPU per rank; gloo on CPU, and when ranks share GPUs (NCCL cannot;
-    the cuda backend only exchanges IPC handles through the group)."""
+    the cuda backend only exchanges IPC handles through the group). Every host's ranks meet at the
+    store that the process running rank 0 keeps at data_parallel_address:dist_port."""
     if not config.expert_parallel:
         return None, None
     world = config.data_parallel_size
@@ -127,12 +132,14 @@ def _init_group(config: EngineConfig, rank: int,
         ep_backend = config.ep_backend
         if ep_backend == "auto":
             ep_backend = "cuda" if native.available() else "reference"
-        if world <= torch.cuda.device_count():
+        local = len(config.local_ranks)
+        if local <= torch.cuda.device_count():
             backend = "nccl"
         elif ep_backend == "reference":
-            raise ValueError(f"ep_backend: the reference backend on GPU needs a GPU per rank (NCCL), got {world} "
+            raise ValueError(f"ep_backend: the reference backend on GPU needs a GPU per rank (NCCL), got {local} "
                              f"ranks on {torch.cuda.device_count()} GPU(s); build the cuda backend for shared GPUs")
-    store = dist.TCPStore(_HOST, config.dist_port, world, is_master=False, timeout=_DIST_TIMEOUT)
+    store = dist.TCPStore(config.data_parallel_address, config.dist_port, world, is_master=False,
+                          timeout=_DIST_TIMEOUT)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=_DIST_TIMEOUT)
     # The step agreement has a CPU group of its own, apart from the MoE layers' traffic.
     return dist.group.WORLD, dist.new_group(backend="gloo")

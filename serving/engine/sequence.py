@@ -10,11 +10,14 @@ import torch
 from .detokenizer import OutputText
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one overflows
+# float32 to inf, and the softmax of that is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop (OpenAI / vLLM meanings). temperature 0 = greedy;
+    """How to pick tokens and when to stop (OpenAI / vLLM meanings). temperature 0 (< 1e-5) = greedy;
     top_k <= 0 and top_p = 1 disable those filters; seed makes sampling reproducible per request."""
 
     max_tokens: int = 16
@@ -38,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class SequenceStatus(enum.Enum):

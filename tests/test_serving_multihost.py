@@ -1,0 +1,140 @@
+"""Multi-host ep-serve (vLLM's flags): one ep-serve per host, each running its own ranks and serving HTTP
+for them, all ranks one torch.distributed job. Here two ep-serve processes on 127.0.0.1 stand for two
+hosts (rank 0 with --data-parallel-size-local, rank 1 with --data-parallel-rank): they give the same
+greedy text as a one-process server, the idle host's rank steps with the busy one and its experts get
+tokens, metrics carry global ranks, stopping one host stops the job and losing one fails the other.
+The flag rules run in-process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+from deploy_helpers import EPServe, ep_serve, free_port, scrape, total
+
+from serving.cli import DEFAULT_RPC_PORT, build_parser, engine_config
+
+PROMPTS = ["The quick brown fox", "Expert parallelism keeps", "Hello! How are you", "def forward(self, x):"]
+MAX_TOKENS = 12
+
+
+def generate(url: str) -> list[str]:
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            resps = await asyncio.wait_for(asyncio.gather(*(
+                c.post("/v1/completions", json={"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "ignore_eos": True}) for p in PROMPTS)), 90)
+        assert all(r.status_code == 200 for r in resps), [r.text for r in resps]
+        return [r.json()["choices"][0]["text"] for r in resps]
+    return asyncio.run(run())
+
+
+def steps(url: str, engine: str) -> float:
+    return total(scrape(url), "ep_layer:engine_steps_total", engine=engine)
+
+
+def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
+    from serving.engine.loading import tiny_checkpoint
+
+    cache = tmp_path / "cache"
+    tiny_checkpoint(str(cache))  # written once, up front, for all three servers
+    rpc = str(free_port())
+    common = ["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
+              "--data-parallel-rpc-port", rpc]
+    with ExitStack() as stack:
+        # Both start before either is up: host 0's ranks wait for host 1's to join.
+        host0 = EPServe([*common, "--data-parallel-size-local", "1"], cache, tmp_path / "host0.log")
+        stack.callback(host0.stop)
+        host1 = EPServe([*common, "--data-parallel-rank", "1"], cache, tmp_path / "host1.log")
+        stack.callback(host1.stop)
+        one = stack.enter_context(ep_serve([], cache, tmp_path / "one.log"))
+        host0.wait_healthy()
+        host1.wait_healthy()
+
+        idle_before = steps(host1.url, "1")
+        experts_before = total(scrape(host1.url), "ep_layer:expert_tokens_total")
+        texts = generate(host0.url)  # host 1 gets no request
+        assert all(texts)
+        assert texts == generate(one.url), "two hosts' EP=2 differs from one process's EP=1"
+        m1 = scrape(host1.url)
+        # Host 1's rank stepped along (empty batches) and its experts computed host 0's tokens.
+        assert steps(host1.url, "1") > idle_before
+        assert total(m1, "ep_layer:expert_tokens_total") > experts_before
+        assert total(m1, "vllm:request_success_total") == 0
+        # Each host reports its own ranks, by global rank.
+        m0 = scrape(host0.url)
+        assert {ls["engine"] for ls, _ in m0["ep_layer:engine_steps_total"]} == {"0"}
+        assert {ls["engine"] for ls, _ in m1["ep_layer:engine_steps_total"]} == {"1"}
+        assert total(m0, "vllm:request_success_total", engine="0") == len(PROMPTS)
+
+        assert generate(host1.url) == texts  # and host 1 serves the same model
+
+        # Stopping one host stops the job: the other host's rank leaves with it, its /health turns 503.
+        host1.stop()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{host0.url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "host 0 still healthy 30 s after host 1 stopped"
+            time.sleep(0.2)
+
+
+def test_a_lost_host_takes_the_job_down(tmp_path: Path):
+    """A host killed outright (its server and ranks): the other host's ranks fail in their next
+    collective, and its /health turns 503 (what a liveness probe restarts on)."""
+    from serving.engine.loading import tiny_checkpoint
+
+    tiny_checkpoint(str(tmp_path / "cache"))
+    rpc = str(free_port())
+    common = ["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-rpc-port", rpc]
+    with ExitStack() as stack:
+        host0 = EPServe([*common, "--data-parallel-size-local", "1"], tmp_path / "cache", tmp_path / "host0.log")
+        stack.callback(host0.stop)
+        host1 = EPServe([*common, "--data-parallel-rank", "1"], tmp_path / "cache", tmp_path / "host1.log")
+        stack.callback(host1.stop)
+        host0.wait_healthy()
+        host1.wait_healthy()
+        host1.kill()
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{host0.url}/health", timeout=5)).status_code != 503:
+            assert time.monotonic() < deadline, "host 0 still healthy 30 s after host 1 was killed"
+            time.sleep(0.2)
+        assert "engine is dead" in health.text
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def config(*argv: str):
+    return engine_config(parse(*argv), "model", "model")
+
+
+def test_rank_placement_flags():
+    single = config("--enable-expert-parallel", "-dp", "4")
+    assert single.local_ranks == range(4) and not single.spans_processes and single.dist_port == 0
+    host1 = config("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpr", "8", "-dpa", "leader", "-dph")
+    assert host1.local_ranks == range(8, 16) and host1.spans_processes
+    assert (host1.data_parallel_address, host1.dist_port) == ("leader", DEFAULT_RPC_PORT)
+    host0 = config("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpp", "1234")
+    assert host0.local_ranks == range(8) and host0.dist_port == 1234
+    lone = config("--enable-expert-parallel", "--data-parallel-size", "4", "--data-parallel-rank", "3")
+    assert lone.local_ranks == range(3, 4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-expert-parallel", "-dp", "4", "-dpr", "2"], "--data-parallel-size-local: expected with"),
+    (["--enable-expert-parallel", "-dp", "4", "-dpn", "1", "-dpr", "1"], "--data-parallel-rank: runs one rank"),
+    (["-dp", "4", "-dpl", "2"], "only with enable_expert_parallel"),
+    (["--enable-expert-parallel", "-dp", "4", "-dpl", "2", "-dpr", "3"], "go past data_parallel_size=4"),
+    (["--enable-expert-parallel", "-dp", "4", "-dpn", "4"], "expected a rank in [0, 4), got 4"),
+    (["--enable-expert-parallel", "-dp", "4", "-dpl", "0"], "data_parallel_size_local: expected >= 1"),
+    (["--enable-expert-parallel", "-dp", "2", "-dpl", "1", "-dpp", "0"], "dist_port: expected the rendezvous port"),
+])
+def test_rank_placement_errors(argv: list[str], message: str):
+    with pytest.raises((SystemExit, ValueError), match=re.escape(message)):
+        config(*argv)
