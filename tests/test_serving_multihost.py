@@ -71,6 +71,9 @@ def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
         m0 = scrape(host0.url)
         assert {ls["engine"] for ls, _ in m0["ep_layer:engine_steps_total"]} == {"0"}
         assert {ls["engine"] for ls, _ in m1["ep_layer:engine_steps_total"]} == {"1"}
+        # ...and its own experts by global id: rank 1 of 2 holds the upper half of the tiny model's 16.
+        assert {int(ls["expert"]) for ls, _ in m1["ep_layer:expert_tokens_total"]} == set(range(8, 16))
+        assert {int(ls["expert"]) for ls, _ in m0["ep_layer:expert_tokens_total"]} == set(range(0, 8))
         assert total(m0, "vllm:request_success_total", engine="0") == len(PROMPTS)
 
         assert generate(host1.url) == texts  # and host 1 serves the same model

@@ -147,10 +147,11 @@ class EPCollector(Collector):
         layers = sorted({layer for s in stats for layer in s.expert_load})
         for layer in layers:
             loads: list[int] = []
-            for s in stats:  # ranks in order: rank r holds experts [r * E_l, (r + 1) * E_l)
-                loads += s.expert_load.get(layer, [])
-            for expert, count in enumerate(loads):
-                tokens.add_metric([name, str(layer), str(expert)], count)
+            for s in stats:
+                local = s.expert_load.get(layer, [])
+                for i, count in enumerate(local):  # rank r holds experts [r * E_l, (r + 1) * E_l)
+                    tokens.add_metric([name, str(layer), str(s.rank * len(local) + i)], count)
+                loads += local
             mean = sum(loads) / len(loads) if loads else 0
             if mean > 0:
                 imbalance.add_metric([name, str(layer)], max(loads) / mean)
