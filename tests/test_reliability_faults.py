@@ -17,7 +17,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,12 +25,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from deploy_helpers import EPServe
 from reliability_fakes import POISON
-from test_serving_api import HOST, _free_port, check_envelope, fake_config, http_server, sse_events
+from test_serving_api import check_envelope, fake_config, http_server, sse_events
 
 from serving.api.server import make_server_state
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 1500  # tokens: far more than a test waits for
 
 
@@ -100,22 +99,12 @@ class Served:
 
 @contextlib.contextmanager
 def ep_serve(cache: str, log: Path, *args: str) -> Iterator[Served]:
-    port = _free_port()
-    env = {**os.environ, "EP_LAYER_CACHE": cache, "PYTHONPATH": _ROOT}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--port", str(port), "--log-level", "warning",
-                                 *args], env=env, stdout=out, stderr=subprocess.STDOUT)
-    served = Served(proc, f"http://{HOST}:{port}", port, log)
+    server = EPServe(list(args), cache, log)
+    proc = server.proc
+    served = Served(proc, server.url, server.port, log)
     tree: list[int] = []
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"ep-serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, "ep-serve did not come up in 90 s"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{served.url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.1)
+        server.wait_healthy()
         tree = descendants(proc.pid)
         yield served
     finally:

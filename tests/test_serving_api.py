@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
+from deploy_helpers import ep_serve
 from prometheus_client.parser import text_string_to_metric_families
 from serving_fakes import VOCAB, FakeTokenizer, reference_greedy
 
@@ -370,38 +371,6 @@ def test_expert_parallel_fake_two_ranks_and_a_dead_rank():
 
 
 # ---------------------------------------------------------------------------- ep-serve on the tiny model
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def ep_serve(args: list[str], cache: str) -> Iterator[str]:
-    port = _free_port()
-    env = {**os.environ, "EP_LAYER_CACHE": cache, "PYTHONPATH": _ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--port", str(port), "--log-level", "warning",
-                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://{HOST}:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"ep-serve exited:\n{proc.stdout.read()}"
-            assert time.monotonic() < deadline, "ep-serve did not come up in 90 s"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 def test_ep_serve_tiny_model_ep2_matches_ep1(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tiny-cache"))
     from serving.engine.loading import tiny_checkpoint
@@ -420,12 +389,13 @@ def test_ep_serve_tiny_model_ep2_matches_ep1(tmp_path_factory):
             return [r.json()["choices"][0]["text"] for r in resps]
         return asyncio.run(run_all())
 
-    with ep_serve(["--enable-expert-parallel", "--data-parallel-size", "2"], cache) as ep2, \
-            ep_serve([], cache) as ep1:
-        texts_ep1, texts_ep2 = generate(ep1), generate(ep2)
+    logs = tmp_path_factory.mktemp("logs")
+    with ep_serve(["--enable-expert-parallel", "--data-parallel-size", "2"], cache, logs / "ep2.log") as ep2, \
+            ep_serve([], cache, logs / "ep1.log") as ep1:
+        texts_ep1, texts_ep2 = generate(ep1.url), generate(ep2.url)
         assert texts_ep2 == texts_ep1
         assert all(texts_ep1)
-        m = httpx.get(f"{ep2}/metrics", timeout=30).text
+        m = httpx.get(f"{ep2.url}/metrics", timeout=30).text
         assert 'ep_layer:expert_tokens_total{expert="15",layer="1",model_name="ep-layer-tiny"}' in m
 
 
