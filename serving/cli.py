@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from .engine.config import DEFAULT_LOADER, EP_BACKENDS, EngineConfig
+from .engine.config import DEFAULT_LOADER, EP_BACKENDS, LOAD_FORMATS, EngineConfig
 
 DEFAULT_TINY_NAME = "ep-layer-tiny"
 DEFAULT_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="HF DeepSeek-V3 checkpoint directory (config.json, safetensors, tokenizer.json); "
                         "omitted: the built-in tiny model (deterministic weights, written to a cache directory)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="'auto': the checkpoint's safetensors; 'dummy': config.json and tokenizer only, random "
+                        "weights made on the device (for benchmarks at a real model's shapes)")
     p.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: MODEL as given, or 'ep-layer-tiny')")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -66,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the ranks run (auto: cuda if available; the r-th rank of a host uses GPU r mod #GPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests that give none")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="never capture CUDA graphs for decode (accepted for vLLM compatibility: decode runs "
-                        "eagerly in this version either way)")
+                   help="never capture CUDA graphs for decode (by default a GPU rank on the cuda backend "
+                        "captures one per decode batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn and ep-serve log level")
     _add_multi_host_args(p)
@@ -119,7 +122,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
     if args.data_parallel_size < 1:
         raise SystemExit(f"ep-serve: --data-parallel-size: expected >= 1, got {args.data_parallel_size}")
     return EngineConfig(
-        model=model, served_model_name=served_name, loader=loader, max_model_len=args.max_model_len,
+        model=model, served_model_name=served_name, loader=loader, load_format=args.load_format,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,

@@ -21,6 +21,9 @@ class ForwardBatch:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], -1 past a sequence's blocks
     slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot that each new token's KV is written to
     logits_indices: torch.Tensor  # int64 [num_seqs]: which token of the flat batch gives sequence i's logits
+    # True when token i is sequence i's one new token (query_start = 0..num_seqs, logits_indices the
+    # same): the model then attends without reading the layout on the host (CUDA-graph capturable).
+    decode: bool = False
 
     @property
     def num_tokens(self) -> int:

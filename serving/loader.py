@@ -3,6 +3,9 @@
 
 Each rank reads only the tensors it keeps (safetensors opens files lazily and reads tensor by
 tensor): other ranks' routed experts and the multi-token-prediction layer are never read.
+
+load_format "dummy" (vLLM's name) reads config.json and the tokenizer only and fills the weights with
+random values made on the device (serving.random_weights): a real architecture without its weights.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import torch.distributed as dist
 from ep_layer import Buffer
 
 from .config import ModelConfig
+from .engine.config import LOAD_FORMATS
 from .models import CheckpointError, DeepseekV3ForCausalLM
+from .random_weights import random_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+DUMMY_SEED = 0
 _PROGRESS_EVERY_S = 0.5
 
 __all__ = ["CheckpointError", "checkpoint_tensor_files", "load_config", "load_model", "load_tokenizer",
@@ -52,14 +58,21 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 def load_model(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = None,
                group: dist.ProcessGroup | None = None, backend: str = "auto", max_tokens_per_rank: int = 128,
                device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
-               expert_kernels: str = "auto", progress: bool = True) -> DeepseekV3ForCausalLM:
+               expert_kernels: str = "auto", progress: bool = True,
+               load_format: str = "auto") -> DeepseekV3ForCausalLM:
     """Build DeepseekV3ForCausalLM from the checkpoint's config.json and load this rank's weights
-    (arguments as DeepseekV3ForCausalLM's; progress: show a progress bar on stderr)."""
+    (arguments as DeepseekV3ForCausalLM's; progress: show a progress bar on stderr; load_format:
+    "auto" reads the safetensors, "dummy" draws random weights instead)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
     config = load_config(path)
     model = DeepseekV3ForCausalLM(config, ep_buffer=ep_buffer, group=group, backend=backend,
                                   max_tokens_per_rank=max_tokens_per_rank, device=device, dtype=dtype,
                                   expert_kernels=expert_kernels)
-    load_weights(model, path, progress=progress)
+    if load_format == "dummy":
+        model.load_weights(random_weights(config, DUMMY_SEED, model.device, wanted=model.needs_weight))
+    else:
+        load_weights(model, path, progress=progress)
     return model
 
 

@@ -7,6 +7,7 @@ loaders skip, a byte-level BPE tokenizer trained on a small embedded corpus, and
 variant (e4m3 weights with 128x128 block scales, partial blocks included, as V3 has).
 
     python -m serving.tiny_model DIR [--fp8]
+    python -m serving.tiny_model DIR --v3-shaped-layers 4     # V3's config at 4 layers, no weights
 """
 
 from __future__ import annotations
@@ -19,14 +20,30 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ep_layer.moe import block_cast_to_fp8
-
 from .config import ModelConfig
+from .random_weights import random_weights
 
 SEED = 20240917
 # DeepSeek-V3's own special tokens, full-width bars included.
 BOS_TOKEN, EOS_TOKEN = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # noqa: RUF001
 NUM_SHARDS = 3
+
+V3_CONFIG: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (auto_map and training-only fields left out)
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+}
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -109,84 +126,6 @@ def build_tokenizer() -> Any:
     return tokenizer
 
 
-def tiny_weights(config: ModelConfig, seed: int = SEED) -> dict[str, torch.Tensor]:
-    """Deterministic float weights under HF DeepSeek-V3 names (MTP layer included): bf16, except the
-    router's correction bias (float32, as in V3 checkpoints)."""
-    gen = torch.Generator().manual_seed(seed)
-    c = config
-    h = c.hidden_size
-    out: dict[str, torch.Tensor] = {}
-
-    def linear(name: str, rows: int, cols: int, gain: float = 1.0) -> None:
-        out[name] = (torch.randn(rows, cols, generator=gen) * (gain / cols ** 0.5)).to(torch.bfloat16)
-
-    def norm(name: str, dim: int) -> None:
-        out[name] = (1 + 0.1 * torch.randn(dim, generator=gen)).to(torch.bfloat16)
-
-    def mlp(prefix: str, inter: int) -> None:
-        linear(f"{prefix}.gate_proj.weight", inter, h)
-        linear(f"{prefix}.up_proj.weight", inter, h)
-        linear(f"{prefix}.down_proj.weight", h, inter, gain=0.5)
-
-    def layer(i: int) -> None:
-        p = f"model.layers.{i}"
-        norm(f"{p}.input_layernorm.weight", h)
-        norm(f"{p}.post_attention_layernorm.weight", h)
-        a = f"{p}.self_attn"
-        heads = c.num_attention_heads
-        linear(f"{a}.q_a_proj.weight", c.q_lora_rank, h)
-        norm(f"{a}.q_a_layernorm.weight", c.q_lora_rank)
-        linear(f"{a}.q_b_proj.weight", heads * c.qk_head_dim, c.q_lora_rank)
-        linear(f"{a}.kv_a_proj_with_mqa.weight", c.kv_cache_dim, h)
-        norm(f"{a}.kv_a_layernorm.weight", c.kv_lora_rank)
-        linear(f"{a}.kv_b_proj.weight", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        linear(f"{a}.o_proj.weight", h, heads * c.v_head_dim, gain=0.5)
-        if not c.is_moe_layer(i):
-            mlp(f"{p}.mlp", c.intermediate_size)
-            return
-        linear(f"{p}.mlp.gate.weight", c.n_routed_experts, h)
-        out[f"{p}.mlp.gate.e_score_correction_bias"] = 0.1 * torch.rand(c.n_routed_experts, generator=gen) - 0.05
-        for e in range(c.n_routed_experts):
-            mlp(f"{p}.mlp.experts.{e}", c.moe_intermediate_size)
-        mlp(f"{p}.mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
-
-    out["model.embed_tokens.weight"] = torch.randn(c.vocab_size, h, generator=gen).to(torch.bfloat16)
-    for i in range(c.num_hidden_layers):
-        layer(i)
-    norm("model.norm.weight", h)
-    linear("lm_head.weight", c.vocab_size, h, gain=2.0)
-    for i in range(c.num_hidden_layers, c.num_hidden_layers + c.num_nextn_predict_layers):
-        layer(i)  # multi-token prediction: a MoE decoder layer plus its own embedding, norms and head
-        p = f"model.layers.{i}"
-        norm(f"{p}.enorm.weight", h)
-        norm(f"{p}.hnorm.weight", h)
-        linear(f"{p}.eh_proj.weight", h, 2 * h)
-        norm(f"{p}.shared_head.norm.weight", h)
-        out[f"{p}.embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
-        out[f"{p}.shared_head.head.weight"] = out["lm_head.weight"].clone()
-    return out
-
-
-def is_fp8_weight(name: str) -> bool:
-    """The tensors DeepSeek-V3's FP8 checkpoints store as e4m3 with block scales: the attention and
-    MLP/expert projections (not embeddings, lm_head, norms, the router or the MTP-only parts)."""
-    projections = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                   "gate_proj", "up_proj", "down_proj")
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in projections
-
-
-def quantize_fp8(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The FP8 checkpoint of `weights`: projections cast to e4m3 with float32 `weight_scale_inv`."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if is_fp8_weight(name):
-            out[name], out[f"{name}_scale_inv"] = block_cast_to_fp8(tensor)
-        else:
-            out[name] = tensor
-    return out
-
-
 def write_tiny_checkpoint(directory: str | os.PathLike[str], fp8: bool = False) -> str:
     """Write config.json, NUM_SHARDS safetensors shards with model.safetensors.index.json, and the
     tokenizer (tokenizer.json, tokenizer_config.json) into `directory`; return its path."""
@@ -195,11 +134,26 @@ def write_tiny_checkpoint(directory: str | os.PathLike[str], fp8: bool = False) 
     raw = dict(TINY_CONFIG)
     if fp8:
         raw["quantization_config"] = FP8_QUANTIZATION
-    config = ModelConfig.from_dict(raw)
-    weights = tiny_weights(config)
-    if fp8:
-        weights = quantize_fp8(weights)
+    weights = dict(random_weights(ModelConfig.from_dict(raw), SEED))
     save_sharded(root, weights)
+    write_config_and_tokenizer(root, raw)
+    return root
+
+
+def write_v3_shaped(directory: str | os.PathLike[str], num_layers: int) -> str:
+    """A DeepSeek-V3-shaped model directory without weights: V3's config.json at `num_layers` layers
+    (the first dense, the others MoE at V3's real widths, FP8) and the tiny tokenizer; serve it with
+    `--load-format dummy` (random weights made on the device). Returns its path."""
+    if num_layers < 2:
+        raise ValueError(f"num_layers: expected >= 2 (one dense layer, then MoE layers), got {num_layers}")
+    root = os.fspath(directory)
+    os.makedirs(root, exist_ok=True)
+    write_config_and_tokenizer(root, V3_CONFIG | {"num_hidden_layers": num_layers, "first_k_dense_replace": 1})
+    return root
+
+
+def write_config_and_tokenizer(root: str, raw: dict[str, Any]) -> None:
+    """config.json from `raw`, and the tiny tokenizer (tokenizer.json, tokenizer_config.json)."""
     with open(os.path.join(root, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=2, ensure_ascii=False)
         f.write("\n")
@@ -211,7 +165,6 @@ def write_tiny_checkpoint(directory: str | os.PathLike[str], fp8: bool = False) 
     with open(os.path.join(root, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
         f.write("\n")
-    return root
 
 
 def save_sharded(directory: str | os.PathLike[str], weights: dict[str, torch.Tensor],
@@ -244,7 +197,14 @@ def main(argv: list[str] | None = None) -> None:
                                      description="Write the built-in tiny DeepSeek-V3 checkpoint to DIR.")
     parser.add_argument("directory", metavar="DIR")
     parser.add_argument("--fp8", action="store_true", help="FP8 block-quantised weights (as DeepSeek-V3 ships)")
+    parser.add_argument("--v3-shaped-layers", type=int, default=None, metavar="N",
+                        help="instead: DeepSeek-V3's config at N layers with no weights, to serve with "
+                             "--load-format dummy")
     args = parser.parse_args(argv)
+    if args.v3_shaped_layers is not None:
+        path = write_v3_shaped(args.directory, args.v3_shaped_layers)
+        print(f"wrote a {args.v3_shaped_layers}-layer DeepSeek-V3-shaped config and tokenizer to {path}")
+        return
     path = write_tiny_checkpoint(args.directory, fp8=args.fp8)
     print(f"wrote the tiny DeepSeek-V3 {'FP8' if args.fp8 else 'BF16'} checkpoint to {path}")
 

@@ -360,3 +360,23 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, two_microbatches: boo
             assert_layer_close(got, reference(x), quant, f"seed={seed} replay {replay} rank {r}")
     for layer in layers:
         layer.buffer.destroy()
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 576, 7168), (37, 1536, 512), (130, 256, 384)])
+def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_features: int, seed: int) -> None:
+    """A dense FP8 linear (serving's attention/MLP projections; N need not be a multiple of 128)
+    against float64 math on the same FP8 activations and dequantised weights."""
+    from ep_layer.moe import block_dequant
+    from ep_layer.moe.block_fp8 import num_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen, device="cuda") * 64).to(torch.float8_e4m3fn)
+    scales = torch.rand(num_blocks(out_features), num_blocks(in_features), generator=gen, device="cuda") / 256 + 1e-4
+    got = triton_experts.fp8_block_linear(x, weight, scales)
+    assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+    xq, xs = per_token_cast_to_fp8(x)
+    x_deq = (xq.double().view(rows, -1, FP8_GROUP) * xs.double()[..., None]).view(rows, in_features)
+    want = x_deq @ block_dequant(weight, scales).double().t()
+    assert_close(got, want, 2.0 ** -7, "fp8_block_linear")
+    assert triton_experts.fp8_block_linear(x[:0], weight, scales).shape == (0, out_features)

@@ -294,7 +294,7 @@ def _ep_rank(rank: int, world_size: int) -> dict:
     got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
     for _ in range(500):
         batch = engine.schedule()
-        plan = sync.agree(batch.num_tokens, batch.is_decode_only)
+        plan = sync.agree(batch.num_tokens)
         if not plan.step:
             break
         for out in engine.execute(batch):

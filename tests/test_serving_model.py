@@ -30,6 +30,7 @@ Error = max |ours - ref| / (|ref| + rms(ref)) per logits row.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -56,7 +57,7 @@ from serving.config import ConfigError, ModelConfig
 from serving.forward_batch import ForwardBatch
 from serving.loader import CheckpointError, load_model, load_tokenizer
 from serving.models.rotary import RotaryEmbedding, inv_freq_and_attention_factor, softmax_scale
-from serving.tiny_model import TINY_CONFIG, main, write_tiny_checkpoint
+from serving.tiny_model import TINY_CONFIG, V3_CONFIG, main, write_tiny_checkpoint
 
 TOL_HF = 2.0 ** -5
 TOL_HF_BF16_MODEL = 2.0 ** -4
@@ -67,22 +68,6 @@ MAX_FLIP_FRACTION = 0.05
 PREFILL_SCRIPT: list[Step] = [[(0, 19), (1, 13)]]  # two whole prompts in one step, logits at every position
 SEED = 7
 
-V3_CONFIG = {  # deepseek-ai/DeepSeek-V3's config.json (auto_map and training-only fields left out)
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1,
-    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
-    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
-    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
-    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
-}
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -521,3 +506,51 @@ def test_tiny_tokenizer(checkpoints: dict[str, str]) -> None:
     ids = tokenizer.encode(text).ids
     assert ids[0] == config.bos_token_id and len(ids) < len(text)
     assert tokenizer.decode(ids) == text
+
+
+# ---------------------------------------------------------------------------- random weights, dummy loading
+def test_weight_specs_count_deepseek_v3_parameters() -> None:
+    """Every tensor of the real checkpoint: with the FP8 block scales, the total is the parameter count
+    deepseek-ai/DeepSeek-V3 publishes for its safetensors (684,531,386,000)."""
+    from serving.random_weights import is_fp8_weight, weight_specs
+
+    total = 0
+    for spec in weight_specs(ModelConfig.from_dict(V3_CONFIG)):
+        total += math.prod(spec.shape)
+        if is_fp8_weight(spec.name):
+            total += math.ceil(spec.shape[0] / 128) * math.ceil(spec.shape[1] / 128)
+    assert total == 684_531_386_000
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_dummy_load_format(checkpoints: dict[str, str], kind: str) -> None:
+    """Random weights of the checkpoint's shapes and dtypes, the same for the same seed, unlike the
+    checkpoint's; the model runs."""
+    path = checkpoints[kind]
+    dummy = load_model(path, backend="reference", max_tokens_per_rank=64, progress=False, load_format="dummy")
+    again = load_model(path, backend="reference", max_tokens_per_rank=64, progress=False, load_format="dummy")
+    real = load_model(path, backend="reference", max_tokens_per_rank=64, progress=False)
+    got, same, want = dummy.state_dict(), again.state_dict(), real.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], same[name]), name
+    w = "model.layers.1.self_attn.q_b_proj.weight"
+    assert (got[w].dtype == torch.float8_e4m3fn) == (kind == "fp8")
+    assert not torch.equal(got[w].float(), want[w].float())
+    logits = PagedRunner(dummy, {0: list(range(2, 12))}).run([[(0, 10)]])
+    assert all(torch.isfinite(v).all() for v in logits.values())
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(path, load_format="npz")
+
+
+def test_v3_shaped_directory(tmp_path) -> None:
+    from serving.tiny_model import write_v3_shaped
+
+    path = write_v3_shaped(tmp_path / "v3", 4)
+    config = ModelConfig.from_dict(json.loads((tmp_path / "v3" / "config.json").read_text()))
+    assert (config.num_hidden_layers, config.first_k_dense_replace, config.hidden_size) == (4, 1, 7168)
+    assert config.fp8 and config.n_routed_experts == 256
+    assert load_tokenizer(path).encode("hello").ids
+    with pytest.raises(ValueError, match="num_layers"):
+        write_v3_shaped(tmp_path / "v3-1", 1)

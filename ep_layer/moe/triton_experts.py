@@ -175,6 +175,21 @@ def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch
     return out
 
 
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight.T for an FP8 e4m3 weight [N, K] with 128x128 block scales [ceil(N/128), K/128]:
+    x is cast per token and 128 channels as the experts' activations are, the GEMM is the masked one
+    with a single group of M rows (no host sync). bf16 [M, N]."""
+    m, k = x.shape
+    if k % FP8_GROUP:
+        raise ValueError(f"x: expected a multiple of {FP8_GROUP} input features for an FP8 weight, got {k}")
+    out = torch.empty(1, m, weight.shape[0], dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out[0]
+    count = torch.full((1,), m, dtype=torch.int32, device=x.device)
+    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
+    return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out)[0]
+
+
 class TritonExperts(ExpertKernels):
     """The expert MLP in two kernel launches (gate_up with SiLU * up, then down), plus the FP8 cast of
     the intermediate activation between them for FP8 weights. No host sync."""

@@ -2,6 +2,10 @@
 boundaries, so existing vLLM dashboards work; plus `ep_layer:` metrics from the ranks' device counters,
 read only when /metrics is scraped.
 
+The ep_layer: latency histograms (dispatch_latency_seconds, combine_latency_seconds) have buckets of their
+own, ep_layer.latency.BOUNDS_S (5 us to 100 ms), filled by the Buffers as they run (on the device with
+the cuda backend) and only read here.
+
 The vllm: metrics are fed by `ServingMetrics` as the coordinator's observer (from its reader thread):
 TTFT, inter-token latency and end-to-end latency are measured in the server process from request
 arrival to the arrival of each output; queue time is the engine's (arrival to first scheduled)."""
@@ -13,8 +17,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from ep_layer.latency import OPS, LatencyHistogram
 
 from ..engine.messages import EPStats, RequestOutput, SchedulerStats
 from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
@@ -131,6 +138,10 @@ class EPCollector(Collector):
     - expert_load_imbalance{layer}: max over experts / mean of those tokens (1 = balanced);
     - dispatch_wait_seconds_total / combine_wait_seconds_total{engine, src_rank}: time each rank waited
       for each source rank in dispatch / combine (the Buffer's wait-cost stats, where the model keeps them);
+    - dispatch_latency_seconds / combine_latency_seconds{engine}: histograms of one call's latency, the
+      time it occupies the stream (send half + receive half, waits for peers included, the work between
+      a send and its hook not), summed over the model's Buffers (Buffer.latency_stats(): device timers
+      on the cuda backend, host time on the reference backend); every call counts, warm-up runs too;
     - engine_steps_total / engine_step_seconds_total{engine, kind}: steps by kind (prefill, decode, empty)
       and their host time, model forward + sampling (mean step latency = the ratio of their rates)."""
 
@@ -164,6 +175,16 @@ class EPCollector(Collector):
                 for src, ns in enumerate(s.dispatch_wait_ns if what == "dispatch" else s.combine_wait_ns):
                     wait.add_metric([name, str(s.rank), str(src)], ns / 1e9)
             yield wait
+        for what in OPS:
+            latency = HistogramMetricFamily(
+                f"ep_layer:{what}_latency_seconds", f"Latency of one {what} call: send half plus receive half "
+                "(waits for peers included; the work between a send and its hook not).",
+                labels=["model_name", "engine"])
+            for s in stats:
+                hist = s.dispatch_latency if what == "dispatch" else s.combine_latency
+                if hist is not None:
+                    latency.add_metric([name, str(s.rank)], _buckets(hist), hist.sum_s)
+            yield latency
         steps = CounterMetricFamily("ep_layer:engine_steps", "Engine steps by kind (prefill, decode, empty).",
                                     labels=["model_name", "engine", "kind"])
         seconds = CounterMetricFamily("ep_layer:engine_step_seconds", "Host time of engine steps by kind "
@@ -174,3 +195,8 @@ class EPCollector(Collector):
                 seconds.add_metric([name, str(s.rank), kind], s.step_seconds.get(kind, 0.0))
         yield steps
         yield seconds
+
+
+def _buckets(hist: LatencyHistogram) -> list[tuple[str, float]]:
+    """Prometheus' cumulative (le, count) pairs, le written as prometheus_client's own histograms do."""
+    return [(floatToGoString(bound), count) for bound, count in hist.cumulative()]

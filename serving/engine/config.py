@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 DEFAULT_LOADER = "serving.engine.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class EngineConfig:
     model: str
     served_model_name: str = "ep-layer-tiny"
     loader: str = DEFAULT_LOADER
+    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (serving.loader)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_tokens_per_rank: int = 256
@@ -36,13 +38,15 @@ class EngineConfig:
     ep_backend: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
-    enforce_eager: bool = False  # read by a CUDA-graph runner (see ModelRunner.graph_size); eager today
+    enforce_eager: bool = False  # no decode CUDA graphs (see serving.engine.model_runner)
     dist_port: int = 0  # rendezvous port of the rank group (0: the launcher picks a free one)
     data_parallel_size_local: int | None = None  # ranks this process runs (None: all from the start rank on)
     data_parallel_start_rank: int = 0  # global rank of this process's first rank
     data_parallel_address: str = "127.0.0.1"  # host of the rendezvous store (the process that runs rank 0)
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.ep_backend not in EP_BACKENDS:
             raise ValueError(f"ep_backend: expected one of {EP_BACKENDS}, got {self.ep_backend!r}")
         for name in ("max_num_seqs", "max_tokens_per_rank", "block_size", "data_parallel_size"):

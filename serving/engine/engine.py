@@ -31,7 +31,7 @@ def eos_token_ids(config: Any) -> frozenset[int]:
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, num_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_tokens_per_rank: int, device: torch.device,
-                 seed: int = 0, rank: int = 0, num_ranks: int = 1) -> None:
+                 seed: int = 0, rank: int = 0, num_ranks: int = 1, use_cuda_graphs: bool = False) -> None:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = eos_token_ids(cfg)
@@ -43,7 +43,8 @@ class LLMEngine:
         self.device, self.rank, self.num_ranks = device, rank, num_ranks
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_rank)
-        self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank)
+        self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank,
+                                  max_num_seqs, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
         self.model = model
         self.requests: dict[str, Sequence] = {}
@@ -86,12 +87,12 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         return self.scheduler.schedule(time.monotonic())
 
-    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> list[RequestOutput]:
+    def execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Run the model on `batch` (an empty one too: the MoE layers must take part), sample the
         sequences whose prompt is complete, and return their outputs."""
         start = time.perf_counter()
         kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
-        logits = self.runner.execute(batch, graph_size)
+        logits = self.runner.execute(batch)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):

@@ -24,7 +24,8 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
 
     rank = dist.get_rank(group) if group is not None else 0
     model = loader.load_model(config.model, group=group, backend=config.ep_backend,
-                              max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0)
+                              max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
+                              load_format=config.load_format)
     return model.eval(), loader.load_tokenizer(config.model)
 
 

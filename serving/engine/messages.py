@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ep_layer.latency import LatencyHistogram
+
 from .sequence import SamplingParams
 
 # ---------------------------------------------------------------- server -> rank
@@ -108,6 +110,9 @@ class EPStats:
     combine_wait_ns: list[int] = field(default_factory=list)
     steps: dict[str, int] = field(default_factory=dict)  # step kind -> count
     step_seconds: dict[str, float] = field(default_factory=dict)  # step kind -> summed host time
+    # Per call of dispatch / combine, summed over the model's Buffers; None without any Buffer.
+    dispatch_latency: LatencyHistogram | None = None
+    combine_latency: LatencyHistogram | None = None
 
 
 @dataclass(frozen=True)

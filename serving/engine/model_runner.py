@@ -1,39 +1,68 @@
-"""Runs the model for a scheduled batch: builds the `ForwardBatch`, owns the KV cache size, and is the
-one place where CUDA graphs for decode batch sizes go (eager everywhere for now; see `graph_size`)."""
+"""Runs the model for a scheduled batch: builds the `ForwardBatch`, owns the KV cache size, and replays
+CUDA graphs for decode steps.
+
+Decode graphs (vLLM's scheme): at start-up one graph per size of a ladder (1, 2, 4, 8, 16, 24, 32, ...
+up to max_num_seqs) is captured over static input tensors. A decode-only step of n sequences copies
+its inputs into the first n rows of the smallest size >= n; the other rows are padding tokens that
+write their KV to a block of their own (one past the engine's blocks) and whose logits are dropped.
+An empty step (an idle expert-parallel rank) replays the size-1 graph on one padding token, so its
+MoE layers still take part in the peers' dispatch and combine. Prefill steps run eagerly.
+
+Graphs need a GPU and MoE layers whose Buffer backend is `cuda` (the reference backend synchronises
+with the host inside dispatch); otherwise, or with enforce_eager, every step runs eagerly.
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from ..forward_batch import ForwardBatch
 from .scheduler import ScheduledBatch
 
+LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
+_TENSORS = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
+    sizes += range(LADDER_STEP, max_num_seqs, LADDER_STEP)
+    return sorted(set(sizes) | {max_num_seqs})
+
 
 class ModelRunner:
     """model: obeys serving.forward_batch's contract (forward(batch) -> float32 logits [num_seqs, vocab],
-    allocate_kv_cache, config)."""
+    allocate_kv_cache, config, and `ep_buffer` where it has MoE layers)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
-                 max_model_len: int, max_tokens_per_rank: int) -> None:
+                 max_model_len: int, max_tokens_per_rank: int, max_num_seqs: int | None = None,
+                 use_cuda_graphs: bool = False) -> None:
         self.model, self.device = model, device
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.max_tokens_per_rank = max_tokens_per_rank
-        model.allocate_kv_cache(num_blocks, block_size)
+        self.pad_block = num_blocks  # the block padding tokens write to, outside the engine's blocks
+        model.allocate_kv_cache(num_blocks + 1, block_size)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._static: ForwardBatch | None = None
+        self.capture_seconds = 0.0
+        if use_cuda_graphs and graphs_supported(model, device):
+            self.capture(graph_sizes(min(max_num_seqs or max_tokens_per_rank, max_tokens_per_rank)))
 
-    def graph_size(self, num_tokens: int) -> int | None:
-        """The decode batch size to pad to when every rank only decodes and the largest batch has
-        `num_tokens` tokens, or None to run eagerly. The CUDA-graph seam: a graph runner (GPU, not
-        --enforce-eager) would capture vLLM's ladder of decode sizes (1, 2, 4, 8, 16, 32, ... up to
-        max_tokens_per_rank) here, return the smallest one >= num_tokens, and `execute` would replay
-        it, idle ranks too (on padding tokens), so every rank dispatches with the same T. Not
-        captured yet: always eager."""
-        return None
-
+    # ------------------------------------------------------------------ inputs
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         """The flat ForwardBatch for `batch` (built on the host, copied to the device once)."""
         if not batch:
             return ForwardBatch.empty(self.device, self.max_blocks_per_seq)
+        host = self._host_batch(batch)
+        if self.device.type == "cpu":
+            return host
+        return ForwardBatch(*(getattr(host, name).pin_memory().to(self.device, non_blocking=True)
+                              for name in _TENSORS))
+
+    def _host_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -52,20 +81,95 @@ class ModelRunner:
             tables.append(table + [-1] * (self.max_blocks_per_seq - len(table)))
         i64 = dict(dtype=torch.int64)
         i32 = dict(dtype=torch.int32)
-        host = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids, **i64), positions=torch.tensor(positions, **i64),
             query_start=torch.tensor(query_start, **i32), seq_lens=torch.tensor(seq_lens, **i32),
             block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, **i64),
             logits_indices=torch.tensor(query_start[1:], **i64) - 1)
-        if self.device.type == "cpu":
-            return host
-        return ForwardBatch(*(t.pin_memory().to(self.device, non_blocking=True) for t in (
-            host.input_ids, host.positions, host.query_start, host.seq_lens, host.block_tables,
-            host.slot_mapping, host.logits_indices)))
 
+    def padded_decode_batch(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
+        """`batch` (decode-only or empty, at most `size` sequences) as a decode ForwardBatch of exactly
+        `size` rows on the host: padding rows hold token 0 at position 0 of a one-token sequence in
+        the padding block."""
+        n = len(batch.seqs)
+        if not n <= size:
+            raise ValueError(f"batch: {n} sequences do not fit a decode graph of {size}")
+        pad = size - n
+        host = self._host_batch(batch) if n else ForwardBatch.empty("cpu", self.max_blocks_per_seq)
+        pad_table = torch.full((pad, self.max_blocks_per_seq), -1, dtype=torch.int32)
+        pad_table[:, 0] = self.pad_block
+        zeros = torch.zeros(pad, dtype=torch.int64)
+        return ForwardBatch(
+            input_ids=torch.cat([host.input_ids, zeros]), positions=torch.cat([host.positions, zeros]),
+            query_start=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens=torch.cat([host.seq_lens, torch.ones(pad, dtype=torch.int32)]),
+            block_tables=torch.cat([host.block_tables, pad_table]),
+            slot_mapping=torch.cat([host.slot_mapping, zeros + self.pad_block * self.block_size]),
+            logits_indices=torch.arange(size, dtype=torch.int64), decode=True)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @property
+    def captured_sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def graph_size(self, batch: ScheduledBatch) -> int | None:
+        """The captured size `batch` replays at (the smallest >= its sequences; 1 for an empty batch),
+        or None when it runs eagerly (prefill, too large, or no graphs)."""
+        if not self._graphs or (batch and not batch.is_decode_only):
+            return None
+        return next((s for s in sorted(self._graphs) if s >= max(1, len(batch.seqs))), None)
+
+    def capture(self, sizes: list[int]) -> None:
+        """Capture a decode graph for each size (largest first, all sharing one memory pool). Every
+        expert-parallel rank must capture the same sizes at the same time: the warm-up run before each
+        capture executes the MoE layers' dispatch and combine with the peers."""
+        padding = self.padded_decode_batch(ScheduledBatch(), max(sizes))
+        self._static = ForwardBatch(*(getattr(padding, name).to(self.device) for name in _TENSORS), decode=True)
+        pool = None
+        start = time.perf_counter()
+        for size in sorted(sizes, reverse=True):
+            static = self._static_view(size)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                self.model(static)  # warm-up: lazy initialisation and Triton compilation happen outside capture
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                logits = self.model(static)
+            pool = graph.pool()
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+
+    def _static_view(self, size: int) -> ForwardBatch:
+        """The first `size` rows of the static inputs (views: the graphs read them in place)."""
+        s = self._static
+        assert s is not None
+        rows = {name: getattr(s, name)[:size + 1 if name == "query_start" else size] for name in _TENSORS}
+        return ForwardBatch(**rows, decode=True)
+
+    def _replay(self, batch: ScheduledBatch, size: int) -> torch.Tensor:
+        host = self.padded_decode_batch(batch, size)
+        static = self._static_view(size)
+        for name in ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"):
+            getattr(static, name).copy_(getattr(host, name).pin_memory(), non_blocking=True)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[:len(batch.seqs)]
+
+    # ------------------------------------------------------------------ running
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits float32 [len(batch.seqs), vocab]; an empty batch still runs the model (its MoE layers
         take part in the other ranks' dispatch and combine) and gives [0, vocab]."""
-        del graph_size  # eager: nothing is padded
+        size = self.graph_size(batch)
+        if size is not None:
+            return self._replay(batch, size)
         return self.model(self.prepare(batch))
+
+
+def graphs_supported(model: torch.nn.Module, device: torch.device) -> bool:
+    """A GPU, and MoE layers (if any) on the cuda backend, whose calls never wait on the host."""
+    buffer = getattr(model, "ep_buffer", None)
+    return device.type == "cuda" and (buffer is None or buffer.backend_name == "cuda")

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -101,7 +102,11 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         engine = LLMEngine(model, tokenizer, num_blocks=blocks, block_size=config.block_size,
                            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                            max_tokens_per_rank=config.max_tokens_per_rank, device=device, seed=config.seed + rank,
-                           rank=rank, num_ranks=config.data_parallel_size)
+                           rank=rank, num_ranks=config.data_parallel_size,
+                           use_cuda_graphs=not config.enforce_eager)
+        if rank == 0 and engine.runner.captured_sizes:
+            print(f"Captured decode CUDA graphs for batch sizes {engine.runner.captured_sizes} in "
+                  f"{engine.runner.capture_seconds:.1f} s", file=sys.stderr, flush=True)
         info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
                          config.block_size, str(device))
         outbox.put(RankReady(rank, info))
@@ -164,15 +169,14 @@ class RankLoop:
         while True:
             stop = not self._handle(self._receive(block=idle and not self.engine.has_work()))
             batch = self.engine.schedule() if not stop else ScheduledBatch()
-            plan = self.sync.agree(batch.num_tokens, batch.is_decode_only, stop)
+            plan = self.sync.agree(batch.num_tokens, stop)
             if plan.stop:
                 return
             idle = not plan.step
             if idle:
                 self._send([])
                 continue
-            graph_size = self.engine.runner.graph_size(plan.max_num_tokens) if plan.decode_only else None
-            self._send(self.engine.execute(batch, graph_size))
+            self._send(self.engine.execute(batch))
 
     def _receive(self, block: bool) -> list[Any]:
         messages: list[Any] = []

@@ -24,7 +24,7 @@ from ..forward_batch import ForwardBatch
 from .linear import Linear
 from .mla import MLAttention
 from .norm import Embedding, RMSNorm
-from .paged_attention import AttentionMetadata
+from .paged_attention import AttentionMetadata, DecodeMetadata
 from .rotary import RotaryEmbedding
 from .weights import CheckpointError, copy_checked
 
@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, fp8=c.fp8, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         h = self.post_attention_layernorm(x)
         # FusedMoE works in bf16 (its dispatch sends bf16 or FP8); other dtypes round-trip through it.
@@ -157,7 +157,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if cache is None:
             raise RuntimeError("forward: no KV cache; call allocate_kv_cache(num_blocks, block_size) first")
         self._check_batch(batch)
-        meta = AttentionMetadata.from_batch(batch, block_size=cache.shape[2], num_blocks=cache.shape[1])
+        meta = (DecodeMetadata.from_batch(batch, block_size=cache.shape[2]) if batch.decode else
+                AttentionMetadata.from_batch(batch, block_size=cache.shape[2], num_blocks=cache.shape[1]))
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -8,16 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_layer.moe import block_dequant
+from ep_layer.moe import block_dequant, triton_experts
 from ep_layer.moe.block_fp8 import num_blocks
 
 
 class Linear(nn.Module):
     """y = x W^T (no bias: DeepSeek-V3 has none).
 
-    FP8 weights are dequantised to the activation dtype at each call, which is exact for the weight
-    values and plain PyTorch. GPU kernel: a block-FP8 GEMM (DeepGEMM / Triton w8a8 with per-token
-    128-channel activation scales, as ep_layer.moe's experts) replaces `dense_weight` + F.linear here.
+    FP8 weights on a GPU with Triton run as FP8: activations cast per token and 128 channels, block-
+    scaled GEMM with float32 accumulation (DeepSeek-V3's inference scheme, ep_layer.moe's expert
+    kernel). Elsewhere they are dequantised to the activation dtype at each call (exact for the
+    weight values, plain PyTorch).
     """
 
     weight_scale_inv: torch.Tensor | None
@@ -39,6 +40,9 @@ class Linear(nn.Module):
         return block_dequant(self.weight, self.weight_scale_inv).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None and x.is_cuda and triton_experts.available():
+            y = triton_experts.fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype))
 
     def extra_repr(self) -> str:

@@ -5,10 +5,14 @@ Cache layout: one tensor [num_layers, num_blocks, block_size, kv_lora_rank + qk_
 token's entry is [c_kv (the kv_a_layernorm'd latent) | k_pe (its RoPE'd shared key, de-interleaved
 as serving.models.rotary lays it out)]; slot s is block s // block_size, offset s % block_size.
 
-This is plain PyTorch, one sequence at a time, with a host sync per step to read the batch layout;
-correct on CPU and GPU. GPU kernel: FlashMLA / FlashInfer's MLA paged decode-and-prefill kernel takes
-`q` [T, H, 576], the cache, block tables and sequence lengths and replaces `paged_mla_attention`
-(and makes the step CUDA-graph capturable).
+Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
+- `AttentionMetadata` (any batch: prefill chunks and decodes): one sequence at a time, with a host
+  sync per step to read and check the batch layout.
+- `DecodeMetadata` (one new token per sequence): every sequence at once over its whole block table,
+  keys past its length masked, no host sync, so a decode step can be captured in a CUDA graph. It
+  reads max_blocks_per_seq * block_size keys per sequence whatever the sequence's length.
+GPU kernel: FlashMLA / FlashInfer's MLA paged kernels take `q` [T, H, 576], the cache, block tables and
+sequence lengths and replace `paged_mla_attention` (reading only each sequence's own keys).
 """
 
 from __future__ import annotations
@@ -67,16 +71,44 @@ class AttentionMetadata:
         return cls(batch.slot_mapping, tuple(sequences))
 
 
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """One new token per sequence (row b of the batch is sequence b): `slots` int64 [B, L] are the cache
+    slots of every position its block table covers (L = max_blocks_per_seq * block_size; -1 entries of
+    the table read block 0), `visible` bool [B, L] marks positions < seq_len. Built on the device."""
+
+    slot_mapping: torch.Tensor
+    slots: torch.Tensor
+    visible: torch.Tensor
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch, block_size: int) -> DecodeMetadata:
+        if batch.num_tokens != batch.num_seqs:
+            raise ValueError(f"batch: a decode batch has one token per sequence, got {batch.num_tokens} tokens "
+                             f"for {batch.num_seqs} sequences")
+        offsets = torch.arange(block_size, device=batch.block_tables.device)
+        slots = batch.block_tables.clamp(min=0).long()[:, :, None] * block_size + offsets  # [B, blocks, bs]
+        slots = slots.flatten(1)
+        visible = torch.arange(slots.shape[1], device=slots.device)[None, :] < batch.seq_lens[:, None]
+        return cls(batch.slot_mapping, slots, visible)
+
+
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
     """Store each new token's cache entry [T, D] at its slot of one layer's cache [num_blocks, block_size, D]."""
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(cache.dtype))
 
 
-def paged_mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                        kv_lora_rank: int) -> torch.Tensor:
+def paged_mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
+                        scale: float, kv_lora_rank: int) -> torch.Tensor:
     """Latent attention output [T, H, kv_lora_rank] for queries q [T, H, D] (q_nope absorbed into W_UK,
     then q_pe) against one layer's cache [num_blocks, block_size, D]: softmax(q . key * scale) . c_kv."""
     flat = cache.view(-1, cache.shape[-1])
+    if isinstance(meta, DecodeMetadata):
+        keys = flat[meta.slots].to(q.dtype)  # [B, L, D]
+        scores = torch.einsum("bhd,bld->bhl", q, keys) * scale
+        scores = scores.masked_fill(~meta.visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bhl,blc->bhc", probs, keys[..., :kv_lora_rank])
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
     for seq in meta.sequences:
         n = seq.end - seq.start

@@ -1,0 +1,137 @@
+"""Decode steps without host syncs and their CUDA graphs (serving.engine.model_runner): the decode
+attention layout against the general one, padded decode batches against unpadded ones on the tiny
+DeepSeek-V3 model (CPU), and on a GPU the graph-replaying engine against the eager one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.engine.engine import LLMEngine
+from serving.engine.model_runner import graph_sizes
+from serving.engine.scheduler import ScheduledBatch
+from serving.engine.sequence import SamplingParams
+from serving.loader import load_model, load_tokenizer
+from serving.tiny_model import write_tiny_checkpoint
+
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "bf16")
+
+
+def make_engine(path: str, device: str, use_cuda_graphs: bool, backend: str, max_num_seqs: int = 8) -> LLMEngine:
+    model = load_model(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
+                       progress=False)
+    return LLMEngine(model, load_tokenizer(path), num_blocks=64, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                     max_num_seqs=max_num_seqs, max_tokens_per_rank=32, device=torch.device(device),
+                     use_cuda_graphs=use_cuda_graphs)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (int(torch.randint(2, 12, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def until_decoding(engine: LLMEngine, prompt_ids: list[list[int]]) -> ScheduledBatch:
+    """Add the prompts, step through their prefills; the next (decode-only) batch, not yet run."""
+    for i, p in enumerate(prompt_ids):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    for _ in range(50):
+        batch = engine.schedule()
+        if batch.is_decode_only:
+            return batch
+        engine.execute(batch)
+    raise AssertionError("the prompts never reached decode")
+
+
+def test_graph_sizes_ladder() -> None:
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(3) == [1, 2, 3]
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+@pytest.mark.parametrize("pad", [0, 3])
+def test_padded_decode_batch_equals_eager_step(checkpoint: str, pad: int) -> None:
+    """The decode layout (whole block tables, masked) with padding rows gives the general layout's
+    logits for the real rows, and the padding rows write only to the padding block."""
+    engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
+    batch = until_decoding(engine, prompts(5, seed=1))
+    runner, model = engine.runner, engine.model
+    cache_before = model.kv_cache.clone()
+    want = model(runner.prepare(batch))
+    cache_want = model.kv_cache.clone()
+    model.kv_cache.copy_(cache_before)
+    padded = runner.padded_decode_batch(batch, len(batch.seqs) + pad)
+    assert padded.decode and padded.num_tokens == len(batch.seqs) + pad
+    got = model(padded)
+    torch.testing.assert_close(got[:len(batch.seqs)], want, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all()
+    own = slice(0, runner.pad_block)  # the engine's blocks: written as by the eager step
+    torch.testing.assert_close(model.kv_cache[:, own], cache_want[:, own], rtol=1e-5, atol=1e-5)
+    assert torch.equal(cache_want[:, runner.pad_block], cache_before[:, runner.pad_block])
+    assert torch.equal(model.kv_cache[:, runner.pad_block], cache_before[:, runner.pad_block]) == (pad == 0)
+
+
+def test_empty_batch_pads_to_one_token(checkpoint: str) -> None:
+    engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
+    padded = engine.runner.padded_decode_batch(ScheduledBatch(), 1)
+    assert padded.input_ids.tolist() == [0] and padded.seq_lens.tolist() == [1]
+    assert padded.slot_mapping.tolist() == [engine.runner.pad_block * BLOCK_SIZE]
+    assert engine.model(padded).shape == (1, engine.vocab_size)
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.runner.padded_decode_batch(until_decoding(engine, prompts(3, seed=2)), 2)
+
+
+def test_cpu_engine_runs_eagerly(checkpoint: str) -> None:
+    engine = make_engine(checkpoint, "cpu", use_cuda_graphs=True, backend="reference")
+    assert engine.runner.captured_sizes == []
+    assert engine.runner.graph_size(ScheduledBatch()) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
+    """7 requests of staggered lengths decode through batch sizes 7 down to 1 (graphs 8, 4, 2, 1);
+    at every replayed step the eager forward on the same inputs gives the same logits, and the
+    greedy text equals an engine that never captured graphs."""
+    from ep_layer import native
+
+    if not native.available():
+        pytest.skip("the cuda backend is not built")
+    prompt_ids = prompts(7, seed=3)
+    lengths = [4 + 2 * i for i in range(7)]
+    eager = make_engine(checkpoint, "cuda", use_cuda_graphs=False, backend="cuda")
+    want = generate(eager, prompt_ids, lengths)
+    del eager
+    engine = make_engine(checkpoint, "cuda", use_cuda_graphs=True, backend="cuda")
+    runner = engine.runner
+    assert runner.captured_sizes == [1, 2, 4, 8]
+    replays = {size: 0 for size in runner.captured_sizes}
+    replay = runner._replay
+
+    def checked_replay(batch: ScheduledBatch, size: int) -> torch.Tensor:
+        replays[size] += 1
+        eager_logits = engine.model(runner.prepare(batch)).clone()
+        logits = replay(batch, size)
+        torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=2e-2)
+        return logits
+
+    runner._replay = checked_replay
+    assert generate(engine, prompt_ids, lengths) == want
+    assert replays[8] > 0 and replays[4] > 0 and replays[1] > 0, replays
+
+
+def generate(engine: LLMEngine, prompt_ids: list[list[int]], lengths: list[int]) -> dict[str, list[int]]:
+    for i, (p, n) in enumerate(zip(prompt_ids, lengths)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompt_ids))}
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    return got
