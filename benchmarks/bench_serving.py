@@ -3,12 +3,17 @@
 For each concurrency level it keeps that many requests in flight (each generating exactly
 --max-tokens tokens: ignore_eos) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
 floor of one decode step: the weight bytes one rank reads per step (its attention, dense layers, shared
-experts and lm_head, plus its experts that the step's tokens activate, counted from the checkpoint's
-safetensors headers) over the HBM bandwidth.
+experts and lm_head, plus its experts that the step's tokens activate; tensor sizes from config.json,
+as the checkpoint stores them) over the HBM bandwidth.
 
     python benchmarks/bench_serving.py                                  # launches ep-serve (tiny model, EP=2, CPU)
     python benchmarks/bench_serving.py --launch "/ckpt --enable-expert-parallel --data-parallel-size 8"
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model-dir /ckpt --concurrency 1 8 32
+
+A DeepSeek-V3-shaped model on one GPU (V3's widths at 4 layers, random FP8 weights, no checkpoint):
+
+    python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
+    python benchmarks/bench_serving.py --launch "/tmp/v3-4l --load-format dummy --max-model-len 1024"
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import json
 import os
 import shlex
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -27,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from serving.loader import load_config
+from serving.random_weights import stored_bytes
 
 H200_HBM_BYTES_PER_S = 4.8e12  # datasheet; bench_ll.py measures the copy rate of the card at hand
 
@@ -81,25 +88,13 @@ async def sweep_level(url: str, model: str, concurrency: int, requests: int, pro
         return list(samples), time.perf_counter() - start
 
 
-def tensor_bytes(model_dir: Path) -> dict[str, int]:
-    """Tensor name -> bytes, from the safetensors headers only (no tensor data is read)."""
-    sizes: dict[str, int] = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with open(shard, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                sizes[name] = meta["data_offsets"][1] - meta["data_offsets"][0]
-    return sizes
-
-
 def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> float:
     """Weight bytes one rank reads in a decode step of `tokens_per_rank` tokens on each of `ranks` ranks."""
-    config = json.loads((model_dir / "config.json").read_text())
-    experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
-    mtp_prefix = f"model.layers.{config['num_hidden_layers']}."
+    config = load_config(model_dir)
+    experts, topk = config.n_routed_experts, config.num_experts_per_tok
+    mtp_prefix = f"model.layers.{config.num_hidden_layers}."
     dense, expert_bytes = 0, {}
-    for name, size in tensor_bytes(model_dir).items():
+    for name, size in stored_bytes(config):
         if name.startswith(mtp_prefix) or name == "model.embed_tokens.weight":
             continue  # the MTP layer is not served; the embedding is gathered row by row
         if ".mlp.experts." in name:

@@ -9,12 +9,14 @@ FP8 checkpoints store them, so even an 11 GB MoE layer is never held twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ep_layer.moe import block_cast_to_fp8
+from ep_layer.moe.block_fp8 import num_blocks
 
 from .config import ModelConfig
 
@@ -97,6 +99,19 @@ def is_fp8_weight(name: str) -> bool:
     MLP/expert projections (not embeddings, lm_head, norms, the router or the MTP-only parts)."""
     parts = name.split(".")
     return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in FP8_PROJECTIONS
+
+
+def stored_bytes(config: ModelConfig) -> Iterator[tuple[str, int]]:
+    """(name, bytes) of every tensor as the checkpoint stores it: FP8 projections one byte per value
+    plus their float32 block scales (counted under the weight's name), the router bias float32, the
+    rest bf16."""
+    for spec in weight_specs(config):
+        numel = math.prod(spec.shape)
+        if config.fp8 and is_fp8_weight(spec.name):
+            rows, cols = spec.shape
+            yield spec.name, numel + 4 * num_blocks(rows) * num_blocks(cols)
+        else:
+            yield spec.name, numel * (4 if spec.kind == "bias" else 2)
 
 
 def draw(spec: WeightSpec, gen: torch.Generator, device: torch.device | str) -> torch.Tensor:
