@@ -80,17 +80,17 @@ QUICK_REPS = Reps(eager=5, graph=10, reference=3)
 
 
 # ---------------------------------------------------------------------------- requirements
-def require_gpu() -> None:
+def require_gpu(script: str = "bench_moe.py") -> None:
     """Exit with a clear message unless there is a GPU, our CUDA kernels and Triton."""
     if not torch.cuda.is_available():
-        sys.exit(f"bench_moe.py needs a CUDA GPU, and torch {torch.__version__} sees none "
+        sys.exit(f"{script} needs a CUDA GPU, and torch {torch.__version__} sees none "
                  f"(torch CUDA build: {torch.version.cuda})")
     try:
         native.load()
     except ImportError as error:
-        sys.exit(f"bench_moe.py needs the CUDA kernels: {error}")
+        sys.exit(f"{script} needs the CUDA kernels: {error}")
     if not triton_experts.available():
-        sys.exit(f"bench_moe.py needs Triton for the expert GEMMs: {triton_experts.unavailable_reason()}")
+        sys.exit(f"{script} needs Triton for the expert GEMMs: {triton_experts.unavailable_reason()}")
 
 
 # ---------------------------------------------------------------------------- timing
@@ -111,9 +111,9 @@ def time_eager(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
-def time_graph(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    """Median microseconds of one `fn()` replayed from a CUDA graph (warm-up in a side stream first,
-    which also compiles the Triton kernels). The graph and its memory pool are freed on return."""
+def capture_graph(fn: Callable[[], object], warmup: int = 2, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back `fn()` calls, captured after `warmup` eager calls in a side
+    stream (which also compile the Triton kernels)."""
     release_memory()  # the eager calls' cached blocks, before the graph takes a pool of its own
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -123,7 +123,15 @@ def time_graph(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_graph(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median microseconds of one `fn()` replayed from a CUDA graph (see capture_graph). The graph and
+    its memory pool are freed on return."""
+    graph = capture_graph(fn, warmup)
     graph.replay()
     torch.cuda.synchronize()
     samples = []
@@ -181,12 +189,13 @@ def expert_weight_bytes(layer: FusedMoE) -> int:
 
 
 # ---------------------------------------------------------------------------- the layers of one EP size
-def new_layer(shape: Shape, buffer: Buffer, max_tokens: int, device: torch.device | str) -> FusedMoE:
+def new_layer(shape: Shape, buffer: Buffer, max_tokens: int, device: torch.device | str,
+              expert_kernels: str = EXPERT_KERNELS) -> FusedMoE:
     return FusedMoE(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, None,
                     n_group=shape.n_group, topk_group=shape.topk_group,
                     routed_scaling_factor=shape.routed_scaling_factor, quant="fp8-block",
                     n_shared_experts=shape.n_shared_experts, buffer=buffer, max_tokens_per_rank=max_tokens,
-                    expert_kernels=EXPERT_KERNELS, device=device)
+                    expert_kernels=expert_kernels, device=device)
 
 
 def reference_layer(layer: FusedMoE, shape: Shape, max_tokens: int) -> FusedMoE:
@@ -197,17 +206,20 @@ def reference_layer(layer: FusedMoE, shape: Shape, max_tokens: int) -> FusedMoE:
 
 
 class EpLayers:
-    """One layer per EP rank (emulated beyond 1), each holding its own experts, all on `device`."""
+    """One layer per Buffer that `make_buffers(ep, bytes)` returns, each holding its Buffer's rank's experts,
+    all on `device`: every EP rank here (emulated beyond 1), or one real rank per process
+    (bench_moe_multigpu.py)."""
 
     def __init__(self, shape: Shape, ep: int, max_tokens: int, seed: int, device: torch.device,
-                 make_buffers: Callable[[int, int], list[Buffer]]) -> None:
+                 make_buffers: Callable[[int, int], list[Buffer]], expert_kernels: str = EXPERT_KERNELS) -> None:
         self.shape, self.ep, self.max_tokens = shape, ep, max_tokens
         self.buffer_bytes = Buffer.get_low_latency_rdma_size_hint(max_tokens, shape.hidden, ep, shape.num_experts)
         self.layers: list[FusedMoE] = []
         per_rank = shape.num_experts // ep
-        for rank, buffer in enumerate(make_buffers(ep, self.buffer_bytes)):
-            layer = new_layer(shape, buffer, max_tokens, device)
-            layer.load_weights(hf_tensors(shape, range(rank * per_rank, (rank + 1) * per_rank), device, seed))
+        for buffer in make_buffers(ep, self.buffer_bytes):
+            layer = new_layer(shape, buffer, max_tokens, device, expert_kernels)
+            first = buffer.rank * per_rank
+            layer.load_weights(hf_tensors(shape, range(first, first + per_rank), device, seed))
             self.layers.append(layer)
         self.expert_bytes = expert_weight_bytes(self.layers[0])
 
@@ -361,9 +373,13 @@ def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
 
 
 def print_table(rows: list[Row], copy_bw: float) -> None:
-    cells = [r.cells(copy_bw) for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADER)]
-    print(" | ".join(h.rjust(w) for h, w in zip(HEADER, widths)))
+    print_cells(HEADER, [r.cells(copy_bw) for r in rows])
+
+
+def print_cells(header: tuple[str, ...], cells: list[list[str]]) -> None:
+    """A table with right-aligned columns separated by ' | '."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
     for row in cells:
         print(" | ".join(c.rjust(w) for c, w in zip(row, widths)))
 
