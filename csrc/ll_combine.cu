@@ -24,7 +24,8 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall a) {
   const Common& c = a.c;
   const unsigned seq = next_seq(c, kCombine);
-  if (blockIdx.x == 0 && blockIdx.y == 0) {
+  mark_start(c, kCombine, true, seq);
+  if (first_block()) {
     say_hello(c, kCombine, seq);
     if (threadIdx.x == 0) *c.ticket = seq;
   }
@@ -57,9 +58,11 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall 
   if (threadIdx.x == 0) finish_send(c, kCombine, seq);
 }
 
-__global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
+// The receive half's work for one (token, channel chunk); threads return here, so that all of them
+// reach finish_recv. With no tokens the kernel runs one block that only records the latency.
+__device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq) {
   const Common& c = a.c;
-  const unsigned seq = *c.ticket;
+  if (static_cast<int>(blockIdx.x) >= a.num_tokens) return;
   if (!check_hellos(c, kCombine, seq)) return;
 
   const int token = blockIdx.x, num_local = c.num_experts / c.num_ranks;
@@ -113,6 +116,13 @@ __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall 
   reinterpret_cast<int4*>(a.out + static_cast<long long>(token) * c.hidden)[vec] = packed;
 }
 
+__global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
+  const unsigned seq = *a.c.ticket;
+  mark_start(a.c, kCombine, false, seq);
+  reduce_token(a, seq);
+  finish_recv(a.c, kCombine, seq);
+}
+
 }  // namespace
 
 void combine_send(const CombineCall& call, cudaStream_t stream) {
@@ -121,8 +131,8 @@ void combine_send(const CombineCall& call, cudaStream_t stream) {
 }
 
 void combine_recv(const CombineCall& call, cudaStream_t stream) {
-  if (call.num_tokens == 0) return;
-  const dim3 grid(call.num_tokens, (call.c.hidden / 8 + kRecvThreads - 1) / kRecvThreads);
+  const dim3 grid = call.num_tokens == 0 ? dim3(1, 1)
+                                         : dim3(call.num_tokens, (call.c.hidden / 8 + kRecvThreads - 1) / kRecvThreads);
   combine_recv_kernel<<<grid, kRecvThreads, 0, stream>>>(call);
 }
 

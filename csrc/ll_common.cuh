@@ -29,6 +29,15 @@ struct ErrorRecord {
   int detail;       // the offending expert id for kBadExpert
 };
 
+// Timestamps of one Op's calls in flight, per buffer half (seq & 1): two sends of one Op may be
+// launched before their receives (two micro-batches), so each call keeps its own.
+struct Timing {
+  unsigned long long send_start[2];  // globaltimer when block 0 of the send kernel started
+  unsigned long long send_end[2];    // globaltimer when the send kernel's last block finished
+  unsigned long long recv_start[2];  // globaltimer when block 0 of the receive kernel started
+  unsigned recv_done[2];             // blocks of the receive kernel that finished
+};
+
 // First CONTROL_BYTES of each rank's buffer.
 struct Control {
   unsigned seq[2];                 // per Op: sequence number of the last call (device-side parity)
@@ -38,6 +47,7 @@ struct Control {
   // before its data, at a place that does not depend on T or H, so that disagreeing ranks are
   // detected rather than read at the wrong offsets.
   unsigned long long hello[2][2][kMaxRanks];
+  Timing timing[2];                // per Op
 };
 static_assert(sizeof(Control) <= 4096, "Control must fit CONTROL_BYTES");
 
@@ -74,7 +84,14 @@ struct Common {
   unsigned* ticket;               // per call: the sequence number its send half used
   volatile int* host_error;       // host-mapped flag: set when error is recorded
   unsigned long long timeout_ns;
+  // Latency histograms (ep_layer/latency.py has the bounds): the receive kernel's last block adds
+  // each call's send span + receive span to bucket (number of bounds below it) of its Op's row.
+  const unsigned long long* latency_bounds_ns;  // device [num_latency_bounds], ascending
+  int num_latency_bounds;                       // at most kMaxLatencyBounds
+  unsigned long long* latency;                  // device [2 Ops][num_latency_bounds + 2]: buckets (last
+                                                // = +Inf), then the sum in ns; owned by the backend
 };
+constexpr int kMaxLatencyBounds = 32;  // one warp compares a latency with all bounds at once
 
 #ifdef __CUDACC__  // device helpers; the host-only bindings see just the structs above
 // ---------------------------------------------------------------- memory ordering for peer memory
@@ -118,14 +135,63 @@ __device__ __forceinline__ unsigned next_seq(const Common& c, Op op) {
   return *reinterpret_cast<const volatile unsigned*>(&ctrl->seq[op]) + 1;
 }
 
+__device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
+
+__device__ __forceinline__ unsigned long long span(unsigned long long from, unsigned long long to) {
+  return to > from ? to - from : 0ull;
+}
+
+// Called by every thread at the start of a send (send=true) or receive kernel: block 0 notes the time.
+// The send kernel's start is read by the receive kernel (the kernel boundary orders it); the receive
+// kernel's by its own last block, so block 0 releases it here, when it has nothing else to drain.
+__device__ __forceinline__ void mark_start(const Common& c, Op op, bool send, unsigned seq) {
+  if (first_block() && threadIdx.x == 0) {
+    Timing& t = reinterpret_cast<Control*>(c.local_base)->timing[op];
+    (send ? t.send_start : t.recv_start)[seq & 1u] = globaltimer();
+    if (!send) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  }
+}
+
 // Called by thread 0 of every block at the end of a send kernel: the last block to finish publishes
-// the new sequence number (all blocks have read the old one by then) and the call's ticket.
+// the new sequence number (all blocks have read the old one by then) and the call's ticket, and
+// notes when the kernel ended (for the receive kernel).
 __device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq) {
   // No fence needed: a block reaches this only after it has used the sequence number it read.
   auto* ctrl = reinterpret_cast<Control*>(c.local_base);
   if (atomicAdd(&ctrl->done[op], 1u) == gridDim.x * gridDim.y - 1) {
+    ctrl->timing[op].send_end[seq & 1u] = globaltimer();
     ctrl->done[op] = 0;
     *reinterpret_cast<volatile unsigned*>(&ctrl->seq[op]) = seq;
+  }
+}
+
+// Called by every thread of every block at the end of a receive kernel (after the block's work): the
+// last block to finish adds the call's latency, send span + receive span, to the Op's histogram.
+// Blocks count themselves with an acquiring atomic, so the last one sees block 0's released start.
+// Warp 0 does it: lane i compares the latency with bound i, a ballot counts the bounds below it.
+__device__ __forceinline__ void finish_recv(const Common& c, Op op, unsigned seq) {
+  Timing& t = reinterpret_cast<Control*>(c.local_base)->timing[op];
+  const unsigned half = seq & 1u;
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  unsigned done = 0;
+  if (threadIdx.x == 0)
+    asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 1;" : "=r"(done) : "l"(&t.recv_done[half]) : "memory");
+  if (__shfl_sync(0xffffffffu, done, 0) != gridDim.x * gridDim.y - 1) return;
+  unsigned long long ns = 0;
+  if (threadIdx.x == 0) {
+    t.recv_done[half] = 0;
+    ns = span(__ldcg(&t.send_start[half]), __ldcg(&t.send_end[half])) +
+         span(__ldcg(&t.recv_start[half]), globaltimer());
+  }
+  ns = __shfl_sync(0xffffffffu, ns, 0);
+  const int n = c.num_latency_bounds;
+  const bool above = static_cast<int>(threadIdx.x) < n && ns > c.latency_bounds_ns[threadIdx.x];
+  const int bucket = __popc(__ballot_sync(0xffffffffu, above));
+  if (threadIdx.x == 0) {
+    unsigned long long* row = c.latency + static_cast<int>(op) * (n + 2);
+    atomicAdd(row + bucket, 1ull);
+    atomicAdd(row + n + 1, ns);
   }
 }
 

@@ -75,6 +75,7 @@ __device__ void publish_counts(const DispatchCall& a, unsigned seq) {
 __global__ void __launch_bounds__(kThreads, 2) dispatch_send_kernel(DispatchCall a) {
   const Common& c = a.c;
   const unsigned seq = next_seq(c, kDispatch);
+  mark_start(c, kDispatch, true, seq);
   if (blockIdx.x == gridDim.x - 1) {  // one extra block counts, in parallel with the token blocks
     publish_counts(a, seq);
     if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
@@ -218,9 +219,9 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_send_kernel(DispatchCall
   if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a) {
+// The receive half's work; every thread returns here, so that all of them reach finish_recv.
+__device__ __forceinline__ void receive_tokens(const DispatchCall& a, unsigned seq) {
   const Common& c = a.c;
-  const unsigned seq = *c.ticket;
   if (!check_hellos(c, kDispatch, seq)) return;  // a hello is released after its counts
 
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
@@ -312,6 +313,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a)
       }
     }
   }
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a) {
+  const unsigned seq = *a.c.ticket;
+  mark_start(a.c, kDispatch, false, seq);
+  receive_tokens(a, seq);
+  finish_recv(a.c, kDispatch, seq);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@ from .checks import (
     expect,
 )
 from .event import EventOverlap
+from .latency import LatencyHistogram
 from .layout import low_latency_buffer_bytes
 
 DEFAULT_TIMEOUT_S = 100.0
@@ -133,6 +134,15 @@ class Buffer:
     def check(self) -> None:
         """Raise any error the device recorded (e.g. `EPTimeoutError`) since the last check."""
         self._live().check()
+
+    def latency_stats(self) -> dict[str, LatencyHistogram]:
+        """Histograms of the latency of every "dispatch" and "combine" call since this Buffer was made
+        (an ep_layer extension, like `check()`). One call's latency is the time it occupies the stream:
+        its send half plus its receive half, waits for peers included; with `return_recv_hook=True` the
+        work between the send and the hook is not counted. The cuda backend measures it on the device
+        (recording never synchronizes; reading here does: call it at scrape time, not per step); the
+        reference backend measures host time."""
+        return self._live().latency_stats()
 
     def destroy(self) -> None:
         """Free the buffer's memory and peer mappings; the Buffer cannot be used afterwards."""

@@ -18,7 +18,7 @@ MAX_RANKS = 8  # ranks of one node that map each other's buffers
 MAX_EXPERTS = 1024
 DISPATCH_HEADER_BYTES = 16 + 8 * MAX_TOPK  # seq, token, num entries, pad + (expert | k mask, row offset)
 COMBINE_FLAG_BYTES = 8
-CONTROL_BYTES = 4096  # sequence counters, peers' arrival words and the error record
+CONTROL_BYTES = 4096  # sequence counters, peers' arrival words, the error record, call timestamps
 ALIGN = 128
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ep_layer import Buffer, EPTimeoutError, native
+from ep_layer.latency import OPS, bucket_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -276,6 +277,8 @@ def test_emulated_timeout_names_missing_rank() -> None:
         buffers[0].check()
     assert info.value.ranks == [1]
     assert time.monotonic() - start < 10
+    stats = buffers[0].latency_stats()["dispatch"]  # the failed call counts, with the time it waited
+    assert stats.count == 1 and stats.counts[-1] == 1 and stats.sum_s >= 1.0, stats
 
 
 def test_emulated_disagreeing_ranks_raise_on_every_rank() -> None:
@@ -298,6 +301,146 @@ def test_bad_expert_id_raises() -> None:
     buffer.low_latency_dispatch(x, torch.tensor([[0, 4], [1, -1]], device="cuda"), 8, 4)
     with pytest.raises(ValueError, match="topk_idx"):
         buffer.check()
+
+
+# ---------------------------------------------------------------------------- latency stats
+GAP_CYCLES = 4_000_000  # torch.cuda._sleep between a send and its hook: ~2 ms at H200 clocks
+SPAN_SLACK_S = 2e-6  # per call: globaltimer ticks (as coarse as 1 us) at both ends of its two spans
+
+
+def latency_totals(buffers) -> tuple[dict[str, list[int]], float]:
+    """(per op: each rank's call count, total seconds over all ranks and both ops)."""
+    stats = [b.latency_stats() for b in buffers]
+    counts = {op: [s[op].count for s in stats] for op in OPS}
+    return counts, sum(s[op].sum_s for s in stats for op in OPS)
+
+
+def timed_events() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def test_latency_stats_count_every_call_and_leave_out_the_hook_gap(seed: int) -> None:
+    """Emulated ranks on one stream: two micro-batches in flight per op (send A, send B, hook A, hook B),
+    ~2 ms of other work between the sends and the hooks, a rank without tokens. Every call counts
+    once; all calls' latencies add up to no more than the stream's time minus the gaps (the kernels
+    of all ranks run one after another on it), and no call reaches the gap's buckets."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local, topk, rounds = 2, 16, 1024, 2, 3, 4
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    xs[1], idxs[1] = xs[1][:0], idxs[1][:0]  # rank 1 has no tokens: its combine receive counts all the same
+    weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+    assert latency_totals(buffers) == ({op: [0, 0] for op in OPS}, 0.0)
+    start, end = timed_events()
+    gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def other_work() -> None:
+        gaps.append(timed_events())
+        gaps[-1][0].record()
+        torch.cuda._sleep(GAP_CYCLES)
+        gaps[-1][1].record()
+
+    start.record()
+    for _ in range(rounds):
+        sent = [[b.low_latency_dispatch(x, i, max_tokens, num_experts, use_fp8=False, return_recv_hook=True)
+                 for b, x, i in zip(buffers, xs, idxs)] for _ in range(2)]
+        other_work()
+        for micro_batch in sent:
+            for *_, hook in micro_batch:
+                hook()
+        combined = [[b.low_latency_combine(o[0], i, w, o[2], return_recv_hook=True)
+                     for b, o, i, w in zip(buffers, micro_batch, idxs, weights)] for micro_batch in sent]
+        other_work()
+        for micro_batch in combined:
+            for *_, hook in micro_batch:
+                hook()
+    end.record()
+    torch.cuda.synchronize()
+    for b in buffers:
+        b.check()
+    counts, total_s = latency_totals(buffers)
+    calls = 2 * rounds
+    assert counts == {op: [calls] * num_ranks for op in OPS}, f"seed={seed}: {counts}"
+    stream_s = (start.elapsed_time(end) - sum(a.elapsed_time(b) for a, b in gaps)) / 1e3
+    slack_s = SPAN_SLACK_S * 2 * calls * num_ranks
+    assert 0 < total_s <= stream_s + slack_s, (f"seed={seed}: latencies add up to {total_s * 1e3:.3f} ms, the "
+                                               f"stream without the gaps ran {stream_s * 1e3:.3f} ms")
+    assert total_s / (2 * calls * num_ranks) > 1e-6, f"seed={seed}: {total_s} s for all calls is implausibly short"
+    gap_bucket = bucket_of(int(min(a.elapsed_time(b) for a, b in gaps) * 1e6) // 2)
+    for r, b in enumerate(buffers):
+        for op, hist in b.latency_stats().items():
+            assert sum(hist.counts[gap_bucket:]) == 0, f"seed={seed} rank {r} {op}: a call took as long as a gap"
+    for b in buffers:
+        b.destroy()
+
+
+def test_latency_stats_plain_and_async_calls(seed: int) -> None:
+    """One emulated rank: plain calls (both halves at once) and async_finish (on a side stream) count too."""
+    rng = np.random.default_rng(seed)
+    max_tokens, hidden, num_experts, topk = 8, 512, 4, 2
+    (buffer,) = emulated(1, max_tokens, hidden, num_experts)
+    (x,), (idx,) = make_inputs(rng, 1, max_tokens, hidden, num_experts, topk)
+    w = torch.rand(idx.shape, device="cuda")
+    start, end = timed_events()
+    start.record()
+    for async_finish in (False, False, True, False, True):
+        recv_x, _, handle, event, _ = buffer.low_latency_dispatch(x, idx, max_tokens, num_experts, use_fp8=False,
+                                                                  async_finish=async_finish)
+        if event is not None:
+            event.current_stream_wait()
+        _, event, _ = buffer.low_latency_combine(recv_x, idx, w, handle, async_finish=async_finish)
+        if event is not None:
+            event.current_stream_wait()
+    end.record()
+    torch.cuda.synchronize()
+    buffer.check()
+    counts, total_s = latency_totals([buffer])
+    assert counts == {op: [5] for op in OPS}, f"seed={seed}: {counts}"
+    assert 0 < total_s <= start.elapsed_time(end) / 1e3 + SPAN_SLACK_S * 10, f"seed={seed}: {total_s} s"
+    buffer.destroy()
+
+
+def test_latency_stats_count_graph_replays(seed: int) -> None:
+    """A captured dispatch + combine on 2 emulated ranks: capturing runs nothing and counts nothing,
+    each replay counts once per rank and op, inside the replays' stream time."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local, topk, replays = 2, 16, 2048, 2, 4, 10
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+
+    def step() -> list[torch.Tensor]:
+        outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "bf16")
+        return run_combine(buffers, [o[0] for o in outs], idxs, weights, [o[2] for o in outs])
+
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up outside the graph: one call per rank and op
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    counts, before_s = latency_totals(buffers)
+    assert counts == {op: [1] * num_ranks for op in OPS}, f"seed={seed}: warm-up and capture counted {counts}"
+    start, end = timed_events()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    for b in buffers:
+        b.check()
+    counts, after_s = latency_totals(buffers)
+    assert counts == {op: [1 + replays] * num_ranks for op in OPS}, f"seed={seed}: {counts}"
+    slack_s = SPAN_SLACK_S * 2 * replays * num_ranks
+    assert 0 < after_s - before_s <= start.elapsed_time(end) / 1e3 + slack_s, \
+        f"seed={seed}: replays' latencies {after_s - before_s} s, replays ran {start.elapsed_time(end) / 1e3} s"
+    for b in buffers:
+        b.destroy()
 
 
 # ---------------------------------------------------------------------------- real processes (IPC)
@@ -340,6 +483,9 @@ def _ipc_rank(rank: int, world_size: int, seed: int) -> None:
         event.current_stream_wait()
         cuda.check()
         assert torch.equal(got_out.cpu(), want_out), f"seed={seed} {mode} rank {rank}: combine vs reference"
+    stats = cuda.latency_stats()  # every call of every mode counted once, on this rank's own histograms
+    assert (stats["dispatch"].count, stats["combine"].count) == (2 * len(MODES), len(MODES)), f"seed={seed}"
+    assert all(0 < stats[op].sum_s < 60 for op in OPS), f"seed={seed}: {stats}"
     cuda.destroy()
 
 

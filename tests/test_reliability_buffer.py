@@ -307,4 +307,4 @@ def test_every_public_name_is_covered() -> None:
     public = sorted(n for n in dir(Buffer) if not n.startswith("_") and callable(getattr(Buffer, n)))
     assert public == ["check", "clean_low_latency_buffer", "destroy", "from_backend",
                       "get_low_latency_rdma_size_hint", "get_next_low_latency_combine_buffer",
-                      "low_latency_combine", "low_latency_dispatch", "set_num_sms"], public
+                      "latency_stats", "low_latency_combine", "low_latency_dispatch", "set_num_sms"], public

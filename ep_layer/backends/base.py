@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
 
 # (src_info int32 [E_l, R*T], layout_range int64 [E_l, R], T, H, E), as DeepEP's handle.
@@ -82,6 +83,10 @@ class Backend(ABC):
                 handle: Handle, private: object, out: torch.Tensor,
                 wait_stats: torch.Tensor | None) -> ReceiveHalf:
         """Launch the send half of combine; the returned callable writes the weighted sums to `out`."""
+
+    @abstractmethod
+    def latency_stats(self) -> dict[str, LatencyHistogram]:
+        """Histograms of the "dispatch" and "combine" calls since the backend was made (may synchronize)."""
 
     def check(self) -> None:  # noqa: B027 - backends without deferred errors need nothing here
         """Raise any error recorded on the device since the last check."""

@@ -4,6 +4,8 @@ Each call allocates its outputs with torch and launches one kernel per half; not
 host, so every call can be captured in a CUDA graph. Failures inside kernels (a peer that never
 arrives, ranks that disagree, bad expert ids) are recorded on the device, flagged in host-mapped
 memory, and raised at the next call or at `check()`; a kernel never waits longer than `timeout_s`.
+Latency stats are kept on the device too: the kernels time themselves (globaltimer) and the last
+block of each receive kernel adds the call's send + receive span to a histogram in device memory.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import layout, native
+from .. import latency, layout, native
 from ..checks import expect
 from ..errors import EPTimeoutError
+from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
 
 MAX_HIDDEN = 16384
-_OPS = ("low_latency_dispatch", "low_latency_combine")
+_OPS = ("low_latency_dispatch", "low_latency_combine")  # by the kernels' Op; latency.OPS is in the same order
 _TIMEOUT, _MISMATCH, _BAD_EXPERT = 1, 2, 3
 
 
@@ -53,6 +56,13 @@ class CudaBackend(Backend):
         self._peer_bases = torch.tensor(peer_bases, dtype=torch.int64, device=self._device)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
+        expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
+               f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels compare them in one warp)",
+               len(latency.BOUNDS_NS))
+        self._latency_bounds = torch.tensor(latency.BOUNDS_NS, dtype=torch.int64, device=self._device)
+        # Per Op: calls per bucket, then their sum in ns; the receive kernels add to it.
+        self._latency = torch.zeros(len(latency.OPS), latency.NUM_BUCKETS + 1, dtype=torch.int64,
+                                    device=self._device)
 
     def _exchange_handles(self, base: int) -> list[int]:
         """Share our buffer's IPC handle through the group; map every peer's buffer."""
@@ -102,6 +112,11 @@ class CudaBackend(Backend):
         torch.cuda.current_stream().synchronize()
         self._raise_recorded()
 
+    def latency_stats(self) -> dict[str, LatencyHistogram]:
+        torch.cuda.synchronize(self._device)  # every stream: a hook or async_finish may have run elsewhere
+        rows = self._latency.tolist()
+        return {op: LatencyHistogram.from_ns(row[:-1], row[-1]) for op, row in zip(latency.OPS, rows)}
+
     # ------------------------------------------------------------------ per-shape state
     def _common(self, max_tokens: int, hidden: int, num_experts: int, flags: int) -> object:
         key = (max_tokens, hidden, num_experts, flags)
@@ -119,7 +134,8 @@ class CudaBackend(Backend):
             check = zlib.crc32(repr(key).encode())
             common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
                                          self._system_scope, self._peer_bases.data_ptr(), self._base, offsets,
-                                         self._device_flag, self.timeout_s)
+                                         self._device_flag, self.timeout_s, self._latency_bounds.data_ptr(),
+                                         len(latency.BOUNDS_NS), self._latency.data_ptr())
             self._commons[key] = common
         return common
 

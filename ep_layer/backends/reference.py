@@ -2,16 +2,24 @@
 
 It is the executable form of DESIGN.md section 2 and the oracle of every test: each step is the
 obvious one, in the order the design states it. Works on CPU (gloo), on GPU (NCCL) and alone.
+
+Latency stats are host wall time (time.perf_counter_ns) of the send half plus the receive half,
+recorded when the receive half returns (calls that raise are not recorded). On CUDA devices that is
+host time too (launches, and whatever the exchange waits for), not the time the work takes on the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..checks import check_topk_values
+from ..latency import HostLatencyRecorder, LatencyHistogram
 from ..quant import per_token_cast_to_fp8
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
 from .exchange import PeerExchange
@@ -43,6 +51,7 @@ class ReferenceBackend(Backend):
                  num_rdma_bytes: int, timeout_s: float) -> None:
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s)
         self._exchange = PeerExchange(group, timeout_s)
+        self._latency = HostLatencyRecorder()
         self._device = None
         if num_ranks > 1 and dist.get_backend(group) == "nccl":
             self._device = torch.device("cuda", torch.cuda.current_device())
@@ -52,6 +61,21 @@ class ReferenceBackend(Backend):
     @property
     def device(self) -> torch.device | None:
         return self._device
+
+    def latency_stats(self) -> dict[str, LatencyHistogram]:
+        return self._latency.snapshot()
+
+    def _timed(self, op: str, start_ns: int, receive: Callable[[], None]) -> ReceiveHalf:
+        """`receive`, recording the call's latency when it returns: the send half (from `start_ns` to
+        now) plus the receive half; the time between them (the caller's, with a hook) is not counted."""
+        send_ns = time.perf_counter_ns() - start_ns
+
+        def timed() -> None:
+            begin = time.perf_counter_ns()
+            receive()
+            self._latency.record(op, send_ns + time.perf_counter_ns() - begin)
+
+        return timed
 
     # ---------------------------------------------------------------- headers
     def _exchange_headers(self, what: str, mine: list[int], rows_to: list[int],
@@ -77,6 +101,12 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
+        start = time.perf_counter_ns()
+        result = self._dispatch(x, topk_idx, spec, recv_stats, wait_stats)
+        return dataclasses.replace(result, receive=self._timed("dispatch", start, result.receive))
+
+    def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
+                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
         check_topk_values(topk_idx, spec.num_experts)
         num_ranks, t, h = self.num_ranks, spec.max_tokens, spec.hidden
         num_local = spec.num_experts // num_ranks
@@ -145,6 +175,12 @@ class ReferenceBackend(Backend):
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
                 wait_stats: torch.Tensor | None) -> ReceiveHalf:
+        start = time.perf_counter_ns()
+        receive = self._combine(x, topk_idx, topk_weights, handle, out, wait_stats)
+        return self._timed("combine", start, receive)
+
+    def _combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
+                 out: torch.Tensor, wait_stats: torch.Tensor | None) -> ReceiveHalf:
         src_info, layout_range, t, h, num_experts = handle
         check_topk_values(topk_idx, num_experts)
         num_ranks = self.num_ranks
