@@ -1,0 +1,120 @@
+"""serving/api/metrics.py's EPCollector and serving/engine/ep_stats.py without a server: the dispatch /
+combine latency histograms as Prometheus reads them (prometheus_client's own text parser), and read
+out of a model's MoE layers, summed over their Buffers. Against a live server: tests/test_deploy_live.py."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ep_layer import Buffer
+from ep_layer.latency import BOUNDS_S, OPS, HostLatencyRecorder, LatencyHistogram
+from ep_layer.moe import FusedMoE
+from serving.api.metrics import EPCollector
+from serving.engine.ep_stats import read_ep_stats
+from serving.engine.messages import EPStats
+
+MODEL = "m"
+
+
+def histogram(samples_ns: list[int]) -> LatencyHistogram:
+    rec = HostLatencyRecorder()
+    for ns in samples_ns:
+        rec.record("dispatch", ns)
+    return rec.snapshot()["dispatch"]
+
+
+def exposition(stats: list[EPStats]) -> dict[str, dict]:
+    """Families of one scrape of an EPCollector holding `stats`, by name, parsed as Prometheus would."""
+    collector = EPCollector(MODEL)
+    collector.snapshot = stats
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def test_latency_histograms_export_per_engine():
+    d0, c0 = histogram([4_000, 12_000, 12_000, 3 * 10**9]), histogram([20_000])
+    d1, c1 = histogram([60_000] * 5), LatencyHistogram.empty()
+    stats = [EPStats(0, 3, dispatch_latency=d0, combine_latency=c0),
+             EPStats(1, 3, dispatch_latency=d1, combine_latency=c1),
+             EPStats(2, 3)]  # a rank without MoE layers: no series
+    families = exposition(stats)
+    for op, want in (("dispatch", {"0": d0, "1": d1}), ("combine", {"0": c0, "1": c1})):
+        family = families[f"ep_layer:{op}_latency_seconds"]
+        assert family.type == "histogram" and family.documentation.startswith(f"Latency of one {op} call")
+        by_engine: dict[str, dict[str, dict]] = {}
+        for s in family.samples:
+            labels = dict(s.labels)
+            engine, le = labels.pop("engine"), labels.pop("le", None)
+            assert labels == {"model_name": MODEL}, s
+            kind = s.name.removeprefix(f"ep_layer:{op}_latency_seconds")
+            by_engine.setdefault(engine, {}).setdefault(kind, {})[le] = s.value
+        assert set(by_engine) == set(want), op
+        for engine, hist in want.items():
+            got = by_engine[engine]
+            assert [float(le) for le in got["_bucket"]] == [*BOUNDS_S, math.inf], (op, engine)
+            assert list(got["_bucket"].values()) == [n for _, n in hist.cumulative()], (op, engine)
+            assert got["_count"] == {None: hist.count} and got["_bucket"]["+Inf"] == hist.count
+            assert got["_sum"][None] == pytest.approx(hist.sum_s)
+
+
+def test_le_labels_as_prometheus_client_writes_them():
+    """The bucket bounds read back exactly (le="5e-06", ..., "0.1", "+Inf"), so PromQL's le matching works."""
+    text = generate_latest(_registry_with(EPStats(0, 1, dispatch_latency=LatencyHistogram.empty(),
+                                                  combine_latency=LatencyHistogram.empty()))).decode()
+    assert 'ep_layer:dispatch_latency_seconds_bucket{engine="0",le="5e-06",model_name="m"} 0.0' in text
+    assert 'ep_layer:combine_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 0.0' in text
+    assert 'ep_layer:combine_latency_seconds_count{engine="0",model_name="m"} 0.0' in text
+
+
+def _registry_with(stats: EPStats) -> CollectorRegistry:
+    collector = EPCollector(MODEL)
+    collector.snapshot = [stats]
+    registry = CollectorRegistry()
+    registry.register(collector)
+    return registry
+
+
+# ---------------------------------------------------------------------------- read out of a model
+class TwoMoELayers(torch.nn.Module):
+    """Named like the DeepSeek-V3 model (layers.{i}.mlp): MoE layers 1 and 2, sharing one Buffer or not."""
+
+    def __init__(self, shared: bool) -> None:
+        super().__init__()
+        first = Buffer(None, low_latency_mode=True, backend="reference")
+        buffers = [first, first if shared else Buffer(None, low_latency_mode=True, backend="reference")]
+        self.layers = torch.nn.ModuleList([torch.nn.Identity()] + [torch.nn.ModuleDict({"mlp": FusedMoE(
+            8, 2, 128, 64, None, n_group=1, topk_group=1, routed_scaling_factor=1.0, buffer=b)}) for b in buffers])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[1:]:
+            x = x + layer["mlp"](x)
+        return x
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one-buffer", "buffer-per-layer"])
+def test_read_ep_stats_sums_the_model_buffers(shared: bool):
+    model = TwoMoELayers(shared)
+    steps = 3
+    for _ in range(steps):
+        model(torch.randn(5, 128).to(torch.bfloat16))
+    stats = read_ep_stats(model, 0, 1, {"decode": steps}, {"decode": 1.0})
+    assert sorted(stats.expert_load) == [1, 2]
+    for op in OPS:
+        hist = stats.dispatch_latency if op == "dispatch" else stats.combine_latency
+        assert hist is not None and hist.count == 2 * steps, (op, hist)  # two MoE layers per forward
+        assert hist.sum_s > 0
+    again = pickle.loads(pickle.dumps(stats))  # how it travels from the rank to the server
+    assert again == stats
+
+
+def test_read_ep_stats_without_moe_layers_has_no_latency():
+    stats = read_ep_stats(torch.nn.Linear(2, 2), 0, 1, {}, {})
+    assert stats.dispatch_latency is None and stats.combine_latency is None
+    assert "ep_layer:dispatch_latency_seconds_bucket" not in generate_latest(_registry_with(stats)).decode()
