@@ -25,9 +25,9 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "ep-layer.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 HOST = "127.0.0.1"
 
-# Metrics the dashboard queries that ep-serve does not export yet; only panels whose title says
-# "not exported yet" may query them (tests/test_deploy_grafana.py).
-PENDING_METRICS = frozenset({"ep_layer:dispatch_latency_seconds_bucket", "ep_layer:combine_latency_seconds_bucket"})
+# Metrics the dashboard queries that ep-serve does not export yet (none now); only panels whose title
+# says "not exported yet" may query them (tests/test_deploy_grafana.py).
+PENDING_METRICS: frozenset[str] = frozenset()
 # Series Prometheus makes itself, not ep-serve.
 SYNTHETIC_METRICS = frozenset({"up"})
 # What the dashboard's variables stand for when its queries run outside Grafana.

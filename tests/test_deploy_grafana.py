@@ -72,6 +72,10 @@ def test_the_panels_the_issue_asks_for():
     for metric in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                    "vllm:e2e_request_latency_seconds"):
         assert quantiles(metric) == {"0.5", "0.9", "0.99"}, metric
+    for metric in ("ep_layer:dispatch_latency_seconds", "ep_layer:combine_latency_seconds"):
+        assert quantiles(metric) == {"0.5", "0.99"}, metric
+        per_rank = [e for _, e in exprs if f"{metric}_bucket" in e]
+        assert all("sum by (engine, le)" in e for e in per_rank), (metric, "p50 / p99 per engine")
     for needed in ("rate(vllm:generation_tokens_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
                    "vllm:kv_cache_usage_perc", "ep_layer:dispatch_wait_seconds_total",
                    "ep_layer:combine_wait_seconds_total", "sum by (src_rank)", "ep_layer:expert_tokens_total",

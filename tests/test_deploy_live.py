@@ -33,9 +33,11 @@ from deploy_helpers import (
     scrape,
     substitute,
     tool,
+    total,
     variable_queries,
 )
 
+from ep_layer.latency import BOUNDS_S
 from serving.api.metrics import INTER_TOKEN_BUCKETS, TTFT_BUCKETS
 
 MODEL = "ep-layer-tiny"
@@ -118,10 +120,41 @@ def test_every_metric_the_dashboard_and_alerts_query_is_exported(server: EPServe
     where = queried_metrics()
     wanted = set(where) - PENDING_METRICS - SYNTHETIC_METRICS
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-            "ep_layer:dispatch_wait_seconds_total", "ep_layer:expert_tokens_total"} <= wanted  # the parsing works
+            "ep_layer:dispatch_wait_seconds_total", "ep_layer:expert_tokens_total",
+            "ep_layer:dispatch_latency_seconds_bucket", "ep_layer:combine_latency_seconds_bucket"} <= wanted  # parsing
     missing = {name: sorted(where[name]) for name in sorted(wanted - exported)}
     assert not missing, f"queried but not in /metrics: {missing}"
     assert not PENDING_METRICS & exported, "a pending metric is exported now: take it out of PENDING_METRICS"
+
+
+def test_dispatch_combine_latency_counts_match_the_steps(server: EPServe):
+    """Each engine step runs every MoE layer once, an empty step too: one dispatch and one combine per
+    MoE layer and step, on each rank. Their latencies (host time with the reference backend) lie
+    inside the steps' own host time."""
+    before = scrape(server.url)
+    load(server.url, 4, seed=3)
+    after = scrape(server.url)
+    moe_layers = {ls["layer"] for ls, _ in after["ep_layer:expert_tokens_total"]}
+    assert len(moe_layers) == 2, moe_layers  # the tiny model: one dense layer, then two MoE layers
+
+    def delta(name: str, engine: str) -> float:
+        labels = {"model_name": MODEL, "engine": engine}
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    for engine in ("0", "1"):
+        steps = delta("ep_layer:engine_steps_total", engine)
+        assert steps > 0, engine
+        latency_s = 0.0
+        for op in ("dispatch", "combine"):
+            name = f"ep_layer:{op}_latency_seconds"
+            assert delta(f"{name}_count", engine) == len(moe_layers) * steps, (op, engine, steps)
+            buckets = {ls["le"]: v for ls, v in after[f"{name}_bucket"] if ls["engine"] == engine}
+            assert [float(le) for le in buckets] == [*BOUNDS_S, math.inf], (op, engine)
+            counts = list(buckets.values())
+            assert counts == sorted(counts) and counts[-1] == total(after, f"{name}_count", engine=engine)
+            latency_s += delta(f"{name}_sum", engine)
+        step_s = delta("ep_layer:engine_step_seconds_total", engine)
+        assert 0 < latency_s <= step_s * (1 + 1e-9), (engine, latency_s, step_s)
 
 
 # ---------------------------------------------------------------------------- a real Prometheus

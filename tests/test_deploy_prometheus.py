@@ -15,7 +15,8 @@ PROMTOOL = tool("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not found (apt-get install prometheus)")
 # What the issue asks the alerts to cover, by alert name.
 REQUIRED_ALERTS = {"EPServeDown", "EPServeHighTTFT", "EPServeHighTPOT", "EPServeRequestsWaiting",
-                   "EPExpertLoadImbalance", "EPDispatchWaitSpike", "EPCombineWaitSpike"}
+                   "EPExpertLoadImbalance", "EPDispatchWaitSpike", "EPCombineWaitSpike", "EPDispatchLatencyP99Spike",
+                   "EPCombineLatencyP99Spike"}
 
 
 def promtool(*args: str) -> str:
