@@ -26,9 +26,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -107,24 +109,28 @@ def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> floa
     return dense + sum(total / experts * active for total in expert_bytes.values())
 
 
-def launch(args_line: str, port: int) -> subprocess.Popen:
+def launch(args_line: str, port: int, log: IO[bytes]) -> subprocess.Popen:
+    """Start ep-serve with its output to `log` (a pipe nobody reads would fill and stall the server)."""
     cmd = [sys.executable, "-m", "serving.cli", *shlex.split(args_line), "--port", str(port)]
     print("# launching:", " ".join(cmd), flush=True)
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_healthy(url: str, server: subprocess.Popen | None, timeout_s: float = 600.0) -> None:
+def wait_healthy(url: str, server: subprocess.Popen | None, log: IO[bytes], timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server is not None and server.poll() is not None:
-            raise SystemExit(f"ep-serve exited with {server.returncode}: {server.stderr.read().decode()[-2000:]}")
+            log.seek(0)
+            raise SystemExit(f"ep-serve exited with {server.returncode}: {log.read().decode()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+    log.seek(0)
+    raise SystemExit(f"{url}/health did not answer 200 within {timeout_s:.0f} s; server log:\n"
+                     f"{log.read().decode()[-2000:]}")
 
 
 def main() -> None:
@@ -142,15 +148,18 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt words")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
+    parser.add_argument("--metrics-out", type=Path, default=None,
+                        help="save the server's /metrics text here after the sweep")
     args = parser.parse_args()
 
     server = None
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's lifetime, closed in finally)
     url = args.url
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
-        server = launch(args.launch, args.port)
+        server = launch(args.launch, args.port, log)
     try:
-        wait_healthy(url, server)
+        wait_healthy(url, server, log)
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         model = args.model or models[0]["id"]
         model_dir = args.model_dir or Path(models[0]["root"])
@@ -178,6 +187,8 @@ def main() -> None:
         for row in rows:
             print(" | ".join(f"{v:12.2f}" if isinstance(v, float) else f"{v:>12}" for v in row))
         print("step_floor_us: one rank's decode-step weight bytes over the HBM bandwidth (the TPOT floor on a GPU)")
+        if args.metrics_out is not None:
+            args.metrics_out.write_text(httpx.get(f"{url}/metrics", timeout=30).text)
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -185,6 +196,7 @@ def main() -> None:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
+        log.close()
 
 
 if __name__ == "__main__":
