@@ -179,6 +179,7 @@ def test_streaming_matches_non_streaming(client):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 14
     text_chunks = chunks[:-1]
     assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in text_chunks)
+    assert len(text_chunks) == 14  # one per token, text or not (an incomplete UTF-8 piece has none yet)
     assert "".join(c["choices"][0]["text"] for c in text_chunks) == expected("stream me", 14)
     assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
     assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])

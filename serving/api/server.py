@@ -393,7 +393,9 @@ class _Completion:
                     yield _sse(error_body(e.status, e.message))
                     break
                 completion_tokens += len(out.new_token_ids)
-                if out.new_text or out.finished:
+                # A chunk per step that made tokens, even when they add no text yet (an incomplete
+                # UTF-8 sequence), as vLLM does: clients time tokens by chunks.
+                if out.new_text or out.new_token_ids or out.finished:
                     choice = CompletionChoice(index=index, text=out.new_text, finish_reason=out.finish_reason,
                                               stop_reason=out.stop_reason)
                     chunk = CompletionResponse(id=self.id, model=self.state.served_model_name, choices=[choice])
