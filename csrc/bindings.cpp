@@ -2,7 +2,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <stdexcept>
 #include <string>
 
 #include "runtime.h"
@@ -20,11 +19,7 @@ T* ptr(long long p) {
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
                    bool system_scope, long long peer_bases, long long local_base, std::tuple<long long, long long, long long,
                    long long, long long, long long, long long> layout, long long host_error, double timeout_s,
-                   long long latency_bounds_ns, int num_latency_bounds, long long latency) {
-  if (num_latency_bounds < 0 || num_latency_bounds > ep::kMaxLatencyBounds)
-    throw std::invalid_argument("make_common: num_latency_bounds must be in [0, " +
-                                std::to_string(ep::kMaxLatencyBounds) + "], got " +
-                                std::to_string(num_latency_bounds));
+                   long long latency) {
   Common c{};
   c.rank = rank;
   c.num_ranks = num_ranks;
@@ -39,8 +34,6 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
               std::get<3>(layout), std::get<4>(layout), std::get<5>(layout), std::get<6>(layout)};
   c.host_error = ptr<volatile int>(host_error);
   c.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-  c.latency_bounds_ns = ptr<const unsigned long long>(latency_bounds_ns);
-  c.num_latency_bounds = num_latency_bounds;
   c.latency = ptr<unsigned long long>(latency);
   return c;
 }
@@ -122,6 +115,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("clear_host_flag", &ep::clear_host_flag);
   m.def("read_error", &ep::read_error);
   m.def("clear_error", &ep::clear_error);
+  m.def("set_latency_bounds", &ep::set_latency_bounds);
+  m.def("read_timing", &ep::read_timing);
   m.def("memset_async", &ep::memset_async);
   m.def("num_sms", &ep::num_sms);
   m.attr("CONTROL_BYTES") = 4096;

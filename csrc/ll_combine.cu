@@ -24,7 +24,8 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall a) {
   const Common& c = a.c;
   const unsigned seq = next_seq(c, kCombine);
-  mark_start(c, kCombine, true, seq);
+  __shared__ SendTiming timing;
+  mark_send_start(c, kCombine, seq, timing);
   if (first_block()) {
     say_hello(c, kCombine, seq);
     if (threadIdx.x == 0) *c.ticket = seq;
@@ -55,11 +56,12 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall 
       for (unsigned m = kmask; m; m &= m - 1) st_release(c, combine_flag(c, half, token, __ffs(m) - 1), flag);
     }
   }
-  if (threadIdx.x == 0) finish_send(c, kCombine, seq);
+  // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
+  if (threadIdx.x == 0) finish_send(c, kCombine, seq, timing);
 }
 
 // The receive half's work for one (token, channel chunk); threads return here, so that all of them
-// reach finish_recv. With no tokens the kernel runs one block that only records the latency.
+// reach finish_recv. With no tokens the kernel runs one block that only marks the receive span.
 __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq) {
   const Common& c = a.c;
   if (static_cast<int>(blockIdx.x) >= a.num_tokens) return;
@@ -117,8 +119,9 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
 }
 
 __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
+  const unsigned long long start = globaltimer();
   const unsigned seq = *a.c.ticket;
-  mark_start(a.c, kCombine, false, seq);
+  mark_recv_start(a.c, kCombine, seq, start);
   reduce_token(a, seq);
   finish_recv(a.c, kCombine, seq);
 }
@@ -128,6 +131,10 @@ __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall 
 void combine_send(const CombineCall& call, cudaStream_t stream) {
   const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
   combine_send_kernel<<<grid, kSendThreads, 0, stream>>>(call);
+}
+
+cudaError_t set_combine_latency_bounds(const unsigned long long* ns, int n) {
+  return set_latency_bounds_of_this_file(ns, n);
 }
 
 void combine_recv(const CombineCall& call, cudaStream_t stream) {

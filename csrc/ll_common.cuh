@@ -29,13 +29,22 @@ struct ErrorRecord {
   int detail;       // the offending expert id for kBadExpert
 };
 
-// Timestamps of one Op's calls in flight, per buffer half (seq & 1): two sends of one Op may be
-// launched before their receives (two micro-batches), so each call keeps its own.
+// Latency of one call = send span + receive span (globaltimer, ns), accounted later (deferred) so that
+// no kernel waits for it: per Op and buffer half (seq & 1) one record of the last call on that half.
+// Two calls of an Op may be in flight (two micro-batches, one per half), and a call's receive always
+// runs before the send of the call after next (that send reuses the half), so when a send kernel
+// starts, the record of its half belongs to a finished call: block 0 of the send kernel fetches it at
+// its start (cp.async, no wait), adds it to the histogram at its end and starts the half's new record.
+// Calls still in their record when the host reads the histogram are added there (CudaBackend).
+struct alignas(16) TimingRecord {
+  unsigned long long send_start;  // when block 0 of the send kernel started (stored at block 0's end)
+  unsigned long long send_end;    // when the send kernel's last block finished
+  unsigned long long recv_start;  // ~(earliest start of a receive block): red.max of ~t, 0 = none yet
+  unsigned long long recv_end;    // latest end of a receive block (red.max), 0 = no receive yet
+};
+static_assert(sizeof(TimingRecord) == 32, "two 16-byte cp.async per record");
 struct Timing {
-  unsigned long long send_start[2];  // globaltimer when block 0 of the send kernel started
-  unsigned long long send_end[2];    // globaltimer when the send kernel's last block finished
-  unsigned long long recv_start[2];  // globaltimer when block 0 of the receive kernel started
-  unsigned recv_done[2];             // blocks of the receive kernel that finished
+  TimingRecord half[2];
 };
 
 // First CONTROL_BYTES of each rank's buffer.
@@ -84,14 +93,12 @@ struct Common {
   unsigned* ticket;               // per call: the sequence number its send half used
   volatile int* host_error;       // host-mapped flag: set when error is recorded
   unsigned long long timeout_ns;
-  // Latency histograms (ep_layer/latency.py has the bounds): the receive kernel's last block adds
-  // each call's send span + receive span to bucket (number of bounds below it) of its Op's row.
-  const unsigned long long* latency_bounds_ns;  // device [num_latency_bounds], ascending
-  int num_latency_bounds;                       // at most kMaxLatencyBounds
-  unsigned long long* latency;                  // device [2 Ops][num_latency_bounds + 2]: buckets (last
-                                                // = +Inf), then the sum in ns; owned by the backend
+  // Latency histogram, owned by the backend: [2 Ops][num bounds + 2], per Op the calls per bucket (the
+  // number of bounds below the latency; the last one is +Inf), then their sum in ns. The bounds are in
+  // __constant__ memory (set_latency_bounds, from ep_layer/latency.py).
+  unsigned long long* latency;
 };
-constexpr int kMaxLatencyBounds = 32;  // one warp compares a latency with all bounds at once
+constexpr int kMaxLatencyBounds = 32;  // size of the __constant__ table of bounds
 
 #ifdef __CUDACC__  // device helpers; the host-only bindings see just the structs above
 // ---------------------------------------------------------------- memory ordering for peer memory
@@ -137,62 +144,105 @@ __device__ __forceinline__ unsigned next_seq(const Common& c, Op op) {
 
 __device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
 
+// Bucket bounds of the latency histogram (ascending ns), set by set_latency_bounds. Internal linkage:
+// each kernel file has its own copy (set_dispatch_latency_bounds / set_combine_latency_bounds).
+static __constant__ unsigned long long g_latency_bounds_ns[kMaxLatencyBounds];
+static __constant__ int g_num_latency_bounds;
+
+static inline cudaError_t set_latency_bounds_of_this_file(const unsigned long long* ns, int n) {
+  const cudaError_t err = cudaMemcpyToSymbol(g_latency_bounds_ns, ns, sizeof(unsigned long long) * n);
+  return err != cudaSuccess ? err : cudaMemcpyToSymbol(g_num_latency_bounds, &n, sizeof(int));
+}
+
 __device__ __forceinline__ unsigned long long span(unsigned long long from, unsigned long long to) {
   return to > from ? to - from : 0ull;
 }
 
-// Called by every thread at the start of a send (send=true) or receive kernel: block 0 notes the time.
-// The send kernel's start is read by the receive kernel (the kernel boundary orders it); the receive
-// kernel's by its own last block, so block 0 releases it here, when it has nothing else to drain.
-__device__ __forceinline__ void mark_start(const Common& c, Op op, bool send, unsigned seq) {
+__device__ __forceinline__ void red_max(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ TimingRecord& timing_record(const Common& c, Op op, unsigned seq) {
+  return reinterpret_cast<Control*>(c.local_base)->timing[op].half[seq & 1u];
+}
+
+// Shared memory of a send kernel's block 0: the record its half held when the kernel started, and
+// the kernel's start.
+struct alignas(16) SendTiming {
+  TimingRecord previous;
+  unsigned long long start;
+};
+
+// Called by every thread at the start of a send kernel: thread 0 of block 0 notes the time and fetches
+// the previous record of this half into shared memory without waiting for it (cp.async: no register
+// holds it through the kernel). The record is only overwritten at the end (account_previous_call),
+// after the copy has completed: cp.async is not ordered with later stores of this thread.
+__device__ __forceinline__ void mark_send_start(const Common& c, Op op, unsigned seq, SendTiming& s) {
   if (first_block() && threadIdx.x == 0) {
-    Timing& t = reinterpret_cast<Control*>(c.local_base)->timing[op];
-    (send ? t.send_start : t.recv_start)[seq & 1u] = globaltimer();
-    if (!send) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    const auto* src = reinterpret_cast<const unsigned char*>(&timing_record(c, op, seq));
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&s.previous));
+    asm volatile(
+        "cp.async.cg.shared.global [%0], [%1], 16;\n\t"
+        "cp.async.cg.shared.global [%2], [%3], 16;\n\t"
+        "cp.async.commit_group;" ::"r"(dst), "l"(src), "r"(dst + 16), "l"(src + 16) : "memory");
+    s.start = globaltimer();
   }
 }
 
-// Called by thread 0 of every block at the end of a send kernel: the last block to finish publishes
-// the new sequence number (all blocks have read the old one by then) and the call's ticket, and
-// notes when the kernel ended (for the receive kernel).
-__device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq) {
+// Thread 0 of the send kernel's block 0, when the block's work is done: add the previous call on this
+// half to the histogram if it completed (its receive ran), then start this call's record (the receive
+// kernel adds its span later). Here rather than at the start: by now the copy has arrived, so nothing
+// waits for global memory, and what is left (the bounds from the constant cache, two fire-and-forget
+// atomics, three stores) delays only block 0's exit, which matters only if block 0 is the last block
+// of the kernel to finish (dispatch: block 0 has token 0, the least work; combine: it is one of the
+// E_l x blocks_per_expert blocks); at the start it would delay block 0's work, hello included.
+__device__ __forceinline__ void account_previous_call(const Common& c, Op op, unsigned seq, SendTiming& s) {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  const TimingRecord old = s.previous;
+  if (old.recv_end != 0 && old.send_end != 0) {
+    const unsigned long long ns = span(old.send_start, old.send_end) + span(~old.recv_start, old.recv_end);
+    const int n = g_num_latency_bounds;
+    int bucket = 0;  // bounds below ns: ep_layer.latency.bucket_of
+#pragma unroll
+    for (int i = 0; i < kMaxLatencyBounds; ++i) bucket += i < n && ns > g_latency_bounds_ns[i];
+    unsigned long long* row = c.latency + static_cast<int>(op) * (n + 2);
+    red_add(row + bucket, 1ull);
+    red_add(row + n + 1, ns);
+  }
+  TimingRecord& rec = timing_record(c, op, seq);
+  rec.send_start = s.start;
+  rec.recv_start = 0;  // the receive of this call starts after this kernel ends (stream order)
+  rec.recv_end = 0;
+}
+
+// Called by thread 0 of every block at the end of a send kernel: block 0 settles the timing records
+// (above); the last block to finish publishes the new sequence number (all blocks have read the old
+// one by then) and notes when the kernel ended.
+__device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq, SendTiming& s) {
+  if (first_block()) account_previous_call(c, op, seq, s);
   // No fence needed: a block reaches this only after it has used the sequence number it read.
   auto* ctrl = reinterpret_cast<Control*>(c.local_base);
   if (atomicAdd(&ctrl->done[op], 1u) == gridDim.x * gridDim.y - 1) {
-    ctrl->timing[op].send_end[seq & 1u] = globaltimer();
+    ctrl->timing[op].half[seq & 1u].send_end = globaltimer();
     ctrl->done[op] = 0;
     *reinterpret_cast<volatile unsigned*>(&ctrl->seq[op]) = seq;
   }
 }
 
-// Called by every thread of every block at the end of a receive kernel (after the block's work): the
-// last block to finish adds the call's latency, send span + receive span, to the Op's histogram.
-// Blocks count themselves with an acquiring atomic, so the last one sees block 0's released start.
-// Warp 0 does it: lane i compares the latency with bound i, a ballot counts the bounds below it.
+// Receive kernels: thread 0 of every block notes its block's start and, after the block's work, its
+// end, each with one fire-and-forget atomic (RED: nothing waits for it, no fence, no block counter).
+// The start is kept inverted so that 0 means "none" and red.max of ~t is the min of t.
+__device__ __forceinline__ void mark_recv_start(const Common& c, Op op, unsigned seq, unsigned long long now) {
+  if (threadIdx.x == 0) red_max(&timing_record(c, op, seq).recv_start, ~now);
+}
+
+// Called by every thread of every block at the end of a receive kernel (after the block's work).
 __device__ __forceinline__ void finish_recv(const Common& c, Op op, unsigned seq) {
-  Timing& t = reinterpret_cast<Control*>(c.local_base)->timing[op];
-  const unsigned half = seq & 1u;
-  __syncthreads();
-  if (threadIdx.x >= 32) return;
-  unsigned done = 0;
-  if (threadIdx.x == 0)
-    asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 1;" : "=r"(done) : "l"(&t.recv_done[half]) : "memory");
-  if (__shfl_sync(0xffffffffu, done, 0) != gridDim.x * gridDim.y - 1) return;
-  unsigned long long ns = 0;
-  if (threadIdx.x == 0) {
-    t.recv_done[half] = 0;
-    ns = span(__ldcg(&t.send_start[half]), __ldcg(&t.send_end[half])) +
-         span(__ldcg(&t.recv_start[half]), globaltimer());
-  }
-  ns = __shfl_sync(0xffffffffu, ns, 0);
-  const int n = c.num_latency_bounds;
-  const bool above = static_cast<int>(threadIdx.x) < n && ns > c.latency_bounds_ns[threadIdx.x];
-  const int bucket = __popc(__ballot_sync(0xffffffffu, above));
-  if (threadIdx.x == 0) {
-    unsigned long long* row = c.latency + static_cast<int>(op) * (n + 2);
-    atomicAdd(row + bucket, 1ull);
-    atomicAdd(row + n + 1, ns);
-  }
+  __syncthreads();  // thread 0 notes the end once the whole block is done
+  if (threadIdx.x == 0) red_max(&timing_record(c, op, seq).recv_end, globaltimer());
 }
 
 __device__ __forceinline__ void record_error(const Common& c, Op op, ErrorCode code, unsigned ranks,
@@ -324,5 +374,9 @@ void dispatch_send(const DispatchCall& call, cudaStream_t stream);
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream);
 void combine_send(const CombineCall& call, cudaStream_t stream);
 void combine_recv(const CombineCall& call, cudaStream_t stream);
+// Copy the latency bounds (ascending ns, n <= kMaxLatencyBounds) into each kernel file's __constant__
+// table on the current device (runtime.cu: set_latency_bounds).
+cudaError_t set_dispatch_latency_bounds(const unsigned long long* ns, int n);
+cudaError_t set_combine_latency_bounds(const unsigned long long* ns, int n);
 
 }  // namespace ep

@@ -75,10 +75,11 @@ __device__ void publish_counts(const DispatchCall& a, unsigned seq) {
 __global__ void __launch_bounds__(kThreads, 2) dispatch_send_kernel(DispatchCall a) {
   const Common& c = a.c;
   const unsigned seq = next_seq(c, kDispatch);
-  mark_start(c, kDispatch, true, seq);
+  __shared__ SendTiming timing;
+  mark_send_start(c, kDispatch, seq, timing);
   if (blockIdx.x == gridDim.x - 1) {  // one extra block counts, in parallel with the token blocks
     publish_counts(a, seq);
-    if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
+    if (threadIdx.x == 0) finish_send(c, kDispatch, seq, timing);
     return;
   }
   const int num_local = c.num_experts / c.num_ranks, hidden = c.hidden, lane = threadIdx.x % 32;
@@ -216,7 +217,8 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_send_kernel(DispatchCall
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) finish_send(c, kDispatch, seq);
+  // Block 0 settles the timing here (it has token 0, the least work: no earlier tokens to count).
+  if (threadIdx.x == 0) finish_send(c, kDispatch, seq, timing);
 }
 
 // The receive half's work; every thread returns here, so that all of them reach finish_recv.
@@ -316,8 +318,9 @@ __device__ __forceinline__ void receive_tokens(const DispatchCall& a, unsigned s
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a) {
+  const unsigned long long start = globaltimer();
   const unsigned seq = *a.c.ticket;
-  mark_start(a.c, kDispatch, false, seq);
+  mark_recv_start(a.c, kDispatch, seq, start);
   receive_tokens(a, seq);
   finish_recv(a.c, kDispatch, seq);
 }
@@ -326,6 +329,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchCall a)
 
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
   dispatch_send_kernel<<<call.c.max_tokens + 1, kThreads, 0, stream>>>(call);
+}
+
+cudaError_t set_dispatch_latency_bounds(const unsigned long long* ns, int n) {
+  return set_latency_bounds_of_this_file(ns, n);
 }
 
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {

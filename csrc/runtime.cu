@@ -66,6 +66,30 @@ void clear_error(long long base) {
   check_cuda(cudaMemset(&ctrl->error, 0, sizeof(ErrorRecord)), "clearing the error record");
 }
 
+// The histogram's bucket bounds, into the kernels' __constant__ tables on the current device.
+void set_latency_bounds(const std::vector<unsigned long long>& bounds_ns) {
+  const int n = static_cast<int>(bounds_ns.size());
+  if (n > kMaxLatencyBounds)
+    throw std::invalid_argument("set_latency_bounds: at most " + std::to_string(kMaxLatencyBounds) +
+                                " bounds, got " + std::to_string(n));
+  for (int i = 1; i < n; ++i)
+    if (bounds_ns[i] <= bounds_ns[i - 1]) throw std::invalid_argument("set_latency_bounds: bounds must ascend");
+  check_cuda(set_dispatch_latency_bounds(bounds_ns.data(), n), "setting dispatch's latency bounds");
+  check_cuda(set_combine_latency_bounds(bounds_ns.data(), n), "setting combine's latency bounds");
+}
+
+// The timing records of both Ops (ll_common.cuh: Timing), flattened: [op][half][send_start, send_end,
+// ~recv_start, recv_end]. Synchronous; call it when no kernel of this buffer runs.
+std::vector<unsigned long long> read_timing(long long base) {
+  Timing timing[2];
+  const auto* ctrl = reinterpret_cast<const Control*>(base);
+  check_cuda(cudaMemcpy(timing, ctrl->timing, sizeof(timing), cudaMemcpyDeviceToHost), "reading the timing records");
+  std::vector<unsigned long long> out;
+  for (const Timing& t : timing)
+    for (const TimingRecord& r : t.half) out.insert(out.end(), {r.send_start, r.send_end, r.recv_start, r.recv_end});
+  return out;
+}
+
 void memset_async(long long ptr, long long bytes, long long stream) {
   check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(ptr), 0, bytes, reinterpret_cast<cudaStream_t>(stream)),
              "cudaMemsetAsync");

@@ -5,6 +5,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ll_common.cuh"
 
@@ -23,6 +24,8 @@ int read_host_flag(long long host);
 void clear_host_flag(long long host);
 std::tuple<int, int, unsigned, int> read_error(long long base);
 void clear_error(long long base);
+void set_latency_bounds(const std::vector<unsigned long long>& bounds_ns);
+std::vector<unsigned long long> read_timing(long long base);
 void memset_async(long long ptr, long long bytes, long long stream);
 int num_sms();
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ep_layer import Buffer, EPTimeoutError, native
-from ep_layer.latency import OPS, bucket_of
+from ep_layer.latency import OPS, LatencyHistogram, bucket_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -439,6 +439,85 @@ def test_latency_stats_count_graph_replays(seed: int) -> None:
     slack_s = SPAN_SLACK_S * 2 * replays * num_ranks
     assert 0 < after_s - before_s <= start.elapsed_time(end) / 1e3 + slack_s, \
         f"seed={seed}: replays' latencies {after_s - before_s} s, replays ran {start.elapsed_time(end) / 1e3} s"
+    for b in buffers:
+        b.destroy()
+
+
+def test_latency_stats_deferred_accounting_counts_each_call_once(seed: int) -> None:
+    """The kernels account a call late: the send kernel that reuses its buffer half (two calls later)
+    adds it to the device histogram, and latency_stats() adds the calls still waiting without touching
+    the device. Two micro-batches in flight per op (send A, send B, hook A, hook B) on 2 emulated ranks,
+    read repeatedly: between rounds, twice in a row, between a send and its hook, across
+    clean_low_latency_buffer. Every completed call counts exactly once, a read changes nothing, and the
+    sums grow only by what ran in between."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local, topk = 2, 8, 512, 2, 2
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+
+    def send_dispatch() -> list:
+        return [b.low_latency_dispatch(x, i, max_tokens, num_experts, use_fp8=False, return_recv_hook=True)
+                for b, x, i in zip(buffers, xs, idxs)]
+
+    def combine(micro_batches: list) -> None:
+        sent = [[b.low_latency_combine(o[0], i, w, o[2], return_recv_hook=True)
+                 for b, o, i, w in zip(buffers, micro_batch, idxs, weights)] for micro_batch in micro_batches]
+        for micro_batch in sent:
+            for *_, hook in micro_batch:
+                hook()
+
+    def rounds(n: int) -> None:
+        for _ in range(n):
+            sent = [send_dispatch(), send_dispatch()]
+            for micro_batch in sent:
+                for *_, hook in micro_batch:
+                    hook()
+            combine(sent)
+
+    def read(calls: dict[str, int], where: str) -> list[dict]:
+        torch.cuda.synchronize()
+        for b in buffers:
+            b.check()
+        stats = [b.latency_stats() for b in buffers]
+        counts = {op: [s[op].count for s in stats] for op in OPS}
+        assert counts == {op: [calls[op]] * num_ranks for op in OPS}, f"seed={seed} {where}: {counts}"
+        return stats
+
+    def total_s(stats: list[dict]) -> float:
+        return sum(s[op].sum_s for s in stats for op in OPS)
+
+    assert read({"dispatch": 0, "combine": 0}, "fresh") == [{op: LatencyHistogram.empty() for op in OPS}] * num_ranks
+    rounds(3)
+    first = read({"dispatch": 6, "combine": 6}, "3 rounds")
+    assert read({"dispatch": 6, "combine": 6}, "read again") == first, f"seed={seed}: a read changed the stats"
+
+    start, end = timed_events()
+    start.record()
+    rounds(2)
+    end.record()
+    second = read({"dispatch": 10, "combine": 10}, "5 rounds")
+    grown_s = total_s(second) - total_s(first)
+    slack_s = SPAN_SLACK_S * 2 * 2 * 2 * 2 * num_ranks  # per call: 2 rounds x 2 micro-batches x 2 ops
+    assert 0 < grown_s <= start.elapsed_time(end) / 1e3 + slack_s, \
+        f"seed={seed}: the stats grew by {grown_s} s, the 2 rounds ran {start.elapsed_time(end) / 1e3} s"
+
+    # A send alone moves the call two before it from the waiting records into the device histogram:
+    # the stats do not change. Its own call counts once its hook has run.
+    pending = send_dispatch()
+    assert read({"dispatch": 10, "combine": 10}, "send without hook") == second, f"seed={seed}"
+    for *_, hook in pending:
+        hook()
+    read({"dispatch": 11, "combine": 10}, "after the hook")
+    combine([pending])
+    before_clean = read({"dispatch": 11, "combine": 11}, "before clean")
+
+    for b in buffers:  # clears the timing records: their calls must stay counted
+        b.clean_low_latency_buffer(max_tokens, hidden, num_experts)
+    assert read({"dispatch": 11, "combine": 11}, "after clean") == before_clean, f"seed={seed}"
+    rounds(1)
+    read({"dispatch": 13, "combine": 13}, "a round after clean")
     for b in buffers:
         b.destroy()
 

@@ -4,7 +4,8 @@ The histogram type on its own (buckets, cumulative counts, sums, pickling), then
 completed dispatch / combine counts exactly once whatever the mode (plain, hook, async_finish), calls
 that raise do not count, and each recorded latency lies inside the host wall time measured around the
 call's send and receive halves, so the time between a send and its hook is provably left out. The
-cuda backend's device-side histograms are tested in tests/test_buffer_cuda.py.
+cuda backend's device-side histograms are tested in tests/test_buffer_cuda.py; its host-side part
+(calls whose timing records the kernels have not added to the histogram yet) here.
 """
 
 from __future__ import annotations
@@ -84,6 +85,28 @@ def test_histogram_rejects_mismatched_shapes():
         LatencyHistogram(BOUNDS_S, (0,) * len(BOUNDS_S), 0.0)
     with pytest.raises(ValueError, match="bounds"):
         LatencyHistogram.empty() + LatencyHistogram((1.0,), (0, 0), 0.0)
+
+
+def test_cuda_backend_adds_the_calls_the_kernels_have_not_accounted_yet():
+    """CudaBackend.latency_stats() reads the timing records ([op][half]: send_start, send_end,
+    ~recv_start, recv_end) and adds the completed calls in them the way account_previous_call would."""
+    from ep_layer.backends.cuda import _unaccounted_rows
+
+    def record(send: tuple[int, int], recv: tuple[int, int] | None) -> list[int]:
+        return [*send, ~recv[0] & (1 << 64) - 1, recv[1]] if recv else [*send, 0, 0]
+
+    timing = [
+        *record((100, 5_100), (6_000, 7_000)),  # dispatch half 0: 5 us + 1 us
+        *record((0, 0), None),  # dispatch half 1: never used
+        *record((1_000, 2_000), None),  # combine half 0: sent, no receive yet (or already accounted)
+        *record((10, 20), (30, 30 + 10**9)),  # combine half 1: a receive that waited 1 s (timeout)
+    ]
+    dispatch, combine = _unaccounted_rows(timing)
+    assert len(dispatch) == len(combine) == NUM_BUCKETS + 1  # buckets, then the sum in ns
+    assert dispatch[bucket_of(6_000)] == 1 and sum(dispatch[:-1]) == 1 and dispatch[-1] == 6_000
+    assert combine[NUM_BUCKETS - 1] == 1 and sum(combine[:-1]) == 1 and combine[-1] == 10 + 10**9
+    clock_went_back = record((5_000, 4_000), (8_000, 7_000))  # spans never go negative (device: span())
+    assert _unaccounted_rows(clock_went_back + [0] * 12)[0][0] == 1
 
 
 # ---------------------------------------------------------------------------- Buffer, reference backend

@@ -4,8 +4,10 @@ Each call allocates its outputs with torch and launches one kernel per half; not
 host, so every call can be captured in a CUDA graph. Failures inside kernels (a peer that never
 arrives, ranks that disagree, bad expert ids) are recorded on the device, flagged in host-mapped
 memory, and raised at the next call or at `check()`; a kernel never waits longer than `timeout_s`.
-Latency stats are kept on the device too: the kernels time themselves (globaltimer) and the last
-block of each receive kernel adds the call's send + receive span to a histogram in device memory.
+Latency stats are kept on the device too: the kernels time themselves (globaltimer) into a record per
+op and buffer half, with fire-and-forget atomics that nothing waits for; block 0 of the send kernel
+that reuses a half (two calls later) adds the record's call to a histogram in device memory after its
+own work. `latency_stats()` adds the calls whose records are still there (csrc/ll_common.cuh: Timing).
 """
 
 from __future__ import annotations
@@ -26,6 +28,41 @@ from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, em
 MAX_HIDDEN = 16384
 _OPS = ("low_latency_dispatch", "low_latency_combine")  # by the kernels' Op; latency.OPS is in the same order
 _TIMEOUT, _MISMATCH, _BAD_EXPERT = 1, 2, 3
+_U64 = (1 << 64) - 1
+_bounds_on_device: dict[int, tuple[int, ...]] = {}  # device index -> bounds in the kernels' __constant__ tables
+
+
+def _set_latency_bounds(c, device: torch.device) -> None:
+    """Give the kernels latency.BOUNDS_NS (once per device: __constant__ memory is per device)."""
+    if _bounds_on_device.get(device.index) != latency.BOUNDS_NS:
+        with torch.cuda.device(device):
+            c.set_latency_bounds(list(latency.BOUNDS_NS))
+        _bounds_on_device[device.index] = latency.BOUNDS_NS
+
+
+def _unaccounted_ns(record: tuple[int, int, int, int]) -> int | None:
+    """The latency of the call in one timing record (send_start, send_end, ~recv_start, recv_end), or
+    None when it has not completed (no receive yet) or was already added to the device histogram (the
+    send kernel that does that clears the receive's fields). Mirrors account_previous_call."""
+    send_start, send_end, recv_start_inverted, recv_end = record
+    if recv_end == 0 or send_end == 0:
+        return None
+    recv_start = ~recv_start_inverted & _U64
+    return max(send_end - send_start, 0) + max(recv_end - recv_start, 0)
+
+
+def _unaccounted_rows(timing: list[int]) -> list[list[int]]:
+    """Per op: the calls in `timing` (read_timing: [op][half][4 fields]) not yet in the device histogram,
+    per bucket, then their sum in ns (the device histogram's layout)."""
+    rows = [[0] * (latency.NUM_BUCKETS + 1) for _ in latency.OPS]
+    for op, row in enumerate(rows):
+        for half in range(2):
+            first = (op * 2 + half) * 4
+            ns = _unaccounted_ns(tuple(timing[first:first + 4]))
+            if ns is not None:
+                row[latency.bucket_of(ns)] += 1
+                row[-1] += ns
+    return rows
 
 
 def _ranks(mask: int) -> list[int]:
@@ -57,10 +94,10 @@ class CudaBackend(Backend):
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
-               f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels compare them in one warp)",
+               f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels' __constant__ table)",
                len(latency.BOUNDS_NS))
-        self._latency_bounds = torch.tensor(latency.BOUNDS_NS, dtype=torch.int64, device=self._device)
-        # Per Op: calls per bucket, then their sum in ns; the receive kernels add to it.
+        _set_latency_bounds(self._c, self._device)
+        # Per Op: calls per bucket, then their sum in ns; the send kernels add the calls two before them.
         self._latency = torch.zeros(len(latency.OPS), latency.NUM_BUCKETS + 1, dtype=torch.int64,
                                     device=self._device)
 
@@ -114,7 +151,11 @@ class CudaBackend(Backend):
 
     def latency_stats(self) -> dict[str, LatencyHistogram]:
         torch.cuda.synchronize(self._device)  # every stream: a hook or async_finish may have run elsewhere
+        # The device histogram holds every completed call but the last one or two per op, whose records
+        # wait for the next sends on their halves: add those here, leaving the device state as it is.
         rows = self._latency.tolist()
+        for row, pending in zip(rows, _unaccounted_rows(self._c.read_timing(self._base))):
+            row[:] = [a + b for a, b in zip(row, pending)]
         return {op: LatencyHistogram.from_ns(row[:-1], row[-1]) for op, row in zip(latency.OPS, rows)}
 
     # ------------------------------------------------------------------ per-shape state
@@ -134,8 +175,7 @@ class CudaBackend(Backend):
             check = zlib.crc32(repr(key).encode())
             common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
                                          self._system_scope, self._peer_bases.data_ptr(), self._base, offsets,
-                                         self._device_flag, self.timeout_s, self._latency_bounds.data_ptr(),
-                                         len(latency.BOUNDS_NS), self._latency.data_ptr())
+                                         self._device_flag, self.timeout_s, self._latency.data_ptr())
             self._commons[key] = common
         return common
 
@@ -214,6 +254,10 @@ class CudaBackend(Backend):
 
     def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
         self._barrier()
+        # The memset clears the timing records: move their calls into the histogram first.
+        pending = _unaccounted_rows(self._c.read_timing(self._base))
+        if any(any(row) for row in pending):
+            self._latency += torch.tensor(pending, dtype=torch.int64).to(self._device)
         self._c.memset_async(self._base, self.num_rdma_bytes, self._stream())
         self._c.clear_host_flag(self._host_flag)
         self._barrier()
