@@ -61,11 +61,14 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall 
 }
 
 // The receive half's work for one (token, channel chunk); threads return here, so that all of them
-// reach finish_recv. With no tokens the kernel runs one block that only marks the receive span.
+// reach finish_recv. With no tokens the kernel runs one block that waits for the peers' hellos and
+// marks the receive span: the wait is what keeps a rank from reusing a buffer half too early. With two
+// micro-batches (send A, send B, ..., combine A, combine B) a rank whose micro-batch B is empty would
+// otherwise leave combine B at once and send the next B into the half its peers may still be reading.
 __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq) {
   const Common& c = a.c;
-  if (static_cast<int>(blockIdx.x) >= a.num_tokens) return;
   if (!check_hellos(c, kCombine, seq)) return;
+  if (static_cast<int>(blockIdx.x) >= a.num_tokens) return;
 
   const int token = blockIdx.x, num_local = c.num_experts / c.num_ranks;
   const int vec = blockIdx.y * kRecvThreads + threadIdx.x;

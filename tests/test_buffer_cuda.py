@@ -568,6 +568,49 @@ def _ipc_rank(rank: int, world_size: int, seed: int) -> None:
     cuda.destroy()
 
 
+def _empty_microbatch_rank(rank: int, world_size: int, seed: int) -> None:
+    """Two micro-batches per step (send A, send B, hook A, combine A, hook B, combine B, hooks), B empty
+    on every rank, the last rank slow before its hook B. The others leave their (empty) combine B
+    early and send the next step's B into a buffer half the slow rank has not read yet, unless the
+    empty combine still waits for its peers."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    rng = np.random.default_rng(seed)
+    max_tokens, hidden, num_local, topk = 8, 512, 2, 2
+    num_experts = world_size * num_local
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=10)
+    xs, idxs = make_inputs(rng, world_size, max_tokens, hidden, num_experts, topk, device="cuda")
+    x_a, idx_a = xs[rank], idxs[rank]
+    w_a = torch.rand(idx_a.shape, device="cuda")
+    x_b, idx_b = x_a[:0], idx_a[:0]
+    outs = []
+    for _ in range(20):
+        recv_a, _, handle_a, _, hook_a = buf.low_latency_dispatch(x_a, idx_a, max_tokens, num_experts,
+                                                                   use_fp8=False, return_recv_hook=True)
+        recv_b, _, handle_b, _, hook_b = buf.low_latency_dispatch(x_b, idx_b, max_tokens, num_experts,
+                                                                   use_fp8=False, return_recv_hook=True)
+        hook_a()
+        out_a, _, comb_hook_a = buf.low_latency_combine(recv_a, idx_a, w_a, handle_a, return_recv_hook=True)
+        if rank == world_size - 1:
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the peers run ahead meanwhile
+        hook_b()
+        _, _, comb_hook_b = buf.low_latency_combine(recv_b, idx_b, w_a[:0], handle_b, return_recv_hook=True)
+        comb_hook_a()
+        comb_hook_b()
+        outs.append(out_a.clone())
+    buf.check()  # an overwritten half shows up as a receive that never sees its sequence number
+    assert all(torch.equal(o, outs[0]) for o in outs), f"seed={seed} rank {rank}: step outputs differ"
+    buf.destroy()
+
+
+def test_ipc_empty_microbatch_keeps_ranks_in_step(seed: int) -> None:
+    from dist_harness import run_ranks
+
+    run_ranks(_empty_microbatch_rank, 2, seed, timeout_s=120)
+
+
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_ipc_ranks_match_reference(world_size: int, seed: int) -> None:
     from dist_harness import run_ranks
