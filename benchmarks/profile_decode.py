@@ -1,0 +1,107 @@
+"""Where a decode step's time goes, in one engine without HTTP: for a few batch sizes, the host time of
+a whole `LLMEngine.step()` (schedule, inputs, graph replay, sampling, detokenizing) next to the GPU
+time of the decode graph's replay alone (CUDA events), and the GPU kernels that take the most time in
+one replay (torch.profiler), against the weight-bytes floor of that step.
+
+    python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
+    python benchmarks/profile_decode.py /tmp/v3-4l --load-format dummy --batch 1 64
+    python benchmarks/profile_decode.py            # the built-in tiny model (CPU works too: eager)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_serving import H200_HBM_BYTES_PER_S, decode_step_bytes  # this script's folder is on sys.path
+
+from serving.engine.engine import LLMEngine
+from serving.engine.loading import tiny_checkpoint
+from serving.engine.sequence import SamplingParams
+from serving.loader import load_model, load_tokenizer
+
+PROMPT_LEN = 16
+TOKENS_PER_STEP = 256  # ep-serve's default --max-tokens-per-rank
+KERNELS_SHOWN = 12
+
+
+def build_engine(path: str, load_format: str, device: str, max_num_seqs: int, max_model_len: int) -> LLMEngine:
+    model = load_model(path, max_tokens_per_rank=TOKENS_PER_STEP, device=device, progress=False,
+                       load_format=load_format).eval()
+    return LLMEngine(model, load_tokenizer(path), num_blocks=max_num_seqs * -(-max_model_len // 16), block_size=16,
+                     max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens_per_rank=TOKENS_PER_STEP,
+                     device=torch.device(device), use_cuda_graphs=device == "cuda")
+
+
+def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
+    """Host seconds of the first `steps` decode-only steps of `batch` sequences (prefill not timed)."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [3 + (7 * i + j) % 200 for j in range(PROMPT_LEN)], params)
+    times: list[float] = []
+    while engine.has_work():
+        scheduled = engine.schedule()
+        timed = len(times) < steps and scheduled.is_decode_only and len(scheduled.seqs) == batch
+        start = time.perf_counter()
+        engine.execute(scheduled)
+        if timed:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def replay_gpu_us(engine: LLMEngine, size: int, reps: int = 50) -> float:
+    graph, _ = engine.runner._graphs[size]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(samples)
+
+
+def top_kernels(engine: LLMEngine, size: int) -> list[tuple[str, float]]:
+    graph, _ = engine.runner._graphs[size]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:KERNELS_SHOWN]
+    return [(r.key[:70], r.device_time_total / 5) for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the tiny model)")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = args.model or tiny_checkpoint()
+    engine = build_engine(path, args.load_format, device, max(args.batch), args.max_model_len)
+    print(f"# {path} ({args.load_format}) on {device}; graphs {engine.runner.captured_sizes} captured in "
+          f"{engine.runner.capture_seconds:.1f} s; step times are medians of {args.steps}")
+    print(f"{'batch':>6} | {'step_ms':>8} | {'replay_ms':>9} | {'host_ms':>8} | {'floor_ms':>8}")
+    for batch in args.batch:
+        step_ms = statistics.median(decode_steps(engine, batch, args.steps)) * 1e3
+        size = next((s for s in engine.runner.captured_sizes if s >= batch), None)
+        replay_ms = replay_gpu_us(engine, size) / 1e3 if size else float("nan")
+        floor_ms = decode_step_bytes(Path(path), batch, 1) / args.hbm_bytes_per_s * 1e3
+        print(f"{batch:>6} | {step_ms:8.2f} | {replay_ms:9.2f} | {step_ms - replay_ms:8.2f} | {floor_ms:8.2f}")
+        if size:
+            for name, us in top_kernels(engine, size):
+                print(f"         {us:9.1f} us  {name}")
+    print("step = host time of LLMEngine.step(); replay = GPU time of the decode graph alone; host = the rest "
+          "(inputs, sampling, detokenizing, launch gaps); floor = weight bytes at the HBM bandwidth")
+
+
+if __name__ == "__main__":
+    main()
