@@ -46,7 +46,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
         scheduled = engine.schedule()
         timed = len(times) < steps and scheduled.is_decode_only and len(scheduled.seqs) == batch
         start = time.perf_counter()
-        engine.execute(scheduled)
+        engine.execute(scheduled, engine.graph_size_alone(scheduled))
         if timed:
             times.append(time.perf_counter() - start)
     return times

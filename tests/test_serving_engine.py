@@ -294,7 +294,7 @@ def _ep_rank(rank: int, world_size: int) -> dict:
     got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
     for _ in range(500):
         batch = engine.schedule()
-        plan = sync.agree(batch.num_tokens)
+        plan = sync.agree(len(batch.seqs), batch.is_decode_only)
         if not plan.step:
             break
         for out in engine.execute(batch):
@@ -309,3 +309,28 @@ def test_expert_parallel_ranks_step_together_with_empty_batches():
     assert all(r["ok"] for r in results), results
     assert results[0]["forwards"] == results[1]["forwards"]  # FakeModel also checks this at every forward
     assert results[0]["empty"] == 0 and results[1]["empty"] > 0
+
+
+def _agree_rank(rank: int, world_size: int) -> list[tuple]:
+    import torch.distributed as dist
+
+    sync = StepSync(dist.new_group(backend="gloo"))
+    cases = [  # (this rank's sequences, decode-only, stop) per rank, one step each
+        {0: (3, True, False), 1: (0, True, False)},  # an idle rank pads to the busy rank's batch
+        {0: (2, True, False), 1: (5, False, False)},  # a prefill anywhere: every rank runs eagerly
+        {0: (0, True, False), 1: (0, True, False)},  # nothing to do
+        {0: (4, True, False), 1: (1, True, True)},  # one rank stops: all leave
+    ]
+    plans = []
+    for case in cases:
+        plan = sync.agree(*case[rank])
+        plans.append((plan.step, plan.max_num_seqs, plan.decode_only, plan.stop))
+    return plans
+
+
+def test_step_sync_agrees_on_step_padded_decode_size_and_stop():
+    results = run_ranks(_agree_rank, 2, timeout_s=60)
+    assert results[0] == results[1] == [(True, 3, True, False), (True, 5, False, False), (False, 0, True, False),
+                                        (False, 4, True, True)]
+    alone = StepSync().agree(2, True)
+    assert (alone.step, alone.max_num_seqs, alone.decode_only) == (True, 2, True)

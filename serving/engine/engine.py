@@ -87,12 +87,13 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         return self.scheduler.schedule(time.monotonic())
 
-    def execute(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> list[RequestOutput]:
         """Run the model on `batch` (an empty one too: the MoE layers must take part), sample the
-        sequences whose prompt is complete, and return their outputs."""
+        sequences whose prompt is complete, and return their outputs. graph_size: replay the decode
+        graph of that size (a decode-only or empty batch; ModelRunner.graph_size), None: eagerly."""
         start = time.perf_counter()
         kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
-        logits = self.runner.execute(batch)
+        logits = self.runner.execute(batch, graph_size)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -108,8 +109,14 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        """One step on this engine alone (no expert-parallel peers)."""
-        return self.execute(self.schedule())
+        """One step on this engine alone (no expert-parallel peers): decode steps replay a graph."""
+        batch = self.schedule()
+        return self.execute(batch, self.graph_size_alone(batch))
+
+    def graph_size_alone(self, batch: ScheduledBatch) -> int | None:
+        """The decode graph an engine without peers replays for `batch` (None: eager). Expert-parallel
+        ranks agree on theirs instead (serving.engine.step_sync)."""
+        return self.runner.graph_size(len(batch.seqs)) if batch and batch.is_decode_only else None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  max_steps: int = 100_000) -> list[str]:

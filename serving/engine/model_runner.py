@@ -3,10 +3,11 @@ CUDA graphs for decode steps.
 
 Decode graphs (vLLM's scheme): at start-up one graph per size of a ladder (1, 2, 4, 8, 16, 24, 32, ...
 up to max_num_seqs) is captured over static input tensors. A decode-only step of n sequences copies
-its inputs into the first n rows of the smallest size >= n; the other rows are padding tokens that
-write their KV to a block of their own (one past the engine's blocks) and whose logits are dropped.
-An empty step (an idle expert-parallel rank) replays the size-1 graph on one padding token, so its
-MoE layers still take part in the peers' dispatch and combine. Prefill steps run eagerly.
+its inputs into the first n rows of a captured size >= n (the caller picks it with `graph_size`:
+expert-parallel ranks agree on the largest rank's n, serving.engine.step_sync); the other rows are
+padding tokens that write their KV to a block of their own (one past the engine's blocks) and whose
+logits are dropped. An idle expert-parallel rank replays the agreed size on padding alone, so its MoE
+layers still take part in the peers' dispatch and combine. Prefill steps run eagerly.
 
 Graphs need a GPU and MoE layers whose Buffer backend is `cuda` (the reference backend synchronises
 with the host inside dispatch); otherwise, or with enforce_eager, every step runs eagerly.
@@ -112,12 +113,10 @@ class ModelRunner:
     def captured_sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def graph_size(self, batch: ScheduledBatch) -> int | None:
-        """The captured size `batch` replays at (the smallest >= its sequences; 1 for an empty batch),
-        or None when it runs eagerly (prefill, too large, or no graphs)."""
-        if not self._graphs or (batch and not batch.is_decode_only):
-            return None
-        return next((s for s in sorted(self._graphs) if s >= max(1, len(batch.seqs))), None)
+    def graph_size(self, num_seqs: int) -> int | None:
+        """The smallest captured size >= num_seqs (1 for none), or None (no graphs, or more sequences
+        than the largest graph): the decode step then runs eagerly."""
+        return next((s for s in sorted(self._graphs) if s >= max(1, num_seqs)), None)
 
     def capture(self, sizes: list[int]) -> None:
         """Capture a decode graph for each size (largest first, all sharing one memory pool). Every
@@ -150,6 +149,10 @@ class ModelRunner:
         return ForwardBatch(**rows, decode=True)
 
     def _replay(self, batch: ScheduledBatch, size: int) -> torch.Tensor:
+        if batch and not batch.is_decode_only:
+            raise ValueError("graph_size: only a decode-only or empty batch replays a decode graph")
+        if size not in self._graphs:
+            raise ValueError(f"graph_size: expected one of the captured sizes {self.captured_sizes}, got {size}")
         host = self.padded_decode_batch(batch, size)
         static = self._static_view(size)
         for name in ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"):
@@ -160,12 +163,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> torch.Tensor:
         """Logits float32 [len(batch.seqs), vocab]; an empty batch still runs the model (its MoE layers
-        take part in the other ranks' dispatch and combine) and gives [0, vocab]."""
-        size = self.graph_size(batch)
-        if size is not None:
-            return self._replay(batch, size)
+        take part in the other ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay
+        that captured decode graph (see `graph_size`), None: run eagerly."""
+        if graph_size is not None:
+            return self._replay(batch, graph_size)
         return self.model(self.prepare(batch))
 
 

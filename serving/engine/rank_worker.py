@@ -169,14 +169,15 @@ class RankLoop:
         while True:
             stop = not self._handle(self._receive(block=idle and not self.engine.has_work()))
             batch = self.engine.schedule() if not stop else ScheduledBatch()
-            plan = self.sync.agree(batch.num_tokens, stop)
+            plan = self.sync.agree(len(batch.seqs), batch.is_decode_only, stop)
             if plan.stop:
                 return
             idle = not plan.step
             if idle:
                 self._send([])
                 continue
-            self._send(self.engine.execute(batch))
+            graph_size = self.engine.runner.graph_size(plan.max_num_seqs) if plan.decode_only else None
+            self._send(self.engine.execute(batch, graph_size))
 
     def _receive(self, block: bool) -> list[Any]:
         messages: list[Any] = []

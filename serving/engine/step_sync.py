@@ -1,9 +1,9 @@
 """How expert-parallel ranks step together (vLLM's DP coordination): before each step, one all-reduce
-(MAX, on a small gloo group of its own) of (has work, stop) decides whether every rank steps (a rank
-without work runs an empty batch so the MoE collectives line up) and whether to stop (all ranks leave
-together, so none is left waiting in a collective). Ranks need not agree on their batch sizes: every
-rank dispatches with the same T (max_tokens_per_rank) and its own number of tokens, so each one
-replays the decode graph that fits its own batch (see model_runner)."""
+(MAX, on a small gloo group of its own) of (has work, sequences, has prefill, stop) decides whether
+every rank steps (a rank without work runs an empty batch so the MoE collectives line up), whether
+all ranks only decode and then the padded decode batch every rank uses (the largest rank's number of
+sequences: every rank replays the same CUDA graph size, idle ranks on padding), and whether to stop
+(all ranks leave together, so none is left waiting in a collective)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class StepPlan:
     step: bool  # some rank has tokens to compute: all ranks step
+    max_num_seqs: int  # the most sequences any rank runs this step
+    decode_only: bool  # no rank computes a prefill chunk (decode CUDA graphs apply)
     stop: bool = False  # some rank was told to shut down: all ranks leave
 
 
@@ -24,12 +26,15 @@ class StepSync:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
-        self._buf = torch.zeros(2, dtype=torch.int64)
+        self._buf = torch.zeros(4, dtype=torch.int64)
 
-    def agree(self, num_tokens: int, stop: bool = False) -> StepPlan:
+    def agree(self, num_seqs: int, decode_only: bool, stop: bool = False) -> StepPlan:
+        """num_seqs: this rank's sequences this step (0: nothing to do); decode_only: none of them
+        computes a prefill chunk."""
+        prefill = int(num_seqs > 0 and not decode_only)
         if self.group is None:
-            return StepPlan(num_tokens > 0 and not stop, stop)
-        self._buf[0], self._buf[1] = int(num_tokens > 0), int(stop)
+            return StepPlan(num_seqs > 0 and not stop, num_seqs, not prefill, stop)
+        self._buf[0], self._buf[1], self._buf[2], self._buf[3] = int(num_seqs > 0), num_seqs, prefill, int(stop)
         dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
-        step, any_stop = self._buf.tolist()
-        return StepPlan(bool(step) and not any_stop, bool(any_stop))
+        step, max_seqs, any_prefill, any_stop = self._buf.tolist()
+        return StepPlan(bool(step) and not any_stop, max_seqs, not any_prefill, bool(any_stop))
