@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serving.engine.engine import LLMEngine
-from serving.engine.model_runner import graph_sizes
+from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, graph_sizes, why_eager
 from serving.engine.scheduler import ScheduledBatch
 from serving.engine.sequence import SamplingParams
 from serving.loader import load_model, load_tokenizer
@@ -91,8 +91,17 @@ def test_empty_batch_pads_to_one_token(checkpoint: str) -> None:
 
 def test_cpu_engine_runs_eagerly(checkpoint: str) -> None:
     engine = make_engine(checkpoint, "cpu", use_cuda_graphs=True, backend="reference")
-    assert engine.runner.captured_sizes == []
+    assert engine.runner.captured_sizes == [] and engine.runner.eager_reason == "no GPU"
     assert engine.runner.graph_size(1) is None
+
+
+def test_why_eager() -> None:
+    cuda = torch.device("cuda", 0)
+    assert why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN) is None
+    assert why_eager(cuda, None, 1024) is None  # no MoE layers
+    assert "reference" in why_eager(cuda, "reference", 1024)
+    assert "--max-model-len" in why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1)
+    assert why_eager(torch.device("cpu"), "cuda", 1024) == "no GPU"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

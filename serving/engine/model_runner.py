@@ -9,8 +9,10 @@ padding tokens that write their KV to a block of their own (one past the engine'
 logits are dropped. An idle expert-parallel rank replays the agreed size on padding alone, so its MoE
 layers still take part in the peers' dispatch and combine. Prefill steps run eagerly.
 
-Graphs need a GPU and MoE layers whose Buffer backend is `cuda` (the reference backend synchronises
-with the host inside dispatch); otherwise, or with enforce_eager, every step runs eagerly.
+Graphs need a GPU, MoE layers whose Buffer backend is `cuda` (the reference backend synchronises
+with the host inside dispatch), and max_model_len <= GRAPH_MAX_MODEL_LEN: the graph-safe decode
+attention (serving.models.paged_attention.DecodeMetadata) reads max_model_len keys per sequence,
+whatever its length. Otherwise, or with enforce_eager, every step runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..forward_batch import ForwardBatch
 from .scheduler import ScheduledBatch
 
 LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
+GRAPH_MAX_MODEL_LEN = 4096  # longer contexts decode eagerly (see the module docstring)
 _TENSORS = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 
@@ -49,7 +52,9 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: ForwardBatch | None = None
         self.capture_seconds = 0.0
-        if use_cuda_graphs and graphs_supported(model, device):
+        buffer = getattr(model, "ep_buffer", None)
+        self.eager_reason = why_eager(device, buffer.backend_name if buffer is not None else None, max_model_len)
+        if use_cuda_graphs and self.eager_reason is None:
             self.capture(graph_sizes(min(max_num_seqs or max_tokens_per_rank, max_tokens_per_rank)))
 
     # ------------------------------------------------------------------ inputs
@@ -172,7 +177,14 @@ class ModelRunner:
         return self.model(self.prepare(batch))
 
 
-def graphs_supported(model: torch.nn.Module, device: torch.device) -> bool:
-    """A GPU, and MoE layers (if any) on the cuda backend, whose calls never wait on the host."""
-    buffer = getattr(model, "ep_buffer", None)
-    return device.type == "cuda" and (buffer is None or buffer.backend_name == "cuda")
+def why_eager(device: torch.device, ep_backend: str | None, max_model_len: int) -> str | None:
+    """Why decode steps cannot replay CUDA graphs here, or None if they can. ep_backend: the MoE
+    layers' Buffer backend (None without MoE layers)."""
+    if device.type != "cuda":
+        return "no GPU"
+    if ep_backend not in (None, "cuda"):
+        return f"the {ep_backend} backend's dispatch waits on the host"
+    if max_model_len > GRAPH_MAX_MODEL_LEN:
+        return (f"max_model_len {max_model_len} > {GRAPH_MAX_MODEL_LEN}: the graph-safe decode attention reads "
+                "max_model_len keys per sequence (set --max-model-len to capture graphs)")
+    return None

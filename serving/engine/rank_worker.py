@@ -107,6 +107,8 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         if rank == 0 and engine.runner.captured_sizes:
             print(f"Captured decode CUDA graphs for batch sizes {engine.runner.captured_sizes} in "
                   f"{engine.runner.capture_seconds:.1f} s", file=sys.stderr, flush=True)
+        elif rank == 0 and device.type == "cuda" and not config.enforce_eager:
+            print(f"Decode runs eagerly: {engine.runner.eager_reason}", file=sys.stderr, flush=True)
         info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
                          config.block_size, str(device))
         outbox.put(RankReady(rank, info))
