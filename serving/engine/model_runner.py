@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
@@ -100,18 +101,27 @@ class ModelRunner:
         n = len(batch.seqs)
         if not n <= size:
             raise ValueError(f"batch: {n} sequences do not fit a decode graph of {size}")
-        pad = size - n
-        host = self._host_batch(batch) if n else ForwardBatch.empty("cpu", self.max_blocks_per_seq)
-        pad_table = torch.full((pad, self.max_blocks_per_seq), -1, dtype=torch.int32)
-        pad_table[:, 0] = self.pad_block
-        zeros = torch.zeros(pad, dtype=torch.int64)
+        # Filled in numpy, one sequence at a time: this runs every decode step on the host.
+        bs = self.block_size
+        ids = np.zeros(size, np.int64)
+        positions = np.zeros(size, np.int64)
+        seq_lens = np.ones(size, np.int32)
+        slots = np.full(size, self.pad_block * bs, np.int64)
+        tables = np.full((size, self.max_blocks_per_seq), -1, np.int32)
+        tables[n:, 0] = self.pad_block
+        for i, seq in enumerate(batch.seqs):
+            p = seq.num_computed_tokens
+            table = seq.block_table
+            ids[i] = seq.token_ids(p, p + 1)[0]
+            positions[i], seq_lens[i] = p, p + 1
+            tables[i, :len(table)] = table
+            slots[i] = table[p // bs] * bs + p % bs
+        rows = torch.arange(size + 1)
         return ForwardBatch(
-            input_ids=torch.cat([host.input_ids, zeros]), positions=torch.cat([host.positions, zeros]),
-            query_start=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens=torch.cat([host.seq_lens, torch.ones(pad, dtype=torch.int32)]),
-            block_tables=torch.cat([host.block_tables, pad_table]),
-            slot_mapping=torch.cat([host.slot_mapping, zeros + self.pad_block * self.block_size]),
-            logits_indices=torch.arange(size, dtype=torch.int64), decode=True)
+            input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
+            query_start=rows.to(torch.int32), seq_lens=torch.from_numpy(seq_lens),
+            block_tables=torch.from_numpy(tables), slot_mapping=torch.from_numpy(slots),
+            logits_indices=rows[:size], decode=True)
 
     # ------------------------------------------------------------------ CUDA graphs
     @property
