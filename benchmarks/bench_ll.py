@@ -28,23 +28,28 @@ def dispatch_bytes_per_pair(hidden: int) -> int:
     return hidden + hidden // 128 * 4 + 16
 
 
+def event_us(fn) -> float:
+    """Microseconds of GPU time from just before `fn()` is launched to the end of its work (CUDA events;
+    waits for the end)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written (median of 20)."""
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    samples = []
-    for _ in range(23):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
+    samples = [event_us(lambda: dst.copy_(src)) * 1e-6 for _ in range(23)]
     return 2 * nbytes / statistics.median(samples[3:])
 
 
-def time_graph(fn, replays: int = 200, warmup: int = 3) -> float:
-    """Median microseconds of one `fn()` replayed from a CUDA graph (10 replays per timed graph launch)."""
+def capture_graph(fn, warmup: int, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` back-to-back `fn()` calls, captured after `warmup` eager calls in a side
+    stream (lazy initialisation, Triton compilation)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -52,21 +57,19 @@ def time_graph(fn, replays: int = 200, warmup: int = 3) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    inner = 10
     with torch.cuda.graph(graph):
-        for _ in range(inner):
+        for _ in range(calls):
             fn()
+    return graph
+
+
+def time_graph(fn, replays: int = 200, warmup: int = 3) -> float:
+    """Median microseconds of one `fn()` replayed from a CUDA graph (10 replays per timed graph launch)."""
+    inner = 10
+    graph = capture_graph(fn, warmup, inner)
     graph.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(max(1, replays // inner)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / inner)
-    return statistics.median(times)
+    return statistics.median(event_us(graph.replay) / inner for _ in range(max(1, replays // inner)))
 
 
 def host_time(fn, calls: int = 50) -> float:

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_ll import capture_graph, event_us  # this script's folder is on sys.path
 
 from ep_layer import Buffer
 
@@ -45,22 +46,12 @@ def nvlink_bandwidth(nbytes: int = 1 << 30) -> float:
 
 def graph_time(fn, group) -> float:
     """Microseconds per call: slowest rank's replay of CALLS_PER_GRAPH calls, median of 5 replays."""
-    for _ in range(3):
-        fn()
+    graph = capture_graph(fn, 3, CALLS_PER_GRAPH)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
     samples = []
     for _ in range(6):
         dist.barrier(group=group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+        samples.append(event_us(graph.replay) / CALLS_PER_GRAPH)
     mine = torch.tensor([statistics.median(samples[1:])])
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     return float(mine)

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from bench_ll import copy_bandwidth  # this script's folder is on sys.path
+from bench_ll import capture_graph, copy_bandwidth, event_us  # this script's folder is on sys.path
 
 from ep_layer import Buffer, native
 from ep_layer.checks import MAX_TOKENS_PER_RANK
@@ -102,46 +102,19 @@ def time_eager(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     samples = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+        samples.append(event_us(fn))
     return statistics.median(samples)
 
 
-def capture_graph(fn: Callable[[], object], warmup: int = 2, calls: int = 1) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `calls` back-to-back `fn()` calls, captured after `warmup` eager calls in a side
-    stream (which also compile the Triton kernels)."""
-    release_memory()  # the eager calls' cached blocks, before the graph takes a pool of its own
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
 def time_graph(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    """Median microseconds of one `fn()` replayed from a CUDA graph (see capture_graph). The graph and
-    its memory pool are freed on return."""
-    graph = capture_graph(fn, warmup)
+    """Median microseconds of one `fn()` replayed from a CUDA graph (bench_ll.capture_graph, after
+    `warmup` eager calls that also compile the Triton kernels). The graph and its memory pool are freed
+    on return."""
+    release_memory()  # the eager calls' cached blocks, before the graph takes a pool of its own
+    graph = capture_graph(fn, warmup, 1)
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
+    samples = [event_us(graph.replay) for _ in range(reps)]
     del graph
     release_memory()
     return statistics.median(samples)

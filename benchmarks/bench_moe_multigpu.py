@@ -47,7 +47,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_ll import copy_bandwidth  # this script's folder is on sys.path
+from bench_ll import capture_graph, copy_bandwidth, event_us  # this script's folder is on sys.path
 from bench_moe import (
     DEEPSEEK_V3,
     EXPERT_KERNELS,
@@ -55,7 +55,6 @@ from bench_moe import (
     Case,
     EpLayers,
     Shape,
-    capture_graph,
     format_cell,
     halves,
     print_cells,
@@ -100,12 +99,7 @@ def eager_time(fn: Callable[[], object], reps: int, cuda: bool) -> float:
             torch.cuda.synchronize()
         dist.barrier()
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3)
+            samples.append(event_us(fn))
         else:
             begin = time.perf_counter()
             fn()
@@ -117,17 +111,13 @@ def graph_time(fn: Callable[[], object], replays: int) -> float:
     """This rank's median microseconds per call of a CUDA graph of GRAPH_CALLS calls (captured with the
     case's static inputs), replayed by all ranks together after a barrier; the first replay is untimed.
     The graph and its memory pool are freed on return."""
+    release_memory()  # the eager calls' cached blocks, before the graph takes a pool of its own
     graph = capture_graph(fn, WARMUP, GRAPH_CALLS)
     torch.cuda.synchronize()  # the warm-up calls, which talk to the other ranks, are done
     samples = []
     for _ in range(replays + 1):
         dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
+        samples.append(event_us(graph.replay) / GRAPH_CALLS)
     del graph
     release_memory()
     return statistics.median(samples[1:])

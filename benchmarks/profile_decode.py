@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_serving import H200_HBM_BYTES_PER_S, decode_step_bytes  # this script's folder is on sys.path
+from bench_ll import event_us  # this script's folder is on sys.path
+from bench_serving import H200_HBM_BYTES_PER_S, decode_step_bytes
 
 from serving.engine.engine import LLMEngine
 from serving.engine.loading import tiny_checkpoint
@@ -54,15 +55,7 @@ def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
 
 def replay_gpu_us(engine: LLMEngine, size: int, reps: int = 50) -> float:
     graph, _ = engine.runner._graphs[size]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(event_us(graph.replay) for _ in range(reps))
 
 
 def top_kernels(engine: LLMEngine, size: int) -> list[tuple[str, float]]:
