@@ -30,6 +30,11 @@ GRAPH_MAX_MODEL_LEN = 4096  # longer contexts decode eagerly (see the module doc
 _TENSORS = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at `position`."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (included)."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
@@ -82,7 +87,7 @@ class ModelRunner:
             ids += seq.token_ids(start, end)
             positions += range(start, end)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += [slot_of(table, p, bs) for p in range(start, end)]
             query_start.append(query_start[-1] + n)
             seq_lens.append(end)
             tables.append(table + [-1] * (self.max_blocks_per_seq - len(table)))
@@ -115,7 +120,7 @@ class ModelRunner:
             ids[i] = seq.token_ids(p, p + 1)[0]
             positions[i], seq_lens[i] = p, p + 1
             tables[i, :len(table)] = table
-            slots[i] = table[p // bs] * bs + p % bs
+            slots[i] = slot_of(table, p, bs)
         rows = torch.arange(size + 1)
         return ForwardBatch(
             input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
@@ -131,7 +136,7 @@ class ModelRunner:
     def graph_size(self, num_seqs: int) -> int | None:
         """The smallest captured size >= num_seqs (1 for none), or None (no graphs, or more sequences
         than the largest graph): the decode step then runs eagerly."""
-        return next((s for s in sorted(self._graphs) if s >= max(1, num_seqs)), None)
+        return next((s for s in self.captured_sizes if s >= max(1, num_seqs)), None)
 
     def capture(self, sizes: list[int]) -> None:
         """Capture a decode graph for each size (largest first, all sharing one memory pool). Every
@@ -140,10 +145,10 @@ class ModelRunner:
         padding = self.padded_decode_batch(ScheduledBatch(), max(sizes))
         self._static = ForwardBatch(*(getattr(padding, name).to(self.device) for name in _TENSORS), decode=True)
         pool = None
+        side = torch.cuda.Stream(self.device)
         start = time.perf_counter()
         for size in sorted(sizes, reverse=True):
             static = self._static_view(size)
-            side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), torch.inference_mode():
                 self.model(static)  # warm-up: lazy initialisation and Triton compilation happen outside capture
