@@ -3,7 +3,9 @@
 Ranks beyond the GPU count are emulated on one GPU (ep_layer.emulation): every rank's send half, then
 every rank's receive half, all in one stream, so a time covers the work of all EP ranks together and
 is compared with the copy-bandwidth floor for the bytes all of them move. Kernel times come from
-CUDA-graph replay (median of many); Python call time is the host time of one eager call.
+CUDA-graph replay (median of many); Python call time is the host time of one eager call. At EP = 1 a
+dispatch without a hook runs both halves as one kernel (`disp_us`); the hook's two kernels are timed
+too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels.
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
@@ -106,11 +108,18 @@ class Case:
         return [b.low_latency_dispatch(x, i, self.tokens, self.experts, use_fp8=True, return_recv_hook=True)
                 for b, x, i in zip(self.buffers, self.xs, self.idxs)]
 
-    def dispatch(self):
+    def dispatch_hooked(self):
         sent = self.dispatch_send()
         for s in sent:
             s[4]()
         return sent
+
+    def dispatch(self):
+        """As a caller without hooks would: one call per rank (emulated ranks need the hooks)."""
+        if self.ep > 1:
+            return self.dispatch_hooked()
+        return [self.buffers[0].low_latency_dispatch(self.xs[0], self.idxs[0], self.tokens, self.experts,
+                                                     use_fp8=True)]
 
     def refresh_handles(self) -> None:
         """Dispatch once so that combine has handles from the buffers' latest dispatches."""
@@ -169,7 +178,7 @@ def main() -> None:
     size = Buffer.get_low_latency_rdma_size_hint(128, args.hidden, 8, 256)
     print(f"# buffer per rank at T=128, E=256, 8 ranks: {size / 2**30:.3f} GiB "
           f"(DeepEP {DEEPEP_BUFFER_GIB} GiB, ratio {size / 2**30 / DEEPEP_BUFFER_GIB:.2f})")
-    header = ("EP", "T", "E", "pairs", "disp_us", "send_us", "recv_us", "disp_floor", "comb_us", "csend_us",
+    header = ("EP", "T", "E", "pairs", "disp_us", "hook_us", "send_us", "recv_us", "disp_floor", "comb_us", "csend_us",
               "crecv_us", "comb_floor", "disp_GB/s", "comb_GB/s", "py_disp_us", "py_comb_us",
               "ref_disp_us", "ref_comb_us")
     rows = []
@@ -180,6 +189,7 @@ def main() -> None:
                 disp_bytes = case.pairs * dispatch_bytes_per_pair(args.hidden)
                 comb_bytes = case.pairs * 2 * args.hidden
                 disp = time_graph(case.dispatch)
+                hooked = time_graph(case.dispatch_hooked)
                 send = time_graph(case.dispatch_send)
                 case.refresh_handles()
                 comb = time_graph(case.combine)
@@ -189,7 +199,7 @@ def main() -> None:
                 py_comb = host_time(case.combine) / ep
                 ref = reference_times(tokens, args.hidden, experts, args.topk) \
                     if args.reference and ep == 1 else (float("nan"), float("nan"))
-                rows.append((ep, tokens, experts, case.pairs, disp, send, disp - send,
+                rows.append((ep, tokens, experts, case.pairs, disp, hooked, send, hooked - send,
                              2 * disp_bytes / bw * 1e6, comb, csend, comb - csend, 2 * comb_bytes / bw * 1e6,
                              disp_bytes / disp / 1e3, comb_bytes / comb / 1e3, py_disp, py_comb, *ref))
                 case.destroy()

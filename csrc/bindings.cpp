@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "runtime.h"
@@ -38,7 +39,10 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
   return c;
 }
 
-void dispatch(const Common& common, bool send, long long ticket, int num_tokens, int num_topk, bool use_fp8,
+// Kernels of a dispatch call: the send half, the receive half (the hook), or both as one kernel.
+enum DispatchLaunch : int { kSendHalf = 1, kReceiveHalf = 2, kBothHalves = 3 };
+
+void dispatch(const Common& common, int halves, long long ticket, int num_tokens, int num_topk, bool use_fp8,
               bool round_scale, bool use_ue8m0, int chunks_per_slot, long long x, long long topk_idx,
               long long recv_x, long long recv_scales, long long recv_count, long long src_info,
               long long layout_range, long long combine_map, long long recv_stats, long long wait_stats,
@@ -62,12 +66,25 @@ void dispatch(const Common& common, bool send, long long ticket, int num_tokens,
   call.combine_map = ptr<int>(combine_map);
   call.recv_stats = ptr<int>(recv_stats);
   call.wait_stats = ptr<long long>(wait_stats);
-  if (send) {
+  if (halves == kSendHalf) {
     ep::dispatch_send(call, ptr<CUstream_st>(stream));
     ep::check_launch("dispatch send kernel");
-  } else {
+  } else if (halves == kReceiveHalf) {
     ep::dispatch_recv(call, ptr<CUstream_st>(stream));
     ep::check_launch("dispatch receive kernel");
+  } else if (halves == kBothHalves) {
+    static thread_local int device = -1, resident = 0;  // the occupancy query costs microseconds: once per device
+    int current = 0;
+    ep::check_cuda(cudaGetDevice(&current), "cudaGetDevice");
+    if (current != device) {
+      resident = ep::dispatch_fused_resident_blocks();
+      if (resident < 2) throw std::runtime_error("ep_layer._C: no room for the fused dispatch kernel");
+      device = current;
+    }
+    ep::dispatch_fused(call, resident, ptr<CUstream_st>(stream));
+    ep::check_launch("dispatch kernel");
+  } else {
+    throw std::invalid_argument("ep_layer._C.dispatch: halves must be 1, 2 or 3");
   }
 }
 

@@ -22,16 +22,21 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
 }
 
 __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall a) {
+  const unsigned long long start = globaltimer();
   const Common& c = a.c;
-  const unsigned seq = next_seq(c, kCombine);
+  const int expert = blockIdx.x, num_rows = c.num_ranks * c.max_tokens;
+  const int count = a.recv_count[expert];  // in flight with the ticket
   __shared__ SendTiming timing;
-  mark_send_start(c, kCombine, seq, timing);
+  __shared__ unsigned seq;
+  if (threadIdx.x == 0) {
+    seq = take_ticket(c, kCombine);
+    if (first_block()) begin_call_timing(c, kCombine, seq, start, false, timing);
+  }
+  __syncthreads();
   if (first_block()) {
     say_hello(c, kCombine, seq);
     if (threadIdx.x == 0) *c.ticket = seq;
   }
-  const int expert = blockIdx.x, num_rows = c.num_ranks * c.max_tokens;
-  const int count = a.recv_count[expert];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_vectors = c.hidden / 8;
   for (int row = blockIdx.y * kSendWarps + warp; row < count; row += gridDim.y * kSendWarps) {
@@ -123,7 +128,7 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
 
 __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
   const unsigned long long start = globaltimer();
-  const unsigned seq = *a.c.ticket;
+  const unsigned seq = *a.c.ticket;  // written by the send kernel, which ran before this one
   mark_recv_start(a.c, kCombine, seq, start);
   reduce_token(a, seq);
   finish_recv(a.c, kCombine, seq);

@@ -30,27 +30,36 @@ struct ErrorRecord {
 };
 
 // Latency of one call = send span + receive span (globaltimer, ns), accounted later (deferred) so that
-// no kernel waits for it: per Op and buffer half (seq & 1) one record of the last call on that half.
-// Two calls of an Op may be in flight (two micro-batches, one per half), and a call's receive always
-// runs before the send of the call after next (that send reuses the half), so when a send kernel
-// starts, the record of its half belongs to a finished call: block 0 of the send kernel fetches it at
-// its start (cp.async, no wait), adds it to the histogram at its end and starts the half's new record.
-// Calls still in their record when the host reads the histogram are added there (CudaBackend).
+// no kernel waits for it. Each call has a record, [seq % kTimingRecords] per Op: the send kernel's block
+// 0 starts it, every block of the send kernel notes its end with a fire-and-forget max, the receive
+// kernel's block 0 notes its start and every receive block its end. Two calls of an Op may be in flight
+// (two micro-batches, one per buffer half), and a call's receive always runs before the send of the call
+// after next (that send reuses the half), so block 0 of the send of call seq adds call seq - 2 to the
+// histogram: it fetches that record at its start (cp.async, no wait) and adds it at its end. With four
+// records, the record being added is never one that a running kernel writes. Calls not yet added when
+// the host reads the histogram are added there (CudaBackend). The ends are maxima of a clock that only
+// goes forward, so a record's ends need no reset: the last call's value is always the largest.
 struct alignas(16) TimingRecord {
-  unsigned long long send_start;  // when block 0 of the send kernel started (stored at block 0's end)
-  unsigned long long send_end;    // when the send kernel's last block finished
-  unsigned long long recv_start;  // ~(start of the receive kernel's block 0), 0 = none yet
-  unsigned long long recv_end;    // latest end of a receive block (red.max), 0 = no receive yet
+  unsigned long long send_start;  // when block 0 of the send kernel started
+  unsigned long long send_end;    // latest end of a send block (red.max)
+  unsigned long long recv_start;  // ~(start of the receive kernel's block 0); 0 = no receive yet
+  unsigned long long recv_end;    // latest end of a receive block (red.max)
 };
 static_assert(sizeof(TimingRecord) == 32, "two 16-byte cp.async per record");
+constexpr int kTimingRecords = 4;
 struct Timing {
-  TimingRecord half[2];
+  TimingRecord call[kTimingRecords];
 };
+
+// Sequence numbers: every block of a launch adds to its Op's counter, 1 << kLaunchShift per launch in
+// total (block 0 adds the rest), so the counter is a multiple of it whenever a launch starts (launches of
+// an Op on one buffer are stream-ordered) and every block of a launch reads the same multiple: no block
+// waits for another and none has to publish anything at its end.
+constexpr int kLaunchShift = 20;  // > log2(blocks of any launch)
 
 // First CONTROL_BYTES of each rank's buffer.
 struct Control {
-  unsigned seq[2];                 // per Op: sequence number of the last call (device-side parity)
-  unsigned done[2];                // per Op: blocks of the current send kernel that finished
+  unsigned long long launches[2];  // per Op: the launch counter above
   ErrorRecord error;
   // hello[op][half][src]: (spec check << 32) | seq, written by rank src into this rank's buffer
   // before its data, at a place that does not depend on T or H, so that disagreeing ranks are
@@ -62,12 +71,12 @@ static_assert(sizeof(Control) <= 4096, "Control must fit CONTROL_BYTES");
 
 // Slot header of a dispatched token (kHeaderBytes), followed by its payload. One entry per local
 // expert of the destination that the token goes to: x = local expert | (mask of its top-k positions
-// << 16), y = the token's position among this source's tokens for that expert (its row offset).
+// << 16), y = the token's position among this source's tokens for that expert (its row offset). The
+// flag, stored last with release, carries the number of entries with the sequence number, so that a
+// receiver learns both in one load and skips a slot without entries at once.
 struct DispatchHeader {
-  unsigned seq;
-  int token;
-  int num_entries;
-  int pad;
+  unsigned long long flag;  // (num_entries << 32) | seq
+  unsigned long long pad;
   uint2 entries[kMaxTopk];
 };
 static_assert(sizeof(DispatchHeader) == kHeaderBytes, "header layout");
@@ -79,7 +88,7 @@ struct Layout {          // byte offsets, from ep_layer/layout.py
   long long slot;        // bytes of one dispatch slot
   long long combine;     // offset of the combine slots inside a half
   long long flags;       // offset of the combine flags inside a half
-  long long counts;      // offset of the per-source expert counts inside a half: int [R][E_l]
+  long long counts;      // offset of the per-source expert counts inside a half: u64 [R][E_l], (count << 32) | seq
 };
 
 struct Common {
@@ -136,13 +145,16 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// Sequence number for this call's send half: one past the last; parity picks the buffer half.
-__device__ __forceinline__ unsigned next_seq(const Common& c, Op op) {
-  const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
-  return *reinterpret_cast<const volatile unsigned*>(&ctrl->seq[op]) + 1;
-}
-
 __device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
+
+// Called by one thread of every block of a launch that starts a call: this call's sequence number
+// (one past the last call's; its parity picks the buffer half). See kLaunchShift.
+__device__ __forceinline__ unsigned take_ticket(const Common& c, Op op) {
+  auto* ctrl = reinterpret_cast<Control*>(c.local_base);
+  const unsigned long long blocks = gridDim.x * gridDim.y;
+  const unsigned long long add = first_block() ? (1ull << kLaunchShift) - (blocks - 1) : 1ull;
+  return static_cast<unsigned>(atomicAdd(&ctrl->launches[op], add) >> kLaunchShift) + 1u;
+}
 
 // Bucket bounds of the latency histogram (ascending ns), set by set_latency_bounds. Internal linkage:
 // each kernel file has its own copy (set_dispatch_latency_bounds / set_combine_latency_bounds).
@@ -166,70 +178,54 @@ __device__ __forceinline__ void red_add(unsigned long long* p, unsigned long lon
 }
 
 __device__ __forceinline__ TimingRecord& timing_record(const Common& c, Op op, unsigned seq) {
-  return reinterpret_cast<Control*>(c.local_base)->timing[op].half[seq & 1u];
+  return reinterpret_cast<Control*>(c.local_base)->timing[op].call[seq % kTimingRecords];
 }
 
-// Shared memory of a send kernel's block 0: the record its half held when the kernel started, and
-// the kernel's start.
+// Shared memory of a send kernel's block 0: the record of the call two before this one, fetched at the
+// start and added to the histogram at the end.
 struct alignas(16) SendTiming {
   TimingRecord previous;
-  unsigned long long start;
 };
 
-// Called by every thread at the start of a send kernel: thread 0 of block 0 notes the time and fetches
-// the previous record of this half into shared memory without waiting for it (cp.async: no register
-// holds it through the kernel). The record is only overwritten at the end (account_previous_call),
-// after the copy has completed: cp.async is not ordered with later stores of this thread.
-__device__ __forceinline__ void mark_send_start(const Common& c, Op op, unsigned seq, SendTiming& s) {
-  if (first_block() && threadIdx.x == 0) {
-    const auto* src = reinterpret_cast<const unsigned char*>(&timing_record(c, op, seq));
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&s.previous));
-    asm volatile(
-        "cp.async.cg.shared.global [%0], [%1], 16;\n\t"
-        "cp.async.cg.shared.global [%2], [%3], 16;\n\t"
-        "cp.async.commit_group;" ::"r"(dst), "l"(src), "r"(dst + 16), "l"(src + 16) : "memory");
-    s.start = globaltimer();
-  }
+// Thread 0 of block 0 of a kernel that starts a call, once it has the call's sequence number: fetch the
+// record of call seq - 2 into shared memory without waiting for it (cp.async: no register holds it
+// through the kernel), and start this call's record. `fused`: one kernel does both halves, so its span
+// counts as the receive span (the send span is empty).
+__device__ __forceinline__ void begin_call_timing(const Common& c, Op op, unsigned seq, unsigned long long start,
+                                                  bool fused, SendTiming& s) {
+  const auto* src = reinterpret_cast<const unsigned char*>(&timing_record(c, op, seq - 2u));
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&s.previous));
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;\n\t"
+      "cp.async.cg.shared.global [%2], [%3], 16;\n\t"
+      "cp.async.commit_group;" ::"r"(dst), "l"(src), "r"(dst + 16), "l"(src + 16) : "memory");
+  TimingRecord& rec = timing_record(c, op, seq);
+  rec.send_start = start;
+  if (fused) rec.send_end = start;
+  rec.recv_start = fused ? ~start : 0ull;  // a hook's receive notes its own start later
 }
 
-// Thread 0 of the send kernel's block 0, when the block's work is done: add the previous call on this
-// half to the histogram if it completed (its receive ran), then start this call's record (the receive
-// kernel adds its span later). Here rather than at the start: by now the copy has arrived, so nothing
-// waits for global memory, and what is left (the bounds from the constant cache, two fire-and-forget
-// atomics, three stores) delays only block 0's exit, which matters only if block 0 is the last block
-// of the kernel to finish (dispatch: block 0 has token 0, the least work; combine: it is one of the
-// E_l x blocks_per_expert blocks); at the start it would delay block 0's work, hello included.
-__device__ __forceinline__ void account_previous_call(const Common& c, Op op, unsigned seq, SendTiming& s) {
+// Thread 0 of block 0, when its work is done: add call seq - 2 to the histogram if its receive ran. Here
+// rather than at the start: by now the copy has arrived, so nothing waits for global memory, and what is
+// left (the bounds from the constant cache, two fire-and-forget atomics) delays only block 0's exit.
+__device__ __forceinline__ void account_previous_call(const Common& c, Op op, SendTiming& s) {
   asm volatile("cp.async.wait_all;" ::: "memory");
   const TimingRecord old = s.previous;
-  if (old.recv_end != 0 && old.send_end != 0) {
-    const unsigned long long ns = span(old.send_start, old.send_end) + span(~old.recv_start, old.recv_end);
-    const int n = g_num_latency_bounds;
-    int bucket = 0;  // bounds below ns: ep_layer.latency.bucket_of
+  if (old.recv_start == 0) return;  // never received (or no such call)
+  const unsigned long long ns = span(old.send_start, old.send_end) + span(~old.recv_start, old.recv_end);
+  const int n = g_num_latency_bounds;
+  int bucket = 0;  // bounds below ns: ep_layer.latency.bucket_of
 #pragma unroll
-    for (int i = 0; i < kMaxLatencyBounds; ++i) bucket += i < n && ns > g_latency_bounds_ns[i];
-    unsigned long long* row = c.latency + static_cast<int>(op) * (n + 2);
-    red_add(row + bucket, 1ull);
-    red_add(row + n + 1, ns);
-  }
-  TimingRecord& rec = timing_record(c, op, seq);
-  rec.send_start = s.start;
-  rec.recv_start = 0;  // the receive of this call starts after this kernel ends (stream order)
-  rec.recv_end = 0;
+  for (int i = 0; i < kMaxLatencyBounds; ++i) bucket += i < n && ns > g_latency_bounds_ns[i];
+  unsigned long long* row = c.latency + static_cast<int>(op) * (n + 2);
+  red_add(row + bucket, 1ull);
+  red_add(row + n + 1, ns);
 }
 
-// Called by thread 0 of every block at the end of a send kernel: block 0 settles the timing records
-// (above); the last block to finish publishes the new sequence number (all blocks have read the old
-// one by then) and notes when the kernel ended.
+// Called by thread 0 of every block at the end of a send kernel (after the block's work).
 __device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq, SendTiming& s) {
-  if (first_block()) account_previous_call(c, op, seq, s);
-  // No fence needed: a block reaches this only after it has used the sequence number it read.
-  auto* ctrl = reinterpret_cast<Control*>(c.local_base);
-  if (atomicAdd(&ctrl->done[op], 1u) == gridDim.x * gridDim.y - 1) {
-    ctrl->timing[op].half[seq & 1u].send_end = globaltimer();
-    ctrl->done[op] = 0;
-    *reinterpret_cast<volatile unsigned*>(&ctrl->seq[op]) = seq;
-  }
+  red_max(&timing_record(c, op, seq).send_end, globaltimer());
+  if (first_block()) account_previous_call(c, op, s);
 }
 
 // Receive kernels: block 0 notes the kernel's start (one store; it starts with the first wave), and
@@ -374,6 +370,10 @@ struct CombineCall {
 
 void dispatch_send(const DispatchCall& call, cudaStream_t stream);
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream);
+// Both halves in one kernel (no hook); its grid is capped at `resident_blocks`, the blocks of it that
+// the GPU holds at once (dispatch_fused_resident_blocks, 0 if unknown).
+void dispatch_fused(const DispatchCall& call, int resident_blocks, cudaStream_t stream);
+int dispatch_fused_resident_blocks();
 void combine_send(const CombineCall& call, cudaStream_t stream);
 void combine_recv(const CombineCall& call, cudaStream_t stream);
 // Copy the latency bounds (ascending ns, n <= kMaxLatencyBounds) into each kernel file's __constant__

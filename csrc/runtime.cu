@@ -78,15 +78,16 @@ void set_latency_bounds(const std::vector<unsigned long long>& bounds_ns) {
   check_cuda(set_combine_latency_bounds(bounds_ns.data(), n), "setting combine's latency bounds");
 }
 
-// The timing records of both Ops (ll_common.cuh: Timing), flattened: [op][half][send_start, send_end,
-// ~recv_start, recv_end]. Synchronous; call it when no kernel of this buffer runs.
+// The launch counters of both Ops, then their timing records (ll_common.cuh: Timing), flattened:
+// [op][record][send_start, send_end, ~recv_start, recv_end]. Synchronous; call it when no kernel of
+// this buffer runs.
 std::vector<unsigned long long> read_timing(long long base) {
-  Timing timing[2];
-  const auto* ctrl = reinterpret_cast<const Control*>(base);
-  check_cuda(cudaMemcpy(timing, ctrl->timing, sizeof(timing), cudaMemcpyDeviceToHost), "reading the timing records");
-  std::vector<unsigned long long> out;
-  for (const Timing& t : timing)
-    for (const TimingRecord& r : t.half) out.insert(out.end(), {r.send_start, r.send_end, r.recv_start, r.recv_end});
+  Control ctrl;
+  check_cuda(cudaMemcpy(&ctrl, reinterpret_cast<const void*>(base), sizeof(ctrl), cudaMemcpyDeviceToHost),
+             "reading the timing records");
+  std::vector<unsigned long long> out(ctrl.launches, ctrl.launches + 2);
+  for (const Timing& t : ctrl.timing)
+    for (const TimingRecord& r : t.call) out.insert(out.end(), {r.send_start, r.send_end, r.recv_start, r.recv_end});
   return out;
 }
 

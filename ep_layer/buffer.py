@@ -190,7 +190,7 @@ class Buffer:
 
         def send() -> tuple[DispatchResult, Hook]:
             result = backend.dispatch(x, topk_idx, spec, cumulative_local_expert_recv_stats,
-                                      dispatch_wait_recv_cost_stats)
+                                      dispatch_wait_recv_cost_stats, hook=return_recv_hook)
             self._remember(result.handle, result.private)
             return result, result.receive
 

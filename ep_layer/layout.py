@@ -2,10 +2,11 @@
 
 Each rank's buffer is mapped by every peer (CUDA IPC). It holds two halves, so that two results can
 be outstanding (double buffering); each half holds:
-- dispatch slots [source rank][token]: a header (arrival sequence number, token, and for each local
-  expert it goes to: its top-k positions and its row offset) followed by the token's payload (bf16
-  row, or fp8 row plus scales);
-- per-source expert counts [source rank][local expert], from which the receiver places the rows;
+- dispatch slots [source rank][token]: a header (arrival flag: sequence number and number of entries;
+  then for each local expert it goes to: its top-k positions and its row offset) followed by the
+  token's payload (bf16 row, or fp8 row plus scales);
+- per-source expert counts [source rank][local expert], each tagged with the sequence number (its own
+  arrival flag), from which the receiver places the rows;
 - combine slots [token][top-k position]: one bf16 expert output each, plus an 8-byte arrival flag
   each (sequence number, and for a rank's own experts the row to read in place instead of data).
 A token is written once per destination rank and expanded to its experts' rows by the receiver.
@@ -16,7 +17,8 @@ from __future__ import annotations
 MAX_TOPK = 16
 MAX_RANKS = 8  # ranks of one node that map each other's buffers
 MAX_EXPERTS = 1024
-DISPATCH_HEADER_BYTES = 16 + 8 * MAX_TOPK  # seq, token, num entries, pad + (expert | k mask, row offset)
+DISPATCH_HEADER_BYTES = 16 + 8 * MAX_TOPK  # flag, pad + (expert | k mask, row offset) per entry
+COUNT_BYTES = 8  # (count << 32) | sequence number
 COMBINE_FLAG_BYTES = 8
 CONTROL_BYTES = 4096  # sequence counters, peers' arrival words, the error record, call timestamps
 ALIGN = 128
@@ -36,7 +38,7 @@ def half_bytes(max_tokens: int, hidden: int, num_ranks: int) -> tuple[int, int, 
     dispatch = _align(num_ranks * max_tokens * dispatch_slot_bytes(hidden))
     combine = _align(max_tokens * MAX_TOPK * 2 * hidden)
     flags = _align(max_tokens * MAX_TOPK * COMBINE_FLAG_BYTES)
-    counts = _align(MAX_EXPERTS * 4)  # [R][E_l] ints: E at most
+    counts = _align(MAX_EXPERTS * COUNT_BYTES)  # [R][E_l] tagged counts: E at most
     return dispatch, combine, flags, counts
 
 

@@ -63,7 +63,7 @@ def bf16_bits(x: torch.Tensor) -> np.ndarray:
 
 
 def check_dispatch(rank: int, num_ranks: int, max_tokens: int, out: tuple, xs: list[torch.Tensor],
-                   rows: dict[int, list[tuple[int, int]]], mode: str, seed: int) -> None:
+                   rows: dict[int, list[tuple[int, int]]], mode: str, seed: int | str) -> None:
     import fp8_oracle
 
     recv_x, recv_count, handle = out
@@ -181,6 +181,48 @@ def test_emulated_dispatch_combine(num_ranks: int, mode: str, seed: int) -> None
         check_combine(r, combined[r], exact, wide, f"seed={seed} mode={mode}")
     for b in buffers:
         b.destroy()
+
+
+@pytest.mark.parametrize("max_tokens,hidden,num_experts,topk",
+                         [(1, 512, 4, 2), (37, 7168, 288, 8), (1024, 128, 1024, 16), (8, 16384, 16, 16)])
+def test_dispatch_without_hook_runs_one_kernel(max_tokens: int, hidden: int, num_experts: int, topk: int,
+                                               seed: int) -> None:
+    """Without a hook, dispatch runs both halves as one kernel whose grid is capped at the blocks the GPU
+    holds at once (T = 1024: several tokens per block). Plain calls alternate with hooked ones on one
+    buffer (sequence numbers and buffer halves carry on across both), in every mode, then a CUDA graph
+    of a plain call replays with fresh tokens."""
+    rng = np.random.default_rng(seed)
+    (buffer,) = emulated(1, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, 1, max_tokens, hidden, num_experts, topk)
+    rows = expected_rows(idxs, num_experts)
+    for mode, (use_fp8, round_scale, use_ue8m0) in MODES.items():
+        if use_ue8m0 and hidden % 512:
+            continue
+        for hook in (False, True, False):
+            out = buffer.low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts, use_fp8=use_fp8,
+                                              round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+            if hook:
+                out[4]()
+            buffer.check()
+            check_dispatch(0, 1, max_tokens, out[:3], xs, rows, mode, f"{seed} hook={hook}")
+
+    def call():
+        return buffer.low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts, use_fp8=False)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for replay in range(5):
+        xs[0].copy_(torch.randn_like(xs[0], dtype=torch.float32))
+        graph.replay()
+        buffer.check()
+        check_dispatch(0, 1, max_tokens, out[:3], xs, rows, "bf16", f"{seed} replay {replay}")
+    buffer.destroy()
 
 
 def test_emulated_options(seed: int) -> None:

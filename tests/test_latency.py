@@ -88,25 +88,39 @@ def test_histogram_rejects_mismatched_shapes():
 
 
 def test_cuda_backend_adds_the_calls_the_kernels_have_not_accounted_yet():
-    """CudaBackend.latency_stats() reads the timing records ([op][half]: send_start, send_end,
-    ~recv_start, recv_end) and adds the completed calls in them the way account_previous_call would."""
+    """CudaBackend.latency_stats() reads the launch counters and the timing records ([op][seq % 4]:
+    send_start, send_end, ~recv_start, recv_end) and adds the last two calls of each op whose receive
+    ran (the send of call n adds call n - 2 on the device), the way account_previous_call would."""
     from ep_layer.backends.cuda import _unaccounted_rows
 
     def record(send: tuple[int, int], recv: tuple[int, int] | None) -> list[int]:
         return [*send, ~recv[0] & (1 << 64) - 1, recv[1]] if recv else [*send, 0, 0]
 
+    def launches(calls: int) -> int:
+        return calls << 20
+
+    done = record((1, 2), (3, 4))  # a completed call, already added on the device when not one of the last two
     timing = [
-        *record((100, 5_100), (6_000, 7_000)),  # dispatch half 0: 5 us + 1 us
-        *record((0, 0), None),  # dispatch half 1: never used
-        *record((1_000, 2_000), None),  # combine half 0: sent, no receive yet (or already accounted)
-        *record((10, 20), (30, 30 + 10**9)),  # combine half 1: a receive that waited 1 s (timeout)
+        launches(6), launches(3),
+        # dispatch: calls 5 and 6 are the last two; 6 sent without its receive yet
+        *record((100, 5_100), (6_000, 7_000)),  # call 4 (and 8, ...): accounted by the send of call 6
+        *record((200, 300), (400, 500)),  # call 5: 0.1 us + 0.1 us
+        *record((1_000, 2_000), None),  # call 6: no receive yet
+        *done,  # call 3
+        # combine: calls 2 and 3
+        *done,  # call 4: none yet
+        *record((10, 20), (30, 30 + 10**9)),  # call 5 ... : not one of the last two
+        *record((10, 20), (30, 30 + 10**9)),  # call 2: a receive that waited 1 s (timeout)
+        *record((5_000, 4_000), (8_000, 7_000)),  # call 3: spans never go negative (device: span())
     ]
     dispatch, combine = _unaccounted_rows(timing)
     assert len(dispatch) == len(combine) == NUM_BUCKETS + 1  # buckets, then the sum in ns
-    assert dispatch[bucket_of(6_000)] == 1 and sum(dispatch[:-1]) == 1 and dispatch[-1] == 6_000
-    assert combine[NUM_BUCKETS - 1] == 1 and sum(combine[:-1]) == 1 and combine[-1] == 10 + 10**9
-    clock_went_back = record((5_000, 4_000), (8_000, 7_000))  # spans never go negative (device: span())
-    assert _unaccounted_rows(clock_went_back + [0] * 12)[0][0] == 1
+    assert dispatch[bucket_of(200)] == 1 and sum(dispatch[:-1]) == 1 and dispatch[-1] == 200
+    assert combine[NUM_BUCKETS - 1] == 1 and combine[0] == 1 and sum(combine[:-1]) == 2
+    assert combine[-1] == 10 + 10**9
+    first_only, none = _unaccounted_rows([launches(1), 0] + done * 8)
+    assert sum(first_only[:-1]) == 1 and first_only[-1] == 2, "call 1 of an op lives in record 1"
+    assert none == [0] * (NUM_BUCKETS + 1), "an op with no calls adds nothing"
 
 
 # ---------------------------------------------------------------------------- Buffer, reference backend

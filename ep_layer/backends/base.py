@@ -75,8 +75,10 @@ class Backend(ABC):
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
-                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
-        """Launch the send half; the result's `receive` launches the receive half."""
+                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
+                 hook: bool) -> DispatchResult:
+        """Launch the send half; the result's `receive` launches the receive half. With `hook=False` the
+        caller runs `receive` right after, so a backend may do both halves at once here."""
 
     @abstractmethod
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

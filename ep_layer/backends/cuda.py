@@ -1,12 +1,12 @@
 """The `cuda` backend: our kernels (csrc/) over buffers that the ranks of one node map through CUDA IPC.
 
-Each call allocates its outputs with torch and launches one kernel per half; nothing waits on the
-host, so every call can be captured in a CUDA graph. Failures inside kernels (a peer that never
+Each call allocates its outputs with torch and launches one kernel per half (a dispatch without a hook:
+one kernel for both); nothing waits on the host, so every call can be captured in a CUDA graph. Failures inside kernels (a peer that never
 arrives, ranks that disagree, bad expert ids) are recorded on the device, flagged in host-mapped
 memory, and raised at the next call or at `check()`; a kernel never waits longer than `timeout_s`.
 Latency stats are kept on the device too: the kernels time themselves (globaltimer) into a record per
-op and buffer half, with fire-and-forget atomics that nothing waits for; block 0 of the send kernel
-that reuses a half (two calls later) adds the record's call to a histogram in device memory after its
+call, with fire-and-forget atomics that nothing waits for; block 0 of the send kernel two calls later
+(the one that reuses the call's buffer half) adds the record to a histogram in device memory after its
 own work. `latency_stats()` adds the calls whose records are still there (csrc/ll_common.cuh: Timing).
 """
 
@@ -40,25 +40,31 @@ def _set_latency_bounds(c, device: torch.device) -> None:
         _bounds_on_device[device.index] = latency.BOUNDS_NS
 
 
-def _unaccounted_ns(record: tuple[int, int, int, int]) -> int | None:
+_TIMING_RECORDS = 4  # per op, by sequence number (ll_common.cuh: kTimingRecords)
+_LAUNCH_SHIFT = 20  # a launch counter is 1 << 20 per call (ll_common.cuh: kLaunchShift)
+_SEND_HALF, _RECEIVE_HALF, _BOTH_HALVES = 1, 2, 3  # kernels of a dispatch launch (bindings.cpp)
+
+
+def _record_ns(record: tuple[int, int, int, int]) -> int | None:
     """The latency of the call in one timing record (send_start, send_end, ~recv_start, recv_end), or
-    None when it has not completed (no receive yet) or was already added to the device histogram (the
-    send kernel that does that clears the receive's fields). Mirrors account_previous_call."""
+    None when its receive has not run. Mirrors account_previous_call."""
     send_start, send_end, recv_start_inverted, recv_end = record
-    if recv_end == 0 or send_end == 0:
+    if recv_start_inverted == 0:
         return None
     recv_start = ~recv_start_inverted & _U64
     return max(send_end - send_start, 0) + max(recv_end - recv_start, 0)
 
 
 def _unaccounted_rows(timing: list[int]) -> list[list[int]]:
-    """Per op: the calls in `timing` (read_timing: [op][half][4 fields]) not yet in the device histogram,
-    per bucket, then their sum in ns (the device histogram's layout)."""
+    """Per op: the calls in `timing` (read_timing: both launch counters, then [op][record][4 fields]) not yet
+    in the device histogram, per bucket, then their sum in ns (the device histogram's layout). The send
+    of call n adds call n - 2 on the device, so the last two calls of each op are the ones left."""
     rows = [[0] * (latency.NUM_BUCKETS + 1) for _ in latency.OPS]
     for op, row in enumerate(rows):
-        for half in range(2):
-            first = (op * 2 + half) * 4
-            ns = _unaccounted_ns(tuple(timing[first:first + 4]))
+        last = timing[op] >> _LAUNCH_SHIFT  # sequence number of the op's last call, 0 = none
+        for seq in range(max(1, last - 1), last + 1):
+            first = len(latency.OPS) + (op * _TIMING_RECORDS + seq % _TIMING_RECORDS) * 4
+            ns = _record_ns(tuple(timing[first:first + 4]))
             if ns is not None:
                 row[latency.bucket_of(ns)] += 1
                 row[-1] += ns
@@ -194,7 +200,8 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
-                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
+                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
+                 hook: bool) -> DispatchResult:
         self._raise_recorded()
         t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
         flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
@@ -213,14 +220,17 @@ class CudaBackend(Backend):
                 data_ptr, scales_ptr, recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                 combine_map.data_ptr(), recv_stats.data_ptr() if recv_stats is not None else 0,
                 wait_stats.data_ptr() if wait_stats is not None else 0)
-        self._c.dispatch(common, True, *args, self._stream())
+        handle: Handle = (src_info, layout_range, t, h, e)
+        if not hook:  # one kernel does both halves
+            self._c.dispatch(common, _BOTH_HALVES, *args, self._stream())
+            return DispatchResult(recv_x, recv_count, handle, lambda: None, private=(combine_map, recv_count))
+        self._c.dispatch(common, _SEND_HALF, *args, self._stream())
         keep = [ticket]  # alive until the receive half has been launched (stream order does the rest)
 
         def receive() -> None:
-            self._c.dispatch(common, False, *args, self._stream())
+            self._c.dispatch(common, _RECEIVE_HALF, *args, self._stream())
             keep.clear()
 
-        handle: Handle = (src_info, layout_range, t, h, e)
         return DispatchResult(recv_x, recv_count, handle, receive, private=(combine_map, recv_count))
 
     # ------------------------------------------------------------------ combine

@@ -100,7 +100,9 @@ class ReferenceBackend(Backend):
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
-                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
+                 recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
+                 hook: bool) -> DispatchResult:
+        del hook  # the receive half is where the exchange happens either way
         start = time.perf_counter_ns()
         result = self._dispatch(x, topk_idx, spec, recv_stats, wait_stats)
         return dataclasses.replace(result, receive=self._timed("dispatch", start, result.receive))
