@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "runtime.h"
 
@@ -18,7 +19,7 @@ T* ptr(long long p) {
 }
 
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
-                   bool system_scope, long long peer_bases, long long local_base, std::tuple<long long, long long, long long,
+                   bool system_scope, const std::vector<long long>& peer_bases, long long local_base, std::tuple<long long, long long, long long,
                    long long, long long, long long, long long> layout, long long host_error, double timeout_s,
                    long long latency) {
   Common c{};
@@ -29,7 +30,9 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
   c.num_experts = num_experts;
   c.spec_check = spec_check;
   c.system_scope = system_scope;
-  c.peer_bases = ptr<const long long>(peer_bases);
+  if (peer_bases.size() != static_cast<size_t>(num_ranks) || num_ranks > ep::kMaxRanks)
+    throw std::invalid_argument("make_common: one buffer per rank, at most " + std::to_string(ep::kMaxRanks));
+  for (int r = 0; r < num_ranks; ++r) c.peer_bases[r] = peer_bases[r];
   c.local_base = ptr<unsigned char>(local_base);
   c.layout = {std::get<0>(layout), std::get<1>(layout), std::get<2>(layout),
               std::get<3>(layout), std::get<4>(layout), std::get<5>(layout), std::get<6>(layout)};
@@ -73,15 +76,7 @@ void dispatch(const Common& common, int halves, long long ticket, int num_tokens
     ep::dispatch_recv(call, ptr<CUstream_st>(stream));
     ep::check_launch("dispatch receive kernel");
   } else if (halves == kBothHalves) {
-    static thread_local int device = -1, resident = 0;  // the occupancy query costs microseconds: once per device
-    int current = 0;
-    ep::check_cuda(cudaGetDevice(&current), "cudaGetDevice");
-    if (current != device) {
-      resident = ep::dispatch_fused_resident_blocks();
-      if (resident < 2) throw std::runtime_error("ep_layer._C: no room for the fused dispatch kernel");
-      device = current;
-    }
-    ep::dispatch_fused(call, resident, ptr<CUstream_st>(stream));
+    ep::dispatch_fused(call, ptr<CUstream_st>(stream));
     ep::check_launch("dispatch kernel");
   } else {
     throw std::invalid_argument("ep_layer._C.dispatch: halves must be 1, 2 or 3");

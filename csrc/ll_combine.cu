@@ -21,7 +21,7 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
   return half + c.layout.combine + (static_cast<long long>(token) * kMaxTopk + k) * c.hidden * 2;
 }
 
-__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(CombineCall a) {
+__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid_constant__ CombineCall a) {
   const unsigned long long start = globaltimer();
   const Common& c = a.c;
   const int expert = blockIdx.x, num_rows = c.num_ranks * c.max_tokens;
@@ -126,7 +126,7 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
   reinterpret_cast<int4*>(a.out + static_cast<long long>(token) * c.hidden)[vec] = packed;
 }
 
-__global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(CombineCall a) {
+__global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(const __grid_constant__ CombineCall a) {
   const unsigned long long start = globaltimer();
   const unsigned seq = *a.c.ticket;  // written by the send kernel, which ran before this one
   mark_recv_start(a.c, kCombine, seq, start);

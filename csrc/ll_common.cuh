@@ -61,9 +61,9 @@ constexpr int kLaunchShift = 20;  // > log2(blocks of any launch)
 struct Control {
   unsigned long long launches[2];  // per Op: the launch counter above
   ErrorRecord error;
-  // hello[op][half][src]: (spec check << 32) | seq, written by rank src into this rank's buffer
-  // before its data, at a place that does not depend on T or H, so that disagreeing ranks are
-  // detected rather than read at the wrong offsets.
+  // hello[op][half][src]: (spec check << 32) | seq, written by rank src into this rank's buffer at a
+  // place that does not depend on T or H, so that disagreeing ranks are detected rather than waited
+  // for at the wrong offsets.
   unsigned long long hello[2][2][kMaxRanks];
   Timing timing[2];                // per Op
 };
@@ -96,7 +96,7 @@ struct Common {
   int max_tokens, hidden, num_experts;
   unsigned spec_check;            // hash of what ranks must agree on
   int system_scope;               // peers on other GPUs: order at system scope, else at GPU scope
-  const long long* peer_bases;    // device array [num_ranks]: each rank's buffer, mapped here
+  long long peer_bases[kMaxRanks];  // each rank's buffer, mapped here (kernel parameters: no global load)
   unsigned char* local_base;      // this rank's buffer
   Layout layout;
   unsigned* ticket;               // per call: the sequence number its send half used
@@ -111,8 +111,10 @@ constexpr int kMaxLatencyBounds = 32;  // size of the __constant__ table of boun
 
 #ifdef __CUDACC__  // device helpers; the host-only bindings see just the structs above
 // ---------------------------------------------------------------- memory ordering for peer memory
-// Flags are polled with relaxed loads and one acquire fence after they match; data is published by
-// a release store of its flag after a block/warp barrier (release is cumulative over the barrier).
+// Flags that guard data are polled with acquire loads (a fence after a relaxed poll would also wait for
+// this thread's earlier stores); data is published by a release store of its flag after a block/warp
+// barrier (release is cumulative over the barrier). Other threads of the poller's warp or block read
+// the data after a barrier with the poller.
 // The scope is the GPU when every rank shares this device (emulated ranks, processes on one GPU),
 // the system when peers sit on other GPUs; system-scope ordering costs microseconds, so only then.
 __device__ __forceinline__ unsigned ld_relaxed(const Common& c, const unsigned* p) {
@@ -127,9 +129,17 @@ __device__ __forceinline__ unsigned long long ld_relaxed(const Common& c, const 
   else asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void fence_acquire(const Common& c) {
-  if (c.system_scope) asm volatile("fence.acq_rel.sys;" ::: "memory");
-  else asm volatile("fence.acq_rel.gpu;" ::: "memory");
+__device__ __forceinline__ unsigned ld_acquire(const Common& c, const unsigned* p) {
+  unsigned v;
+  if (c.system_scope) asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  else asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long ld_acquire(const Common& c, const unsigned long long* p) {
+  unsigned long long v;
+  if (c.system_scope) asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  else asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
 }
 __device__ __forceinline__ void st_release(const Common& c, unsigned* p, unsigned v) {
   if (c.system_scope) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
@@ -259,11 +269,14 @@ __device__ __forceinline__ unsigned char* half_base(const Common& c, long long b
   return reinterpret_cast<unsigned char*>(base) + c.layout.control + (seq & 1u) * c.layout.half;
 }
 
-// Announce this call to every peer; returns nothing. Thread r < num_ranks writes to rank r.
+// Announce this call to every peer; thread r < num_ranks writes to rank r. A plain (relaxed) store: a
+// hello orders no data (every piece of data has its own flag); it tells peers what this rank agreed
+// to and that its kernels for this call have started.
 __device__ __forceinline__ void say_hello(const Common& c, Op op, unsigned seq) {
   if (threadIdx.x < c.num_ranks) {
     auto* peer = reinterpret_cast<Control*>(c.peer_bases[threadIdx.x]);
-    st_release(c, &peer->hello[op][seq & 1u][c.rank], (static_cast<unsigned long long>(c.spec_check) << 32) | seq);
+    *reinterpret_cast<volatile unsigned long long*>(&peer->hello[op][seq & 1u][c.rank]) =
+        (static_cast<unsigned long long>(c.spec_check) << 32) | seq;
   }
 }
 
@@ -271,15 +284,16 @@ constexpr unsigned long long kNeverArrived = ~0ull;
 
 // Polls a flag whose low 32 bits become `seq`; returns the nanoseconds waited (0 if it was already
 // there; the clock is only read once the first poll fails), or kNeverArrived after the timeout.
-// Ends with an acquire fence so that the data published before the flag is visible.
+// `acquire`: poll with acquire loads so that the data published before the flag is visible (a flag
+// that guards no data, such as a hello, does without).
 template <typename Word>
 __device__ __forceinline__ unsigned long long wait_for(const Common& c, const Word* flag, unsigned seq,
-                                                       Word* value = nullptr) {
-  Word v = ld_relaxed(c, flag);
+                                                       Word* value = nullptr, bool acquire = true) {
+  Word v = acquire ? ld_acquire(c, flag) : ld_relaxed(c, flag);
   unsigned long long waited = 0;
   if (static_cast<unsigned>(v) != seq) {
     const unsigned long long start = globaltimer();
-    while (static_cast<unsigned>(v = ld_relaxed(c, flag)) != seq) {
+    while (static_cast<unsigned>(v = acquire ? ld_acquire(c, flag) : ld_relaxed(c, flag)) != seq) {
       if (globaltimer() - start > c.timeout_ns) {
         waited = kNeverArrived;
         break;
@@ -287,7 +301,6 @@ __device__ __forceinline__ unsigned long long wait_for(const Common& c, const Wo
     }
     if (waited != kNeverArrived) waited = globaltimer() - start;
   }
-  fence_acquire(c);
   if (value) *value = v;
   return waited;
 }
@@ -302,7 +315,7 @@ __device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned se
     const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
     const unsigned long long* word = &ctrl->hello[op][seq & 1u][threadIdx.x];
     unsigned long long v;
-    const bool arrived = wait_for(c, word, seq, &v) != kNeverArrived;
+    const bool arrived = wait_for(c, word, seq, &v, /*acquire=*/false) != kNeverArrived;
     if (!arrived) {
       record_error(c, op, kTimeout, 1u << threadIdx.x);
       failed = 1;
@@ -370,10 +383,8 @@ struct CombineCall {
 
 void dispatch_send(const DispatchCall& call, cudaStream_t stream);
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream);
-// Both halves in one kernel (no hook); its grid is capped at `resident_blocks`, the blocks of it that
-// the GPU holds at once (dispatch_fused_resident_blocks, 0 if unknown).
-void dispatch_fused(const DispatchCall& call, int resident_blocks, cudaStream_t stream);
-int dispatch_fused_resident_blocks();
+// Both halves in one kernel (no hook).
+void dispatch_fused(const DispatchCall& call, cudaStream_t stream);
 void combine_send(const CombineCall& call, cudaStream_t stream);
 void combine_recv(const CombineCall& call, cudaStream_t stream);
 // Copy the latency bounds (ascending ns, n <= kMaxLatencyBounds) into each kernel file's __constant__

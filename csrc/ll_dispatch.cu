@@ -13,6 +13,10 @@
 // Without a hook both halves run as one kernel whose blocks all fit on the GPU at once: each block
 // sends its tokens, then receives; one launch and no wait for the send kernel to drain.
 #include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+#include "runtime.h"
 
 #include "ll_common.cuh"
 
@@ -21,7 +25,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowVectors = 16384 * 2 / 16 / kThreads;  // 16-byte vectors of a bf16 row per thread, H <= 16384
 constexpr int kCountsPerThread = kMaxExperts / kThreads;
 constexpr int kScaleWordsPerLane = 16384 / kFp8Group / 32;  // float32 scales of a row, H <= 16384
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
@@ -95,35 +98,129 @@ __device__ void publish_counts(const DispatchCall& a, unsigned long long start, 
   if (threadIdx.x == 0) *c.ticket = seq;
 }
 
-// The token blocks: token t = blockIdx.x, blockIdx.x + stride, ...; returns the sequence number.
+// A thread's share of a token row: kPairs pairs of 16-byte vectors, 16 consecutive channels each; pair
+// p of thread i covers channels 16 * (i + p * kThreads) onward, so 8 lanes hold a 128-channel group.
+template <int kPairs>
+struct RowShare {
+  int4 v[kPairs][2];
+  __device__ __forceinline__ static int pair(int p) { return static_cast<int>(threadIdx.x) + p * kThreads; }
+};
+
+// FP8 cast of a thread's share (DESIGN.md's rule per 128-channel group): 16 FP8 bytes per pair and the
+// group's scale. Every thread runs every pair (the shuffles need whole warps), so the kPairs casts are
+// independent chains the compiler interleaves; pairs past the row give garbage that is not stored.
+template <int kPairs>
+__device__ __forceinline__ void cast_fp8(const RowShare<kPairs>& row, bool round_scale, int4 (&packed)[kPairs],
+                                         float (&scales)[kPairs]) {
+  float amax[kPairs];
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) {
+    const auto* b = reinterpret_cast<const __nv_bfloat16*>(row.v[p]);
+    amax[p] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax[p] = fmaxf(amax[p], fabsf(__bfloat162float(b[i])));
+  }
+#pragma unroll
+  for (int off = 4; off > 0; off >>= 1)
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) amax[p] = fmaxf(amax[p], __shfl_xor_sync(0xffffffffu, amax[p], off));
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) {
+    scales[p] = fp8_scale(amax[p], round_scale);
+    const auto* b = reinterpret_cast<const __nv_bfloat16*>(row.v[p]);
+    auto* q = reinterpret_cast<__nv_fp8_storage_t*>(&packed[p]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      q[i] = __nv_cvt_float_to_fp8(__fdiv_rn(__bfloat162float(b[i]), scales[p]), __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The count in a tagged count word from `source`, given a first load of it (`got`); polls on while it
+// is missing. Also watches the source's hello: a rank that disagrees on T, H or E writes its counts
+// elsewhere, and its hello is what tells. Returns -1 after recording a timeout or mismatch, or when
+// another thread of the block sets `*stop`.
+__device__ int wait_for_count(const Common& c, unsigned seq, const unsigned long long* word, int source,
+                              unsigned long long got, const volatile int* stop) {
+  if (static_cast<unsigned>(got) == seq) return static_cast<int>(got >> 32);
+  const auto* hello = &reinterpret_cast<const Control*>(c.local_base)->hello[kDispatch][seq & 1u][source];
+  const unsigned long long begin = globaltimer();
+  while (static_cast<unsigned>(got = ld_relaxed(c, word)) != seq) {
+    const unsigned long long h = ld_relaxed(c, hello);
+    if (static_cast<unsigned>(h) == seq && static_cast<unsigned>(h >> 32) != c.spec_check) {
+      record_error(c, kDispatch, kMismatch, 1u << source);
+      return -1;
+    }
+    if (stop != nullptr && *stop) return -1;
+    if (globaltimer() - begin > c.timeout_ns) {
+      record_error(c, kDispatch, kTimeout, 1u << source);
+      return -1;
+    }
+  }
+  return static_cast<int>(got >> 32);
+}
+
+__device__ __forceinline__ const unsigned long long* tagged_counts(const Common& c, unsigned seq) {
+  return reinterpret_cast<const unsigned long long*>(half_base(c, reinterpret_cast<long long>(c.local_base), seq) +
+                                                     c.layout.counts);
+}
+
+// Rows that local expert l receives from source ranks below this one, from their tagged counts (written
+// first thing by each rank's counting block). A failed wait counts as no rows (it is recorded).
+__device__ int rows_from_lower_ranks(const Common& c, unsigned seq, int l) {
+  const int num_local = c.num_experts / c.num_ranks;
+  const unsigned long long* tagged = tagged_counts(c, seq);
+  unsigned long long got[kMaxRanks];
+#pragma unroll
+  for (int s = 0; s < kMaxRanks; ++s)
+    if (s < c.rank) got[s] = ld_relaxed(c, tagged + s * num_local + l);
+  int rows = 0;
+#pragma unroll
+  for (int s = 0; s < kMaxRanks; ++s)
+    if (s < c.rank) rows += max(0, wait_for_count(c, seq, tagged + s * num_local + l, s, got[s], nullptr));
+  return rows;
+}
+
+// The token blocks: token t = blockIdx.x, blockIdx.x + stride, ...; kPairs = pairs of 16-byte vectors
+// of a bf16 row per thread (RowShare). Entries on this rank itself go straight to their rows of recv_x
+// (this rank's sources come after those of lower ranks, whose counts it polls); each other rank gets
+// the token in a slot. An SM stores about 32 bytes per clock, so the stores are what a token costs:
+// they are 16 bytes per lane, and a row's scales go out in one instruction for up to 8 rows.
+template <int kPairs>
 __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long long start, bool fused,
                             SendTiming& timing, unsigned& seq) {
   const Common& c = a.c;
   const int num_local = c.num_experts / c.num_ranks, hidden = c.hidden, lane = threadIdx.x % 32;
-  const int row_vectors = hidden / 8;
+  const int row_pairs = hidden / 16, groups = hidden / kFp8Group, num_rows = c.num_ranks * c.max_tokens;
   // Per top-k position k of the current token: its expert, whether k is the first position choosing
   // that expert (the entry that stands for all of them), the mask of positions choosing it, its
-  // destination rank and local index, and its row offset. Thread k fills position k.
+  // destination rank and local index, and its row offset. Lane k of warp 0 fills position k.
   __shared__ int experts[kMaxTopk], dest_of[kMaxTopk], local_of[kMaxTopk], positions[kMaxTopk];
+  __shared__ int self_base[kMaxTopk];          // entries on this rank: rows from lower source ranks
   __shared__ unsigned kmasks[kMaxTopk];
   __shared__ bool is_entry[kMaxTopk];
-  __shared__ int dests[kMaxRanks];
-  __shared__ int num_dests;
+  __shared__ int dests[kMaxRanks], num_dests;  // other ranks the token goes to
+  __shared__ int selfs[kMaxTopk], num_selfs;   // positions k of the entries on this rank
+  __shared__ unsigned char* slots[kMaxRanks];  // the token's slot in each other rank's buffer
   __shared__ signed char entry_of[kMaxExperts];  // expert -> its entry's position k, or -1
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) entry_of[e] = -1;
 
   bool first_token = true;
   for (int t = blockIdx.x; t < c.max_tokens; t += stride) {
     const bool real = t < a.num_tokens;
-    // All loads first, in flight together: the row (vector v = threadIdx.x + j * kThreads, which is
-    // also lane % 16's 8 channels of 128-channel group v / 16 for the FP8 cast), this token's expert
-    // ids, and the ids of the first kThreads earlier tokens (one per thread) for the row offsets.
+    // All loads first, in flight together: the row, this token's expert ids, and the ids of the first
+    // kThreads earlier tokens (one per thread) for the row offsets.
     const int4* row = reinterpret_cast<const int4*>(a.x + static_cast<long long>(t) * hidden);
-    int4 loaded[kRowVectors];
+    RowShare<kPairs> share;
 #pragma unroll
-    for (int j = 0; j < kRowVectors; ++j) {
-      const int v = threadIdx.x + j * kThreads;
-      if (real && v < row_vectors) loaded[j] = row[v];
+    for (int p = 0; p < kPairs; ++p) {
+      const int i = RowShare<kPairs>::pair(p);
+      const bool here = real && i < row_pairs;
+      share.v[p][0] = here ? row[2 * i] : make_int4(0, 0, 0, 0);
+      share.v[p][1] = here ? row[2 * i + 1] : make_int4(0, 0, 0, 0);
     }
     long long own = -1;
     if (threadIdx.x < a.num_topk && real) own = a.topk_idx[static_cast<long long>(t) * a.num_topk + threadIdx.x];
@@ -131,81 +228,40 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
     if (real && static_cast<int>(threadIdx.x) < t) load_ids(a, threadIdx.x, earlier_ids);
     if (first_token) start_call(a, start, fused, timing, seq);
     first_token = false;
-    if (threadIdx.x < kMaxTopk) {
+    if (threadIdx.x < 32) {  // warp 0 routes the token in registers: lane k < num_topk has position k
       if (own < -1 || own >= c.num_experts) {
         record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(own));
         own = -1;
       }
-      experts[threadIdx.x] = static_cast<int>(own);
-      positions[threadIdx.x] = 0;
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {  // warp 0: lane k < kMaxTopk works out position k
-      const int k = lane, e = k < kMaxTopk ? experts[k] : -1;
-      bool first = e >= 0;
-      unsigned mask = 0;
-#pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) {
-        first &= !(j < k && experts[j] == e);
-        mask |= static_cast<unsigned>(experts[j] == e) << j;
-      }
+      const int k = lane, e = static_cast<int>(own);
+      const unsigned same = __match_any_sync(0xffffffffu, e);  // lanes that chose the same expert
+      const bool first = e >= 0 && __ffs(same) - 1 == k;
+      const int dest = first ? e / num_local : -1;
+      const bool self = dest == c.rank;
+      const unsigned dest_mask = __reduce_or_sync(0xffffffffu, first && !self ? 1u << dest : 0u);
+      const unsigned self_mask = __ballot_sync(0xffffffffu, self);
       if (k < kMaxTopk) {
+        experts[k] = e;
+        positions[k] = 0;
         is_entry[k] = first;
-        kmasks[k] = mask;
-        dest_of[k] = first ? e / num_local : -1;
+        kmasks[k] = same;
+        dest_of[k] = dest;
         local_of[k] = first ? e % num_local : 0;
         if (first) entry_of[e] = static_cast<signed char>(k);
+        selfs[k] = __fns(self_mask, 0, k + 1);  // the k-th entry on this rank, if any
       }
-      const unsigned dest_mask = __reduce_or_sync(0xffffffffu, first ? 1u << (e / num_local) : 0u);
-      if (lane == 0) {
-        int d = 0;
-        for (unsigned m = dest_mask; m; m &= m - 1) dests[d++] = __ffs(m) - 1;
-        num_dests = d;
+      __syncwarp();  // lane 0's ticket, stored to shared memory on the first token
+      if (k < kMaxTopk) self_base[k] = self && c.rank > 0 ? rows_from_lower_ranks(c, seq, e % num_local) : 0;
+      if (k < c.num_ranks) slots[k] = dispatch_slot(c, k, seq, t);
+      if (k < kMaxRanks) dests[k] = __fns(dest_mask, 0, k + 1);  // the k-th other destination, if any
+      if (k == 0) {
+        num_dests = __popc(dest_mask);
+        num_selfs = __popc(self_mask);
       }
     }
     __syncthreads();
-    // The payload: its stores drain while the row offsets below are computed.
-    if (num_dests > 0 && a.use_fp8) {
-      // A half-warp casts one 128-channel group, 8 channels (16 bytes) per lane.
-#pragma unroll
-      for (int j = 0; j < kRowVectors; ++j) {
-        const int v = threadIdx.x + j * kThreads, g = v / 16;
-        if (static_cast<int>(threadIdx.x & ~31u) + j * kThreads >= row_vectors) break;  // warp-uniform
-        const bool valid = v < row_vectors;  // both half-warps of a warp run the shuffles together
-        float f[8];
-        float amax = 0.f;
-        const auto* b = reinterpret_cast<const __nv_bfloat16*>(&loaded[j]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          f[i] = valid ? __bfloat162float(b[i]) : 0.f;
-          amax = fmaxf(amax, fabsf(f[i]));
-        }
-#pragma unroll
-        for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        if (!valid) continue;
-        const float scale = fp8_scale(amax, a.round_scale);
-        uint2 packed;
-        auto* q = reinterpret_cast<__nv_fp8_storage_t*>(&packed);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] = __nv_cvt_float_to_fp8(__fdiv_rn(f[i], scale), __NV_SATFINITE, __NV_E4M3);
-        for (int d = 0; d < num_dests; ++d) {
-          unsigned char* payload = dispatch_slot(c, dests[d], seq, t) + kHeaderBytes;
-          *reinterpret_cast<uint2*>(payload + v * 8) = packed;
-          if ((lane & 15) == 0) reinterpret_cast<float*>(payload + hidden)[g] = scale;
-        }
-      }
-    } else if (num_dests > 0) {
-      for (int d = 0; d < num_dests; ++d) {
-        auto* payload = reinterpret_cast<int4*>(dispatch_slot(c, dests[d], seq, t) + kHeaderBytes);
-#pragma unroll
-        for (int j = 0; j < kRowVectors; ++j) {
-          const int v = threadIdx.x + j * kThreads;
-          if (v < row_vectors) payload[v] = loaded[j];
-        }
-      }
-    }
     // Row offset of each entry: how many earlier tokens of this rank chose the same expert.
-    for (int base = 0; num_dests > 0 && base < t; base += kThreads) {
+    for (int base = 0; num_dests + num_selfs > 0 && base < t; base += kThreads) {
       const int earlier = base + threadIdx.x;
       if (base > 0 && earlier < t) load_ids(a, earlier, earlier_ids);  // beyond the first kThreads
       unsigned hit = 0;  // bit k: the earlier token chose the expert of position k
@@ -223,18 +279,107 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
       }
     }
     __syncthreads();
+    if (threadIdx.x < num_selfs) {  // the rows on this rank: their source token and top-k positions
+      const int k = selfs[threadIdx.x];
+      const long long out_row = static_cast<long long>(local_of[k]) * num_rows + self_base[k] + positions[k];
+      // Touch the row's pages now: their address translations (recv_x spans hundreds of MB) are then
+      // in this SM's TLB by the time the cast below is done and the block stores the row.
+      prefetch_l2(static_cast<unsigned char*>(a.recv_x) + out_row * (a.use_fp8 ? hidden : hidden * 2));
+      if (a.use_fp8)
+        prefetch_l2(static_cast<unsigned char*>(a.recv_scales) +
+                    (static_cast<long long>(local_of[k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows) * 4);
+      a.src_info[out_row] = t;
+      a.combine_map[out_row] = static_cast<int>(kmasks[k] << 13 | static_cast<unsigned>(c.rank * c.max_tokens + t));
+    }
+    // The payload: one cast, stored to each other rank's slot and to each row on this rank. Loops run
+    // over destinations outside and pairs inside: a store through a generic pointer may alias shared
+    // memory, so each shared load after one waits for it.
+    if (a.use_fp8 && num_dests + num_selfs > 0) {
+      int4 packed[kPairs];
+      float scales[kPairs];
+      cast_fp8<kPairs>(share, a.round_scale, packed, scales);
+      const int in_group = lane & 7;  // lane 0 of each 8 holds the group's scale for the slots
+      for (int d = 0; d < num_dests; ++d) {
+        unsigned char* payload = slots[dests[d]] + kHeaderBytes;
+#pragma unroll
+        for (int p = 0; p < kPairs; ++p) {
+          const int i = RowShare<kPairs>::pair(p);
+          if (i >= row_pairs) continue;
+          reinterpret_cast<int4*>(payload)[i] = packed[p];
+          if (in_group == 0) reinterpret_cast<float*>(payload + hidden)[i / 8] = scales[p];
+        }
+      }
+      // Scales of the rows here: column-major, so lane in_group of each 8 stores rows in_group, in_group + 8.
+      long long scale_at[2] = {-1, -1};  // element index of group 0 of the row, -1: no such row
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = in_group + 8 * h;
+        if (i >= num_selfs) continue;
+        const int k = selfs[i];
+        scale_at[h] = static_cast<long long>(local_of[k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows +
+                      self_base[k] + positions[k];
+      }
+      for (int i = 0; i < num_selfs; ++i) {
+        const int k = selfs[i];
+        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + self_base[k] + positions[k];
+        auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden);
+#pragma unroll
+        for (int p = 0; p < kPairs; ++p)
+          if (RowShare<kPairs>::pair(p) < row_pairs) data[RowShare<kPairs>::pair(p)] = packed[p];
+      }
+#pragma unroll
+      for (int p = 0; p < kPairs; ++p) {
+        const int g = RowShare<kPairs>::pair(p) / 8;
+        if (g >= groups) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (scale_at[h] < 0) continue;
+          if (a.use_ue8m0)  // four exponents per int: group g is byte g % 4 of int g / 4
+            static_cast<unsigned char*>(a.recv_scales)[(scale_at[h] + static_cast<long long>(g / 4) * num_rows) * 4 + g % 4] =
+                static_cast<unsigned char>(__float_as_uint(scales[p]) >> 23);
+          else
+            static_cast<float*>(a.recv_scales)[scale_at[h] + static_cast<long long>(g) * num_rows] = scales[p];
+        }
+      }
+    } else if (num_dests + num_selfs > 0) {
+      for (int d = 0; d < num_dests; ++d) {
+        auto* payload = reinterpret_cast<int4*>(slots[dests[d]] + kHeaderBytes);
+#pragma unroll
+        for (int p = 0; p < kPairs; ++p) {
+          const int i = RowShare<kPairs>::pair(p);
+          if (i >= row_pairs) continue;
+          payload[2 * i] = share.v[p][0];
+          payload[2 * i + 1] = share.v[p][1];
+        }
+      }
+      for (int n = 0; n < num_selfs; ++n) {
+        const int k = selfs[n];
+        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + self_base[k] + positions[k];
+        auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden * 2);
+#pragma unroll
+        for (int p = 0; p < kPairs; ++p) {
+          const int i = RowShare<kPairs>::pair(p);
+          if (i >= row_pairs) continue;
+          data[2 * i] = share.v[p][0];
+          data[2 * i + 1] = share.v[p][1];
+        }
+      }
+    }
+    if (c.num_ranks > 1) __syncthreads();  // every payload store of the block, before the flags below
     if (threadIdx.x < kMaxTopk && is_entry[threadIdx.x]) entry_of[experts[threadIdx.x]] = -1;  // next token
-    // Every destination gets a header for every token slot (no entries if no expert there), flag last.
-    if (threadIdx.x < c.num_ranks) {
+    // Every other rank gets a header for every token slot (no entries if no expert there), flag last.
+    if (threadIdx.x < c.num_ranks && threadIdx.x != c.rank) {
       const int r = threadIdx.x;
-      auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, seq, t));
+      auto* header = reinterpret_cast<DispatchHeader*>(slots[r]);
       unsigned m = 0;
       for (int k = 0; k < kMaxTopk; ++k) {
         if (dest_of[k] != r) continue;
         header->entries[m++] = make_uint2(static_cast<unsigned>(local_of[k]) | (kmasks[k] << 16),
                                           static_cast<unsigned>(positions[k]));
       }
-      st_release(c, &header->flag, static_cast<unsigned long long>(m) << 32 | seq);
+      const unsigned long long flag = static_cast<unsigned long long>(m) << 32 | seq;
+      if (m > 0) st_release(c, &header->flag, flag);  // orders the payload (and entries) before it
+      else *reinterpret_cast<volatile unsigned long long*>(&header->flag) = flag;  // nothing to order
     }
     __syncthreads();  // the shared state above is rewritten for the next token
   }
@@ -247,10 +392,10 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
 // Polls this block's copy of the counts: counts[s][l] = tokens of source s for local expert l. Threads
 // r < R also check rank r's hello (spec check). All loads go out at once; a thread polls again only for
 // what has not arrived. Returns false (with the reason recorded) if a rank disagrees or times out.
-__device__ bool receive_counts(const DispatchCall& a, unsigned seq, const unsigned char* half, int* counts) {
+__device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts) {
   const Common& c = a.c;
   const int words = c.num_ranks * (c.num_experts / c.num_ranks);
-  const auto* tagged = reinterpret_cast<const unsigned long long*>(half + c.layout.counts);
+  const unsigned long long* tagged = tagged_counts(c, seq);
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
@@ -263,7 +408,7 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, const unsign
   if (threadIdx.x < c.num_ranks) {
     const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
     unsigned long long v;
-    if (wait_for(c, &ctrl->hello[kDispatch][seq & 1u][threadIdx.x], seq, &v) == kNeverArrived) {
+    if (wait_for(c, &ctrl->hello[kDispatch][seq & 1u][threadIdx.x], seq, &v, /*acquire=*/false) == kNeverArrived) {
       record_error(c, kDispatch, kTimeout, 1u << threadIdx.x);
       failed = 1;
     } else if (static_cast<unsigned>(v >> 32) != c.spec_check) {
@@ -276,41 +421,42 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, const unsign
   for (int j = 0; j < kCountsPerThread; ++j) {
     const int w = threadIdx.x + j * kThreads;
     if (w >= words) continue;
-    if (static_cast<unsigned>(got[j]) != seq) {
-      const unsigned long long begin = globaltimer();
-      while (static_cast<unsigned>(got[j] = ld_relaxed(c, tagged + w)) != seq) {
-        if (*reinterpret_cast<volatile int*>(&failed)) break;  // a disagreeing rank never writes here
-        if (globaltimer() - begin > c.timeout_ns) {
-          record_error(c, kDispatch, kTimeout, 1u << (w / num_local));
-          failed = 1;
-          break;
-        }
-      }
-    }
-    counts[w] = static_cast<int>(got[j] >> 32);
+    counts[w] = wait_for_count(c, seq, tagged + w, w / num_local, got[j], &failed);
+    if (counts[w] < 0) failed = 1;
   }
   __syncthreads();
   return failed == 0;
 }
 
-// The receive half's work; every thread returns here, so that all of them reach finish_recv.
-__device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
+// Work items of the receive half: (slot, channel chunk) of the other ranks' slots (this rank's own
+// tokens went straight to their rows).
+__device__ __forceinline__ int receive_items(const DispatchCall& a) {
+  return (a.c.num_ranks - 1) * a.c.max_tokens * a.chunks_per_slot;
+}
+
+// The receive half's work; every thread returns here, so that all of them reach finish_recv. Block
+// `layout_block` also writes recv_count, layout_range and the stats (in the fused kernel: the counting
+// block, which is done with its send part first).
+__device__ void receive_tokens(const DispatchCall& a, unsigned seq, unsigned layout_block) {
   const Common& c = a.c;
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
   const int num_local = c.num_experts / num_ranks;
+  const int items = receive_items(a), warps = gridDim.x * kWarps;
+  const bool writes_layout = blockIdx.x == layout_block;
+  if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= items) return;  // no slot to copy here
   const unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
   __shared__ int counts[kMaxExperts];  // [s][l]
   __shared__ int base[kMaxExperts];    // [s][l]: rows of local expert l that come from sources before s
-  if (!receive_counts(a, seq, half, counts)) return;
+  if (!receive_counts(a, seq, counts)) return;
   for (int l = threadIdx.x; l < num_local; l += kThreads) {
     int rows = 0;
     for (int s = 0; s < num_ranks; ++s) {
       const int count = counts[s * num_local + l];
       base[s * num_local + l] = rows;
-      if (blockIdx.x == 0) a.layout_range[l * num_ranks + s] = (static_cast<long long>(rows) << 32) | count;
+      if (writes_layout) a.layout_range[l * num_ranks + s] = (static_cast<long long>(rows) << 32) | count;
       rows += count;
     }
-    if (blockIdx.x == 0) {
+    if (writes_layout) {
       a.recv_count[l] = rows;
       if (a.recv_stats) a.recv_stats[l] += rows;
     }
@@ -322,9 +468,9 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
   const int row_bytes = a.use_fp8 ? hidden : hidden * 2, vectors = row_bytes / 16;
   const int chunks = a.chunks_per_slot, per_chunk = (vectors + chunks - 1) / chunks;
   const int scale_words = a.use_ue8m0 ? groups / 4 : groups;
-  const int items = num_rows * chunks, warps = gridDim.x * kWarps;
   for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < items; item += warps) {
-    const int i = item / chunks, chunk = item % chunks, source = i / num_tokens;
+    const int other = item / chunks / num_tokens, chunk = item % chunks;
+    const int source = other + (other >= c.rank), i = source * num_tokens + item / chunks % num_tokens;
     const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
     unsigned long long waited = 0, flag = 0;
     if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
@@ -407,23 +553,25 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
   }
 }
 
-// kPhases = kSendPhase (hook mode's send kernel), kRecvPhase (its hook) or both (one kernel, no hook).
-template <int kPhases>
-__global__ void __launch_bounds__(kThreads, 2) dispatch_kernel(DispatchCall a) {
+// kPhases = kSendPhase (hook mode's send kernel), kRecvPhase (its hook) or both (one kernel, no hook);
+// kPairs = pairs of 16-byte vectors of a bf16 row per thread of a token block (1, 2 or 4; at 4, H > 8192,
+// one block per SM keeps the registers from spilling).
+template <int kPhases, int kPairs>
+__global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel(const __grid_constant__ DispatchCall a) {
   const unsigned long long start = globaltimer();
   constexpr bool kFused = kPhases == (kSendPhase | kRecvPhase);
   __shared__ SendTiming timing;
   __shared__ unsigned seq;
-  if (kPhases & kSendPhase) {
+  if constexpr ((kPhases & kSendPhase) != 0) {
     if (blockIdx.x == gridDim.x - 1) publish_counts(a, start, kFused, timing, seq);  // one block counts
-    else send_tokens(a, gridDim.x - 1, start, kFused, timing, seq);
+    else send_tokens<kPairs>(a, gridDim.x - 1, start, kFused, timing, seq);
   } else {
     if (threadIdx.x == 0) seq = *a.c.ticket;
     mark_recv_start(a.c, kDispatch, seq, start);
   }
   __syncthreads();
-  if (kPhases & kRecvPhase) {
-    receive_tokens(a, seq);
+  if constexpr ((kPhases & kRecvPhase) != 0) {
+    receive_tokens(a, seq, kFused ? gridDim.x - 1 : 0);
     finish_recv(a.c, kDispatch, seq);  // has a barrier: block 0 may account below
     if (kFused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
   } else if (threadIdx.x == 0) {
@@ -432,35 +580,56 @@ __global__ void __launch_bounds__(kThreads, 2) dispatch_kernel(DispatchCall a) {
 }
 
 int receive_blocks(const DispatchCall& call) {
-  const long long items = static_cast<long long>(call.c.num_ranks) * call.c.max_tokens * call.chunks_per_slot;
-  return static_cast<int>(std::min<long long>((items + kWarps - 1) / kWarps, 1024));
+  const long long items = static_cast<long long>(call.c.num_ranks - 1) * call.c.max_tokens * call.chunks_per_slot;
+  return static_cast<int>(std::max<long long>(1, std::min<long long>((items + kWarps - 1) / kWarps, 1024)));
+}
+
+// The kernel for these phases with the fewest row pairs per thread that hold a row.
+template <int kPhases>
+auto kernel_for(const DispatchCall& call) {
+  const int per_thread = (call.c.hidden / 16 + kThreads - 1) / kThreads;
+  return per_thread <= 1 ? dispatch_kernel<kPhases, 1>
+       : per_thread <= 2 ? dispatch_kernel<kPhases, 2>
+                         : dispatch_kernel<kPhases, 4>;  // H <= 16384
+}
+
+// Blocks of `kernel` that the current GPU holds at once (cached per device and kernel).
+int resident_blocks(void (*kernel)(DispatchCall)) {
+  struct Known {
+    int device;
+    void (*kernel)(DispatchCall);
+    int blocks;
+  };
+  static thread_local std::vector<Known> known;  // the occupancy query costs microseconds
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  for (const Known& k : known)
+    if (k.device == device && k.kernel == kernel) return k.blocks;
+  int sms = 0, per_sm = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0), "the occupancy query");
+  known.push_back({device, kernel, sms * per_sm});
+  return sms * per_sm;
 }
 
 }  // namespace
 
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
-  dispatch_kernel<kSendPhase><<<call.c.max_tokens + 1, kThreads, 0, stream>>>(call);
+  kernel_for<kSendPhase>(call)<<<call.c.max_tokens + 1, kThreads, 0, stream>>>(call);
 }
 
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
-  dispatch_kernel<kRecvPhase><<<receive_blocks(call), kThreads, 0, stream>>>(call);
+  dispatch_kernel<kRecvPhase, 1><<<receive_blocks(call), kThreads, 0, stream>>>(call);
 }
 
 // Every block of the fused kernel must be resident at once (receivers wait for other blocks' sends),
-// so the grid is capped at what the GPU holds (`resident_blocks`, from the occupancy calculator).
-void dispatch_fused(const DispatchCall& call, int resident_blocks, cudaStream_t stream) {
+// so the grid is capped at what the GPU holds; blocks then take several tokens each.
+void dispatch_fused(const DispatchCall& call, cudaStream_t stream) {
+  const auto kernel = kernel_for<kSendPhase | kRecvPhase>(call);
+  const int resident = resident_blocks(kernel);
+  if (resident < 2) throw std::runtime_error("ep_layer._C: the GPU cannot hold two blocks of the dispatch kernel");
   const int wanted = std::max(call.c.max_tokens + 1, receive_blocks(call));
-  dispatch_kernel<kSendPhase | kRecvPhase><<<std::min(wanted, resident_blocks), kThreads, 0, stream>>>(call);
-}
-
-int dispatch_fused_resident_blocks() {
-  int device = 0, sms = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, dispatch_kernel<kSendPhase | kRecvPhase>, kThreads, 0) !=
-          cudaSuccess)
-    return 0;
-  return sms * per_sm;
+  kernel<<<std::min(wanted, resident), kThreads, 0, stream>>>(call);
 }
 
 cudaError_t set_dispatch_latency_bounds(const unsigned long long* ns, int n) {

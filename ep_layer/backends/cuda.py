@@ -96,7 +96,7 @@ class CudaBackend(Backend):
         if peer_bases is None:
             peer_bases = self._exchange_handles(self._c.alloc_buffer(num_rdma_bytes))
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
-        self._peer_bases = torch.tensor(peer_bases, dtype=torch.int64, device=self._device)
+        self._peer_bases = list(peer_bases)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
@@ -180,7 +180,7 @@ class CudaBackend(Backend):
                        layout.dispatch_slot_bytes(hidden), dispatch, dispatch + combine, dispatch + combine + flags)
             check = zlib.crc32(repr(key).encode())
             common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
-                                         self._system_scope, self._peer_bases.data_ptr(), self._base, offsets,
+                                         self._system_scope, self._peer_bases, self._base, offsets,
                                          self._device_flag, self.timeout_s, self._latency.data_ptr())
             self._commons[key] = common
         return common
