@@ -1,8 +1,10 @@
 """Low-latency dispatch/combine benchmark: our CUDA kernels vs the reference backend vs the hardware.
 
 Ranks beyond the GPU count are emulated on one GPU (ep_layer.emulation): every rank's send half, then
-every rank's receive half, all in one stream, so a time covers the work of all EP ranks together and
-is compared with the copy-bandwidth floor for the bytes all of them move. Kernel times come from
+every rank's receive half, each rank on a CUDA stream of its own so that the ranks' kernels of a phase
+run side by side as on separate GPUs (`--serial-ranks`: one after another on one stream). A time
+covers the work of all EP ranks together and is compared with the copy-bandwidth floor for the bytes
+all of them move. Kernel times come from
 CUDA-graph replay (median of many); Python call time is the host time of one eager call. At EP = 1 a
 dispatch without a hook runs both halves as one kernel (`disp_us`); the hook's two kernels are timed
 too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels.
@@ -20,7 +22,7 @@ import time
 import torch
 
 from ep_layer import Buffer
-from ep_layer.emulation import emulated_buffers
+from ep_layer.emulation import RankStreams, emulated_buffers
 
 DEEPEP_BUFFER_GIB = 1.78  # DeepEP's low-latency buffer at T=128, H=7168, E=256, 8 ranks
 
@@ -89,11 +91,13 @@ def host_time(fn, calls: int = 50) -> float:
 class Case:
     """All ranks' inputs for one (EP, T, E) point, and closures for each phase."""
 
-    def __init__(self, ep: int, tokens: int, hidden: int, experts: int, topk: int, seed: int) -> None:
+    def __init__(self, ep: int, tokens: int, hidden: int, experts: int, topk: int, seed: int,
+                 serial_ranks: bool) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.ep, self.tokens, self.hidden, self.experts = ep, tokens, hidden, experts
         self.size = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ep, experts)
         self.buffers = emulated_buffers(ep, self.size)
+        self.streams = RankStreams(ep) if ep > 1 and not serial_ranks else None
         self.xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ep)]
         scores = [torch.rand(tokens, experts, device="cuda", generator=gen) for _ in range(ep)]
         self.idxs = [s.topk(topk, dim=1).indices for s in scores]
@@ -104,14 +108,19 @@ class Case:
         self.ys = [torch.randn(num_local, ep * tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
                    for _ in range(ep)]
 
+    def each_rank(self, calls: list) -> list:
+        """One phase: every rank's call, on the ranks' own streams or one after another."""
+        return self.streams.run(calls) if self.streams else [call() for call in calls]
+
     def dispatch_send(self):
-        return [b.low_latency_dispatch(x, i, self.tokens, self.experts, use_fp8=True, return_recv_hook=True)
-                for b, x, i in zip(self.buffers, self.xs, self.idxs)]
+        return self.each_rank([
+            lambda b=b, x=x, i=i: b.low_latency_dispatch(x, i, self.tokens, self.experts, use_fp8=True,
+                                                         return_recv_hook=True)
+            for b, x, i in zip(self.buffers, self.xs, self.idxs)])
 
     def dispatch_hooked(self):
         sent = self.dispatch_send()
-        for s in sent:
-            s[4]()
+        self.each_rank([s[4] for s in sent])
         return sent
 
     def dispatch(self):
@@ -126,13 +135,13 @@ class Case:
         self.handles = [o[2] for o in self.dispatch()]
 
     def combine_send(self):
-        return [b.low_latency_combine(y, i, w, h, return_recv_hook=True)
-                for b, y, i, w, h in zip(self.buffers, self.ys, self.idxs, self.weights, self.handles)]
+        return self.each_rank([
+            lambda b=b, y=y, i=i, w=w, h=h: b.low_latency_combine(y, i, w, h, return_recv_hook=True)
+            for b, y, i, w, h in zip(self.buffers, self.ys, self.idxs, self.weights, self.handles)])
 
     def combine(self):
         sent = self.combine_send()
-        for s in sent:
-            s[2]()
+        self.each_rank([s[2] for s in sent])
         return sent
 
     def destroy(self) -> None:
@@ -170,6 +179,8 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the reference backend (EP=1, eager)")
+    parser.add_argument("--serial-ranks", action="store_true",
+                        help="run the emulated ranks' kernels one after another on one stream")
     args = parser.parse_args()
 
     bw = copy_bandwidth()
@@ -185,7 +196,8 @@ def main() -> None:
     for ep in args.ep:
         for experts in args.experts:
             for tokens in args.tokens:
-                case = Case(ep, tokens, args.hidden, experts, args.topk, seed=ep * 1000 + tokens)
+                case = Case(ep, tokens, args.hidden, experts, args.topk, seed=ep * 1000 + tokens,
+                            serial_ranks=args.serial_ranks)
                 disp_bytes = case.pairs * dispatch_bytes_per_pair(args.hidden)
                 comb_bytes = case.pairs * 2 * args.hidden
                 disp = time_graph(case.dispatch)

@@ -1,11 +1,12 @@
 // Low-latency dispatch.
-// Send half: one block publishes this rank's per-expert token counts to every destination (each count
+// Send half: block 0 publishes this rank's per-expert token counts to every destination (each count
 // tagged with the sequence number, so a count is its own arrival flag); one block per token casts it
 // (FP8 optional) once and writes it into one slot of each destination rank it has experts on, with a
 // header listing those experts, the token's top-k positions and its row offset among this rank's
 // tokens for each expert; the header's flag (sequence number and number of entries) is stored last.
-// Every global load a token block needs (its row, its expert ids, the earlier tokens' ids for the row
-// offsets, the sequence ticket) is issued at once at its start.
+// Rank 0 writes its own tokens straight to their rows (no slot, nothing to receive). Every global load
+// a token block needs (its row, its expert ids, the earlier tokens' ids for the row offsets) is issued
+// at once at its start; the sequence ticket is only waited for where a slot needs it.
 // Receive half: each block polls the counts (and the peers' hellos, for the spec check) in parallel;
 // then warps take (slot, channel chunk) items; each waits for its slot's flag and copies the token
 // straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of earlier source ranks,
@@ -57,28 +58,24 @@ __device__ __forceinline__ void load_ids(const DispatchCall& a, int token, int (
   for (int k = 0; k < kMaxTopk; ++k) ids[k] = raw[k] >= 0 && raw[k] < a.c.num_experts ? static_cast<int>(raw[k]) : -1;
 }
 
-// The block that starts a call: thread 0 takes the ticket and, in block 0, starts the call's timing.
-__device__ __forceinline__ void start_call(const DispatchCall& a, unsigned long long start, bool fused,
-                                           SendTiming& timing, unsigned& seq) {
-  if (threadIdx.x == 0) {
-    seq = take_ticket(a.c, kDispatch);
-    if (first_block()) begin_call_timing(a.c, kDispatch, seq, start, fused, timing);
-  }
-}
-
-// The counting block: count this rank's tokens per expert (a token counts once per expert), write each
-// destination its experts' counts tagged with the sequence number, then the hello (spec check).
+// The counting block (block 0): count this rank's tokens per expert (a token counts once per
+// expert), write each destination its experts' counts tagged with the sequence number, then the hello
+// (spec check). It also owns the call's timing: it is done long before the token blocks.
 __device__ void publish_counts(const DispatchCall& a, unsigned long long start, bool fused, SendTiming& timing,
                                unsigned& seq) {
   const Common& c = a.c;
   __shared__ int bins[kMaxExperts];
   const int num_local = c.num_experts / c.num_ranks;
+  int ids[kMaxTopk];
+  if (static_cast<int>(threadIdx.x) < a.num_tokens) load_ids(a, threadIdx.x, ids);  // in flight with the ticket
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
-  start_call(a, start, fused, timing, seq);
+  if (threadIdx.x == 0) {
+    seq = take_ticket(c, kDispatch);
+    begin_call_timing(c, kDispatch, seq, start, fused, timing);
+  }
   __syncthreads();
   for (int t = threadIdx.x; t < a.num_tokens; t += kThreads) {
-    int ids[kMaxTopk];
-    load_ids(a, t, ids);
+    if (t >= kThreads) load_ids(a, t, ids);
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
       bool first = ids[k] >= 0;
@@ -168,38 +165,23 @@ __device__ __forceinline__ const unsigned long long* tagged_counts(const Common&
                                                      c.layout.counts);
 }
 
-// Rows that local expert l receives from source ranks below this one, from their tagged counts (written
-// first thing by each rank's counting block). A failed wait counts as no rows (it is recorded).
-__device__ int rows_from_lower_ranks(const Common& c, unsigned seq, int l) {
-  const int num_local = c.num_experts / c.num_ranks;
-  const unsigned long long* tagged = tagged_counts(c, seq);
-  unsigned long long got[kMaxRanks];
-#pragma unroll
-  for (int s = 0; s < kMaxRanks; ++s)
-    if (s < c.rank) got[s] = ld_relaxed(c, tagged + s * num_local + l);
-  int rows = 0;
-#pragma unroll
-  for (int s = 0; s < kMaxRanks; ++s)
-    if (s < c.rank) rows += max(0, wait_for_count(c, seq, tagged + s * num_local + l, s, got[s], nullptr));
-  return rows;
-}
-
-// The token blocks: token t = blockIdx.x, blockIdx.x + stride, ...; kPairs = pairs of 16-byte vectors
-// of a bf16 row per thread (RowShare). Entries on this rank itself go straight to their rows of recv_x
-// (this rank's sources come after those of lower ranks, whose counts it polls); each other rank gets
-// the token in a slot. An SM stores about 32 bytes per clock, so the stores are what a token costs:
+// The token blocks: token t = blockIdx.x - 1, then + stride, ...; kPairs = pairs of 16-byte vectors
+// of a bf16 row per thread (RowShare). Rank 0's entries on itself go straight to their rows of recv_x:
+// its rows come first in every expert, so it places them without any other rank's counts. Every other
+// destination, a higher rank's own included, gets the token in a slot: a send never waits for a peer
+// (a send whose blocks spin on a peer that has no SM left would stall until the timeout). An SM stores about 32 bytes per clock, so the stores are what a token costs:
 // they are 16 bytes per lane, and a row's scales go out in one instruction for up to 8 rows.
 template <int kPairs>
-__device__ void send_tokens(const DispatchCall& a, int stride, unsigned long long start, bool fused,
-                            SendTiming& timing, unsigned& seq) {
+__device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
   const Common& c = a.c;
   const int num_local = c.num_experts / c.num_ranks, hidden = c.hidden, lane = threadIdx.x % 32;
   const int row_pairs = hidden / 16, groups = hidden / kFp8Group, num_rows = c.num_ranks * c.max_tokens;
   // Per top-k position k of the current token: its expert, whether k is the first position choosing
   // that expert (the entry that stands for all of them), the mask of positions choosing it, its
   // destination rank and local index, and its row offset. Lane k of warp 0 fills position k.
-  __shared__ int experts[kMaxTopk], dest_of[kMaxTopk], local_of[kMaxTopk], positions[kMaxTopk];
-  __shared__ int self_base[kMaxTopk];          // entries on this rank: rows from lower source ranks
+  __shared__ int experts[kMaxTopk], dest_of[kMaxTopk], local_of[kMaxTopk];
+  // Row offset of position k (how many earlier tokens chose its expert): 16-bit field k % 2 of word k / 2.
+  __shared__ unsigned offsets[kMaxTopk / 2];
   __shared__ unsigned kmasks[kMaxTopk];
   __shared__ bool is_entry[kMaxTopk];
   __shared__ int dests[kMaxRanks], num_dests;  // other ranks the token goes to
@@ -207,9 +189,13 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
   __shared__ unsigned char* slots[kMaxRanks];  // the token's slot in each other rank's buffer
   __shared__ signed char entry_of[kMaxExperts];  // expert -> its entry's position k, or -1
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) entry_of[e] = -1;
+  const auto position = [&](int k) { return static_cast<int>(offsets[k / 2] >> (16 * (k % 2)) & 0xffffu); };
 
+  // Thread 0 takes the ticket at the first token and keeps it in a register: the data path needs the
+  // sequence number only for other ranks' slots, so with one rank nothing waits for the atomic.
+  unsigned ticket = 0;
   bool first_token = true;
-  for (int t = blockIdx.x; t < c.max_tokens; t += stride) {
+  for (int t = blockIdx.x - 1; t < c.max_tokens; t += stride) {
     const bool real = t < a.num_tokens;
     // All loads first, in flight together: the row, this token's expert ids, and the ids of the first
     // kThreads earlier tokens (one per thread) for the row offsets.
@@ -226,7 +212,7 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
     if (threadIdx.x < a.num_topk && real) own = a.topk_idx[static_cast<long long>(t) * a.num_topk + threadIdx.x];
     int earlier_ids[kMaxTopk];
     if (real && static_cast<int>(threadIdx.x) < t) load_ids(a, threadIdx.x, earlier_ids);
-    if (first_token) start_call(a, start, fused, timing, seq);
+    if (first_token && threadIdx.x == 0) ticket = take_ticket(c, kDispatch);
     first_token = false;
     if (threadIdx.x < 32) {  // warp 0 routes the token in registers: lane k < num_topk has position k
       if (own < -1 || own >= c.num_experts) {
@@ -237,51 +223,56 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
       const unsigned same = __match_any_sync(0xffffffffu, e);  // lanes that chose the same expert
       const bool first = e >= 0 && __ffs(same) - 1 == k;
       const int dest = first ? e / num_local : -1;
-      const bool self = dest == c.rank;
+      const bool self = dest == c.rank && c.rank == 0;
       const unsigned dest_mask = __reduce_or_sync(0xffffffffu, first && !self ? 1u << dest : 0u);
       const unsigned self_mask = __ballot_sync(0xffffffffu, self);
+      if (k < kMaxTopk / 2) offsets[k] = 0;
       if (k < kMaxTopk) {
         experts[k] = e;
-        positions[k] = 0;
         is_entry[k] = first;
         kmasks[k] = same;
         dest_of[k] = dest;
         local_of[k] = first ? e % num_local : 0;
         if (first) entry_of[e] = static_cast<signed char>(k);
-        selfs[k] = __fns(self_mask, 0, k + 1);  // the k-th entry on this rank, if any
+        if (self) selfs[__popc(self_mask & ((1u << k) - 1))] = k;  // in ascending k
       }
-      __syncwarp();  // lane 0's ticket, stored to shared memory on the first token
-      if (k < kMaxTopk) self_base[k] = self && c.rank > 0 ? rows_from_lower_ranks(c, seq, e % num_local) : 0;
+      if (c.num_ranks > 1 && k == 0) seq = ticket;
+      __syncwarp();
       if (k < c.num_ranks) slots[k] = dispatch_slot(c, k, seq, t);
-      if (k < kMaxRanks) dests[k] = __fns(dest_mask, 0, k + 1);  // the k-th other destination, if any
+      if (k < kMaxRanks && (dest_mask >> k & 1u)) dests[__popc(dest_mask & ((1u << k) - 1))] = k;  // ascending
       if (k == 0) {
         num_dests = __popc(dest_mask);
         num_selfs = __popc(self_mask);
       }
     }
     __syncthreads();
-    // Row offset of each entry: how many earlier tokens of this rank chose the same expert.
-    for (int base = 0; num_dests + num_selfs > 0 && base < t; base += kThreads) {
-      const int earlier = base + threadIdx.x;
-      if (base > 0 && earlier < t) load_ids(a, earlier, earlier_ids);  // beyond the first kThreads
-      unsigned hit = 0;  // bit k: the earlier token chose the expert of position k
-      if (earlier < t) {
+    // Row offset of each entry: how many earlier tokens of this rank chose the same expert. Each thread
+    // counts its earlier tokens in 16-bit fields, a warp adds them up (eight REDUX), lane 0 adds that.
+    if (num_dests + num_selfs > 0 && t > 0) {
+      unsigned hits[kMaxTopk / 2] = {};
+      for (int base = 0; base < t; base += kThreads) {
+        const int earlier = base + threadIdx.x;
+        if (earlier >= t) break;
+        if (base > 0) load_ids(a, earlier, earlier_ids);  // beyond the first kThreads
+        unsigned hit = 0;  // bit j: the earlier token chose the expert of position j
 #pragma unroll
         for (int k = 0; k < kMaxTopk; ++k) {
           const int j = earlier_ids[k] >= 0 ? entry_of[earlier_ids[k]] : -1;
           if (j >= 0) hit |= 1u << j;
         }
+#pragma unroll
+        for (int w = 0; w < kMaxTopk / 2; ++w) hits[w] += (hit >> (2 * w) & 1u) | (hit >> (2 * w + 1) & 1u) << 16;
       }
 #pragma unroll
-      for (int j = 0; j < kMaxTopk; ++j) {
-        const unsigned votes = __ballot_sync(0xffffffffu, (hit >> j) & 1u);
-        if (lane == 0 && votes) atomicAdd(&positions[j], __popc(votes));
+      for (int w = 0; w < kMaxTopk / 2; ++w) {
+        const unsigned sum = __reduce_add_sync(0xffffffffu, hits[w]);
+        if (lane == 0 && sum) atomicAdd(&offsets[w], sum);
       }
     }
     __syncthreads();
     if (threadIdx.x < num_selfs) {  // the rows on this rank: their source token and top-k positions
       const int k = selfs[threadIdx.x];
-      const long long out_row = static_cast<long long>(local_of[k]) * num_rows + self_base[k] + positions[k];
+      const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
       // Touch the row's pages now: their address translations (recv_x spans hundreds of MB) are then
       // in this SM's TLB by the time the cast below is done and the block stores the row.
       prefetch_l2(static_cast<unsigned char*>(a.recv_x) + out_row * (a.use_fp8 ? hidden : hidden * 2));
@@ -317,11 +308,11 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
         if (i >= num_selfs) continue;
         const int k = selfs[i];
         scale_at[h] = static_cast<long long>(local_of[k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows +
-                      self_base[k] + positions[k];
+                      position(k);
       }
       for (int i = 0; i < num_selfs; ++i) {
         const int k = selfs[i];
-        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + self_base[k] + positions[k];
+        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
         auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden);
 #pragma unroll
         for (int p = 0; p < kPairs; ++p)
@@ -354,7 +345,7 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
       }
       for (int n = 0; n < num_selfs; ++n) {
         const int k = selfs[n];
-        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + self_base[k] + positions[k];
+        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
         auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden * 2);
 #pragma unroll
         for (int p = 0; p < kPairs; ++p) {
@@ -368,14 +359,14 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
     if (c.num_ranks > 1) __syncthreads();  // every payload store of the block, before the flags below
     if (threadIdx.x < kMaxTopk && is_entry[threadIdx.x]) entry_of[experts[threadIdx.x]] = -1;  // next token
     // Every other rank gets a header for every token slot (no entries if no expert there), flag last.
-    if (threadIdx.x < c.num_ranks && threadIdx.x != c.rank) {
+    if (threadIdx.x < c.num_ranks && !(threadIdx.x == 0 && c.rank == 0)) {
       const int r = threadIdx.x;
       auto* header = reinterpret_cast<DispatchHeader*>(slots[r]);
       unsigned m = 0;
       for (int k = 0; k < kMaxTopk; ++k) {
         if (dest_of[k] != r) continue;
         header->entries[m++] = make_uint2(static_cast<unsigned>(local_of[k]) | (kmasks[k] << 16),
-                                          static_cast<unsigned>(positions[k]));
+                                          static_cast<unsigned>(position(k)));
       }
       const unsigned long long flag = static_cast<unsigned long long>(m) << 32 | seq;
       if (m > 0) st_release(c, &header->flag, flag);  // orders the payload (and entries) before it
@@ -383,10 +374,9 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned long lon
     }
     __syncthreads();  // the shared state above is rewritten for the next token
   }
-  if (first_token) {  // no token for this block (fused kernel, T < blocks): it still takes its ticket
-    start_call(a, start, fused, timing, seq);
-    __syncthreads();
-  }
+  // Every block takes its ticket, one without tokens too (fused kernel, T < blocks); the kernel's barrier
+  // after this publishes the sequence number to the block.
+  if (threadIdx.x == 0) seq = first_token ? take_ticket(c, kDispatch) : ticket;
 }
 
 // Polls this block's copy of the counts: counts[s][l] = tokens of source s for local expert l. Threads
@@ -428,21 +418,21 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts)
   return failed == 0;
 }
 
-// Work items of the receive half: (slot, channel chunk) of the other ranks' slots (this rank's own
-// tokens went straight to their rows).
+// Work items of the receive half: (slot, channel chunk) of the slots, rank 0's own excepted (rank 0's
+// own tokens went straight to their rows).
 __device__ __forceinline__ int receive_items(const DispatchCall& a) {
-  return (a.c.num_ranks - 1) * a.c.max_tokens * a.chunks_per_slot;
+  return (a.c.num_ranks - (a.c.rank == 0)) * a.c.max_tokens * a.chunks_per_slot;
 }
 
-// The receive half's work; every thread returns here, so that all of them reach finish_recv. Block
-// `layout_block` also writes recv_count, layout_range and the stats (in the fused kernel: the counting
-// block, which is done with its send part first).
-__device__ void receive_tokens(const DispatchCall& a, unsigned seq, unsigned layout_block) {
+// The receive half's work; every thread returns here, so that all of them reach finish_recv. Block 0
+// also writes recv_count, layout_range and the stats (in the fused kernel it is the counting block,
+// done with its send part long before the token blocks).
+__device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
   const Common& c = a.c;
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
   const int num_local = c.num_experts / num_ranks;
   const int items = receive_items(a), warps = gridDim.x * kWarps;
-  const bool writes_layout = blockIdx.x == layout_block;
+  const bool writes_layout = blockIdx.x == 0;
   if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= items) return;  // no slot to copy here
   const unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
   __shared__ int counts[kMaxExperts];  // [s][l]
@@ -470,7 +460,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, unsigned lay
   const int scale_words = a.use_ue8m0 ? groups / 4 : groups;
   for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < items; item += warps) {
     const int other = item / chunks / num_tokens, chunk = item % chunks;
-    const int source = other + (other >= c.rank), i = source * num_tokens + item / chunks % num_tokens;
+    const int source = other + (c.rank == 0), i = source * num_tokens + item / chunks % num_tokens;
     const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
     unsigned long long waited = 0, flag = 0;
     if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
@@ -563,24 +553,25 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
   __shared__ SendTiming timing;
   __shared__ unsigned seq;
   if constexpr ((kPhases & kSendPhase) != 0) {
-    if (blockIdx.x == gridDim.x - 1) publish_counts(a, start, kFused, timing, seq);  // one block counts
-    else send_tokens<kPairs>(a, gridDim.x - 1, start, kFused, timing, seq);
+    if (blockIdx.x == 0) publish_counts(a, start, kFused, timing, seq);  // block 0 counts: it starts first
+    else send_tokens<kPairs>(a, gridDim.x - 1, seq);
   } else {
     if (threadIdx.x == 0) seq = *a.c.ticket;
     mark_recv_start(a.c, kDispatch, seq, start);
   }
   __syncthreads();
   if constexpr ((kPhases & kRecvPhase) != 0) {
-    receive_tokens(a, seq, kFused ? gridDim.x - 1 : 0);
-    finish_recv(a.c, kDispatch, seq);  // has a barrier: block 0 may account below
+    receive_tokens(a, seq);
+    finish_recv(a.c, kDispatch, seq);  // has a barrier: the counting block may account below
     if (kFused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
   } else if (threadIdx.x == 0) {
-    finish_send(a.c, kDispatch, seq, timing);
+    finish_send(a.c, kDispatch, seq, timing, first_block());
   }
 }
 
 int receive_blocks(const DispatchCall& call) {
-  const long long items = static_cast<long long>(call.c.num_ranks - 1) * call.c.max_tokens * call.chunks_per_slot;
+  const long long items =
+      static_cast<long long>(call.c.num_ranks - (call.c.rank == 0)) * call.c.max_tokens * call.chunks_per_slot;
   return static_cast<int>(std::max<long long>(1, std::min<long long>((items + kWarps - 1) / kWarps, 1024)));
 }
 

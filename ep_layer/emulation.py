@@ -2,14 +2,23 @@
 
 Each emulated rank gets its own `cuda`-backend Buffer; their buffers map each other directly (no IPC).
 Call each operation's send half on every rank first, then the hooks (`return_recv_hook=True`): a
-receive half then never waits for a send that has not been launched, so one stream suffices.
+receive half then never waits for a send that has not been launched, so one stream suffices. With
+`RankStreams` each rank's kernels of one phase run on a stream of its own, side by side on the GPU as
+they would on separate GPUs, instead of one after another.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
 from . import native
 from .backends.cuda import CudaBackend
 from .buffer import DEFAULT_TIMEOUT_S, Buffer
+
+T = TypeVar("T")
 
 
 def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Buffer]:
@@ -18,3 +27,29 @@ def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEF
     bases = [c.alloc_buffer(num_rdma_bytes) for _ in range(num_ranks)]
     return [Buffer.from_backend(CudaBackend(None, rank, num_ranks, num_rdma_bytes, timeout_s, peer_bases=bases))
             for rank in range(num_ranks)]
+
+
+class RankStreams:
+    """One CUDA stream per emulated rank. `run(calls)` runs calls[r]() on rank r's stream, all of them
+    after the work already queued on the current stream, which then waits for all of them: one phase
+    (every rank's send half, or every rank's hook) with the ranks' kernels running concurrently.
+
+    Tensors a call allocates belong to its rank's stream; keep them until the current stream has used
+    them (or synchronise) before dropping them. Within a phase no rank's kernel waits for another's:
+    sends never wait, and a hook's receive waits only for sends of the phase before."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self.streams = [torch.cuda.Stream() for _ in range(num_ranks)]
+
+    def run(self, calls: Sequence[Callable[[], T]]) -> list[T]:
+        if len(calls) != len(self.streams):
+            raise ValueError(f"calls: expected one per rank ({len(self.streams)}), got {len(calls)}")
+        current = torch.cuda.current_stream()
+        results = []
+        for stream, call in zip(self.streams, calls):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                results.append(call())
+        for stream in self.streams:
+            current.wait_stream(stream)
+        return results

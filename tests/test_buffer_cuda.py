@@ -131,29 +131,38 @@ def emulated(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, tim
     return emulated_buffers(num_ranks, size, timeout_s)
 
 
-def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None):
+def each_rank(calls, streams=None):
+    """One phase of every rank: one after another on the current stream, or side by side on the ranks'
+    own streams (ep_layer.emulation.RankStreams)."""
+    return streams.run(calls) if streams else [call() for call in calls]
+
+
+def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None, streams=None):
     """Every rank's send half first, then every hook: one stream is enough for emulated ranks."""
     use_fp8, round_scale, use_ue8m0 = MODES[mode]
     stats = stats or [None] * len(buffers)
-    sent = [b.low_latency_dispatch(x, i, max_tokens, num_experts, s, use_fp8=use_fp8, round_scale=round_scale,
-                                   use_ue8m0=use_ue8m0, return_recv_hook=True)
-            for b, x, i, s in zip(buffers, xs, idxs, stats)]
-    for *_, hook in sent:
-        hook()
+    sent = each_rank([lambda b=b, x=x, i=i, s=s: b.low_latency_dispatch(
+        x, i, max_tokens, num_experts, s, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+        return_recv_hook=True) for b, x, i, s in zip(buffers, xs, idxs, stats)], streams)
+    each_rank([s[4] for s in sent], streams)
     return [s[:3] for s in sent]
 
 
-def run_combine(buffers, ys, idxs, weights, handles, **kw):
-    sent = [b.low_latency_combine(y, i, w, h, return_recv_hook=True, **kw)
-            for b, y, i, w, h in zip(buffers, ys, idxs, weights, handles)]
-    for *_, hook in sent:
-        hook()
+def run_combine(buffers, ys, idxs, weights, handles, streams=None, **kw):
+    sent = each_rank([lambda b=b, y=y, i=i, w=w, h=h: b.low_latency_combine(y, i, w, h, return_recv_hook=True, **kw)
+                      for b, y, i, w, h in zip(buffers, ys, idxs, weights, handles)], streams)
+    each_rank([s[2] for s in sent], streams)
     return [s[0] for s in sent]
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_emulated_dispatch_combine(num_ranks: int, mode: str, seed: int) -> None:
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-stream", "rank-streams"])
+def test_emulated_dispatch_combine(num_ranks: int, mode: str, concurrent: bool, seed: int) -> None:
+    """Emulated ranks against the oracles; with rank-streams each rank's kernels of a phase run on a
+    stream of their own, concurrently."""
+    from ep_layer.emulation import RankStreams
+
     rng = np.random.default_rng(seed)
     max_tokens = int(rng.integers(1, 40))
     hidden = int(rng.choice([512, 1024, 2048, 7168]))
@@ -162,10 +171,12 @@ def test_emulated_dispatch_combine(num_ranks: int, mode: str, seed: int) -> None
     buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
     xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
     stats = [torch.zeros(num_local, dtype=torch.int32, device="cuda") for _ in buffers]
+    streams = RankStreams(num_ranks) if concurrent else None
     rows = expected_rows(idxs, num_experts)
     for _ in range(2):  # consecutive calls use the two halves of the buffers
         stats_before = [s.clone() for s in stats]
-        outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=stats)
+        outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=stats, streams=streams)
+        torch.cuda.synchronize()
         for b in buffers:
             b.check()
         for r, o in enumerate(outs):
@@ -175,7 +186,8 @@ def test_emulated_dispatch_combine(num_ranks: int, mode: str, seed: int) -> None
     ys = [torch.randn(num_local, num_ranks * max_tokens, hidden, device="cuda").to(torch.bfloat16)
           for _ in buffers]
     weights = [torch.rand(i.shape, device="cuda") for i in idxs]
-    combined = run_combine(buffers, ys, idxs, weights, [o[2] for o in outs])
+    combined = run_combine(buffers, ys, idxs, weights, [o[2] for o in outs], streams=streams)
+    torch.cuda.synchronize()
     for r in range(num_ranks):
         exact, wide = expected_combine(r, num_local, idxs[r].cpu(), weights[r], ys, rows)
         check_combine(r, combined[r], exact, wide, f"seed={seed} mode={mode}")
