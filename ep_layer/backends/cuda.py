@@ -1,13 +1,13 @@
 """The `cuda` backend: our kernels (csrc/) over buffers that the ranks of one node map through CUDA IPC.
 
 Each call allocates its outputs with torch and launches one kernel per half (a dispatch without a hook:
-one kernel for both); nothing waits on the host, so every call can be captured in a CUDA graph. Failures inside kernels (a peer that never
-arrives, ranks that disagree, bad expert ids) are recorded on the device, flagged in host-mapped
-memory, and raised at the next call or at `check()`; a kernel never waits longer than `timeout_s`.
-Latency stats are kept on the device too: the kernels time themselves (globaltimer) into a record per
-call, with fire-and-forget atomics that nothing waits for; block 0 of the send kernel two calls later
-(the one that reuses the call's buffer half) adds the record to a histogram in device memory after its
-own work. `latency_stats()` adds the calls whose records are still there (csrc/ll_common.cuh: Timing).
+one kernel for both); nothing waits on the host, so every call can be captured in a CUDA graph.
+Failures inside kernels (a peer that never arrives, ranks that disagree, bad expert ids) are recorded
+on the device, flagged in host-mapped memory, and raised at the next call or at `check()`; a kernel
+never waits longer than `timeout_s`. Latency stats are kept on the device too: the kernels time
+themselves (globaltimer) into a record per call, with fire-and-forget atomics that nothing waits for;
+block 0 of the send kernel two calls later (the one that reuses the call's buffer half) adds the
+record to a histogram in device memory after its own work. `latency_stats()` adds the calls whose records are still there (csrc/ll_common.cuh: Timing).
 """
 
 from __future__ import annotations
