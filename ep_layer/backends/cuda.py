@@ -7,7 +7,8 @@ on the device, flagged in host-mapped memory, and raised at the next call or at 
 never waits longer than `timeout_s`. Latency stats are kept on the device too: the kernels time
 themselves (globaltimer) into a record per call, with fire-and-forget atomics that nothing waits for;
 block 0 of the send kernel two calls later (the one that reuses the call's buffer half) adds the
-record to a histogram in device memory after its own work. `latency_stats()` adds the calls whose records are still there (csrc/ll_common.cuh: Timing).
+record to a histogram in device memory after its own work. `latency_stats()` adds the calls whose
+records are still there (csrc/ll_common.cuh: Timing).
 """
 
 from __future__ import annotations
