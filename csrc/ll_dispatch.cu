@@ -132,10 +132,6 @@ __device__ __forceinline__ void cast_fp8(const RowShare<kPairs>& row, bool round
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // The count in a tagged count word from `source`, given a first load of it (`got`); polls on while it
 // is missing. Also watches the source's hello: a rank that disagrees on T, H or E writes its counts
 // elsewhere, and its hello is what tells. Returns -1 after recording a timeout or mismatch, or when
@@ -169,8 +165,9 @@ __device__ __forceinline__ const unsigned long long* tagged_counts(const Common&
 // of a bf16 row per thread (RowShare). Rank 0's entries on itself go straight to their rows of recv_x:
 // its rows come first in every expert, so it places them without any other rank's counts. Every other
 // destination, a higher rank's own included, gets the token in a slot: a send never waits for a peer
-// (a send whose blocks spin on a peer that has no SM left would stall until the timeout). An SM stores about 32 bytes per clock, so the stores are what a token costs:
-// they are 16 bytes per lane, and a row's scales go out in one instruction for up to 8 rows.
+// (a send whose blocks spin on a peer that has no SM left would stall until the timeout). An SM stores
+// about 32 bytes per clock, so the stores are what a token costs: they are 16 bytes per lane, and a
+// row's scales go out in one instruction for up to 8 rows.
 template <int kPairs>
 __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
   const Common& c = a.c;
@@ -273,12 +270,6 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
     if (threadIdx.x < num_selfs) {  // the rows on this rank: their source token and top-k positions
       const int k = selfs[threadIdx.x];
       const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
-      // Touch the row's pages now: their address translations (recv_x spans hundreds of MB) are then
-      // in this SM's TLB by the time the cast below is done and the block stores the row.
-      prefetch_l2(static_cast<unsigned char*>(a.recv_x) + out_row * (a.use_fp8 ? hidden : hidden * 2));
-      if (a.use_fp8)
-        prefetch_l2(static_cast<unsigned char*>(a.recv_scales) +
-                    (static_cast<long long>(local_of[k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows) * 4);
       a.src_info[out_row] = t;
       a.combine_map[out_row] = static_cast<int>(kmasks[k] << 13 | static_cast<unsigned>(c.rank * c.max_tokens + t));
     }
