@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from cuda_graphs import capture_after_warmup
 
 from ep_layer import Buffer, EPTimeoutError, native
 from ep_layer.latency import OPS, LatencyHistogram, bucket_of
@@ -221,14 +222,7 @@ def test_dispatch_without_hook_runs_one_kernel(max_tokens: int, hidden: int, num
     def call():
         return buffer.low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts, use_fp8=False)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_after_warmup(call)
     for replay in range(5):
         xs[0].copy_(torch.randn_like(xs[0], dtype=torch.float32))
         graph.replay()
@@ -290,15 +284,7 @@ def test_graph_replay(seed: int) -> None:
                 ys.append((data.float() * scale[r * num_local:(r + 1) * num_local, None, None]).to(torch.bfloat16))
             return run_combine(buffers, ys, idxs, weights, [o[2] for o in outs])
 
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm up outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+        graph, out = capture_after_warmup(step)
         graphs.append((graph, xs, idxs, weights, out, mode))
     for replay in range(100):
         graph, xs, idxs, weights, out, mode = graphs[int(rng.integers(0, 2))]
@@ -469,15 +455,7 @@ def test_latency_stats_count_graph_replays(seed: int) -> None:
         outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "bf16")
         return run_combine(buffers, [o[0] for o in outs], idxs, weights, [o[2] for o in outs])
 
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm up outside the graph: one call per rank and op
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_after_warmup(step)  # the warm-up makes one call per rank and op
     counts, before_s = latency_totals(buffers)
     assert counts == {op: [1] * num_ranks for op in OPS}, f"seed={seed}: warm-up and capture counted {counts}"
     start, end = timed_events()

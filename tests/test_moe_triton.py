@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from cuda_graphs import capture_after_warmup
 from moe_helpers import MoeConfig, dense_weights, hf_weights
 
 from ep_layer import Buffer, native
@@ -341,14 +342,7 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, two_microbatches: boo
             return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(ranks)]
         return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = capture_after_warmup(step)  # compiles and warms up outside the graph
     for replay in range(3):
         tokens = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16) for n in counts]
         for x, t in zip(xs, tokens):
