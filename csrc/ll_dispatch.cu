@@ -101,6 +101,16 @@ template <int kPairs>
 struct RowShare {
   int4 v[kPairs][2];
   __device__ __forceinline__ static int pair(int p) { return static_cast<int>(threadIdx.x) + p * kThreads; }
+  // Stores the share as bf16 into a row of `row_pairs` pairs.
+  __device__ __forceinline__ void store(int4* row, int row_pairs) const {
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const int i = pair(p);
+      if (i >= row_pairs) continue;
+      row[2 * i] = v[p][0];
+      row[2 * i + 1] = v[p][1];
+    }
+  }
 };
 
 // FP8 cast of a thread's share (DESIGN.md's rule per 128-channel group): 16 FP8 bytes per pair and the
@@ -187,6 +197,8 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
   __shared__ signed char entry_of[kMaxExperts];  // expert -> its entry's position k, or -1
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) entry_of[e] = -1;
   const auto position = [&](int k) { return static_cast<int>(offsets[k / 2] >> (16 * (k % 2)) & 0xffffu); };
+  // Row of recv_x (all experts) of rank 0's entry k on itself.
+  const auto self_row = [&](int k) { return static_cast<long long>(local_of[k]) * num_rows + position(k); };
 
   // Thread 0 takes the ticket at the first token and keeps it in a register: the data path needs the
   // sequence number only for other ranks' slots, so with one rank nothing waits for the atomic.
@@ -269,7 +281,7 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
     __syncthreads();
     if (threadIdx.x < num_selfs) {  // the rows on this rank: their source token and top-k positions
       const int k = selfs[threadIdx.x];
-      const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
+      const long long out_row = self_row(k);
       a.src_info[out_row] = t;
       a.combine_map[out_row] = static_cast<int>(kmasks[k] << 13 | static_cast<unsigned>(c.rank * c.max_tokens + t));
     }
@@ -303,7 +315,7 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
       }
       for (int i = 0; i < num_selfs; ++i) {
         const int k = selfs[i];
-        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
+        const long long out_row = self_row(k);
         auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden);
 #pragma unroll
         for (int p = 0; p < kPairs; ++p)
@@ -324,28 +336,10 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
         }
       }
     } else if (num_dests + num_selfs > 0) {
-      for (int d = 0; d < num_dests; ++d) {
-        auto* payload = reinterpret_cast<int4*>(slots[dests[d]] + kHeaderBytes);
-#pragma unroll
-        for (int p = 0; p < kPairs; ++p) {
-          const int i = RowShare<kPairs>::pair(p);
-          if (i >= row_pairs) continue;
-          payload[2 * i] = share.v[p][0];
-          payload[2 * i + 1] = share.v[p][1];
-        }
-      }
-      for (int n = 0; n < num_selfs; ++n) {
-        const int k = selfs[n];
-        const long long out_row = static_cast<long long>(local_of[k]) * num_rows + position(k);
-        auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden * 2);
-#pragma unroll
-        for (int p = 0; p < kPairs; ++p) {
-          const int i = RowShare<kPairs>::pair(p);
-          if (i >= row_pairs) continue;
-          data[2 * i] = share.v[p][0];
-          data[2 * i + 1] = share.v[p][1];
-        }
-      }
+      for (int d = 0; d < num_dests; ++d) share.store(reinterpret_cast<int4*>(slots[dests[d]] + kHeaderBytes), row_pairs);
+      for (int n = 0; n < num_selfs; ++n)
+        share.store(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(selfs[n]) * hidden * 2),
+                    row_pairs);
     }
     if (c.num_ranks > 1) __syncthreads();  // every payload store of the block, before the flags below
     if (threadIdx.x < kMaxTopk && is_entry[threadIdx.x]) entry_of[experts[threadIdx.x]] = -1;  // next token
