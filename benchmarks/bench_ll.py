@@ -22,7 +22,7 @@ import time
 import torch
 
 from ep_layer import Buffer
-from ep_layer.emulation import RankStreams, emulated_buffers
+from ep_layer.emulation import RankStreams, each_rank, emulated_buffers
 
 DEEPEP_BUFFER_GIB = 1.78  # DeepEP's low-latency buffer at T=128, H=7168, E=256, 8 ranks
 
@@ -108,19 +108,15 @@ class Case:
         self.ys = [torch.randn(num_local, ep * tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
                    for _ in range(ep)]
 
-    def each_rank(self, calls: list) -> list:
-        """One phase: every rank's call, on the ranks' own streams or one after another."""
-        return self.streams.run(calls) if self.streams else [call() for call in calls]
-
     def dispatch_send(self):
-        return self.each_rank([
+        return each_rank([
             lambda b=b, x=x, i=i: b.low_latency_dispatch(x, i, self.tokens, self.experts, use_fp8=True,
                                                          return_recv_hook=True)
-            for b, x, i in zip(self.buffers, self.xs, self.idxs)])
+            for b, x, i in zip(self.buffers, self.xs, self.idxs)], self.streams)
 
     def dispatch_hooked(self):
         sent = self.dispatch_send()
-        self.each_rank([s[4] for s in sent])
+        each_rank([s[4] for s in sent], self.streams)
         return sent
 
     def dispatch(self):
@@ -135,13 +131,13 @@ class Case:
         self.handles = [o[2] for o in self.dispatch()]
 
     def combine_send(self):
-        return self.each_rank([
+        return each_rank([
             lambda b=b, y=y, i=i, w=w, h=h: b.low_latency_combine(y, i, w, h, return_recv_hook=True)
-            for b, y, i, w, h in zip(self.buffers, self.ys, self.idxs, self.weights, self.handles)])
+            for b, y, i, w, h in zip(self.buffers, self.ys, self.idxs, self.weights, self.handles)], self.streams)
 
     def combine(self):
         sent = self.combine_send()
-        self.each_rank([s[2] for s in sent])
+        each_rank([s[2] for s in sent], self.streams)
         return sent
 
     def destroy(self) -> None:

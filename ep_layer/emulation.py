@@ -53,3 +53,9 @@ class RankStreams:
         for stream in self.streams:
             current.wait_stream(stream)
         return results
+
+
+def each_rank(calls: Sequence[Callable[[], T]], streams: RankStreams | None = None) -> list[T]:
+    """One phase of every emulated rank: side by side on the ranks' streams, or (`streams=None`) one
+    after another on the current stream."""
+    return streams.run(calls) if streams else [call() for call in calls]

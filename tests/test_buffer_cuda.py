@@ -17,6 +17,7 @@ import torch
 from cuda_graphs import capture_after_warmup
 
 from ep_layer import Buffer, EPTimeoutError, native
+from ep_layer.emulation import each_rank
 from ep_layer.latency import OPS, LatencyHistogram, bucket_of
 
 pytestmark = [
@@ -130,12 +131,6 @@ def emulated(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, tim
 
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts)
     return emulated_buffers(num_ranks, size, timeout_s)
-
-
-def each_rank(calls, streams=None):
-    """One phase of every rank: one after another on the current stream, or side by side on the ranks'
-    own streams (ep_layer.emulation.RankStreams)."""
-    return streams.run(calls) if streams else [call() for call in calls]
 
 
 def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None, streams=None):
