@@ -113,32 +113,45 @@ struct RowShare {
   }
 };
 
+// x / s rounded as IEEE division rounds it, from r = RN(1 / s): q0 = RN(x * r) is within an ulp of the
+// quotient, so the remainder x - q0 * s is exact in one FMA and q0 + remainder * r rounds correctly
+// (Markstein's theorem); three instructions instead of a division's eight and its slow-path call. The
+// remainder cannot underflow where it matters: s >= 1e-4 / 448, and a quotient below 2^-10 is FP8 zero
+// whatever its last bits. The sign is copied back for x = -0, which the remainder turns into +0. An
+// infinite x makes s infinite (`finite` false): then r = 0 and q0 is already x / s (0 or NaN).
+__device__ __forceinline__ float divide(float x, float s, float r, bool finite) {
+  const float q0 = __fmul_rn(x, r);
+  return finite ? copysignf(__fmaf_rn(__fmaf_rn(-s, q0, x), r, q0), x) : q0;
+}
+
 // FP8 cast of a thread's share (DESIGN.md's rule per 128-channel group): 16 FP8 bytes per pair and the
-// group's scale. Every thread runs every pair (the shuffles need whole warps), so the kPairs casts are
-// independent chains the compiler interleaves; pairs past the row give garbage that is not stored.
+// group's scale. The kPairs casts are independent chains the compiler interleaves. A pair past the row
+// is skipped by its whole 8-lane group (H is a multiple of 128), so the shuffles name only live groups.
 template <int kPairs>
-__device__ __forceinline__ void cast_fp8(const RowShare<kPairs>& row, bool round_scale, int4 (&packed)[kPairs],
-                                         float (&scales)[kPairs]) {
-  float amax[kPairs];
+__device__ __forceinline__ void cast_fp8(const RowShare<kPairs>& row, int row_pairs, bool round_scale,
+                                         int4 (&packed)[kPairs], float (&scales)[kPairs]) {
 #pragma unroll
   for (int p = 0; p < kPairs; ++p) {
-    const auto* b = reinterpret_cast<const __nv_bfloat16*>(row.v[p]);
-    amax[p] = 0.f;
+    const bool live = RowShare<kPairs>::pair(p) < row_pairs;
+    const unsigned lanes = __ballot_sync(0xffffffffu, live);
+    if (!live) continue;
+    const auto* b = reinterpret_cast<const __nv_bfloat162*>(row.v[p]);
+    __nv_bfloat162 m = __habs2(b[0]);  // max |x| is exact in bf16
 #pragma unroll
-    for (int i = 0; i < 16; ++i) amax[p] = fmaxf(amax[p], fabsf(__bfloat162float(b[i])));
-  }
+    for (int i = 1; i < 8; ++i) m = __hmax2(m, __habs2(b[i]));
+    float amax = fmaxf(__low2float(m), __high2float(m));
 #pragma unroll
-  for (int off = 4; off > 0; off >>= 1)
+    for (int off = 4; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(lanes, amax, off));
+    const float s = fp8_scale(amax, round_scale), r = __frcp_rn(s);
+    const bool finite = isfinite(s);
+    auto* q = reinterpret_cast<__nv_fp8x2_storage_t*>(&packed[p]);
 #pragma unroll
-    for (int p = 0; p < kPairs; ++p) amax[p] = fmaxf(amax[p], __shfl_xor_sync(0xffffffffu, amax[p], off));
-#pragma unroll
-  for (int p = 0; p < kPairs; ++p) {
-    scales[p] = fp8_scale(amax[p], round_scale);
-    const auto* b = reinterpret_cast<const __nv_bfloat16*>(row.v[p]);
-    auto* q = reinterpret_cast<__nv_fp8_storage_t*>(&packed[p]);
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      q[i] = __nv_cvt_float_to_fp8(__fdiv_rn(__bfloat162float(b[i]), scales[p]), __NV_SATFINITE, __NV_E4M3);
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __bfloat1622float2(b[i]);
+      const float2 d = make_float2(divide(f.x, s, r, finite), divide(f.y, s, r, finite));
+      q[i] = __nv_cvt_float2_to_fp8x2(d, __NV_SATFINITE, __NV_E4M3);
+    }
+    scales[p] = s;
   }
 }
 
@@ -291,7 +304,7 @@ __device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
     if (a.use_fp8 && num_dests + num_selfs > 0) {
       int4 packed[kPairs];
       float scales[kPairs];
-      cast_fp8<kPairs>(share, a.round_scale, packed, scales);
+      cast_fp8<kPairs>(share, row_pairs, a.round_scale, packed, scales);
       const int in_group = lane & 7;  // lane 0 of each 8 holds the group's scale for the slots
       for (int d = 0; d < num_dests; ++d) {
         unsigned char* payload = slots[dests[d]] + kHeaderBytes;

@@ -226,6 +226,37 @@ def test_dispatch_without_hook_runs_one_kernel(max_tokens: int, hidden: int, num
     buffer.destroy()
 
 
+@pytest.mark.parametrize("arrangement", ["neighbours", "shuffled"])
+def test_fp8_cast_of_every_bf16_value(arrangement: str, seed: int) -> None:
+    """Every finite bf16 bit pattern (-0 included) through dispatch's FP8 cast, which divides by the scale
+    without a division instruction, against the numpy oracle, in every FP8 mode and both kernels (one
+    kernel without a hook, send + hook with it). `neighbours`: each 128-channel group holds neighbouring
+    magnitudes, so the quotients sweep the whole FP8 range near every rounding boundary; `shuffled`: in
+    random order, so small values meet large scales."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits = bits[(bits & 0x7F80) != 0x7F80]  # drop infinities and NaNs
+    if arrangement == "neighbours":
+        bits = bits[np.argsort(bits & 0x7FFF, kind="stable")]
+    else:
+        bits = np.random.default_rng(seed).permutation(bits)
+    tokens, hidden, num_experts = 16, 4096, 4
+    bits = np.concatenate([bits, np.zeros(tokens * hidden - bits.size, dtype=np.uint16)])
+    x = torch.from_numpy(bits.view(np.int16).reshape(tokens, hidden)).view(torch.bfloat16).cuda()
+    idx = (torch.arange(tokens) % num_experts).view(tokens, 1).cuda()
+    rows = expected_rows([idx], num_experts)
+    (buffer,) = emulated(1, tokens, hidden, num_experts)
+    for mode in ("fp8", "fp8-pow2", "fp8-ue8m0"):
+        _, round_scale, use_ue8m0 = MODES[mode]
+        for hook in (False, True):
+            out = buffer.low_latency_dispatch(x, idx, tokens, num_experts, use_fp8=True, round_scale=round_scale,
+                                              use_ue8m0=use_ue8m0, return_recv_hook=hook)
+            if hook:
+                out[4]()
+            buffer.check()
+            check_dispatch(0, 1, tokens, out[:3], [x], rows, mode, f"{seed} {arrangement} hook={hook}")
+    buffer.destroy()
+
+
 def test_emulated_options(seed: int) -> None:
     """out=, zero_copy, async_finish and the wait stats on the cuda backend."""
     rng = np.random.default_rng(seed)
