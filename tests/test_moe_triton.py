@@ -20,7 +20,7 @@ from cuda_graphs import capture_after_warmup
 from moe_helpers import MoeConfig, dense_weights, hf_weights
 
 from ep_layer import Buffer, native
-from ep_layer.moe import ExpertWeights, FusedMoE, TorchExperts, run_interleaved, triton_experts
+from ep_layer.moe import CommStreams, ExpertWeights, FusedMoE, TorchExperts, run_interleaved, triton_experts
 from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
 
 pytestmark = [
@@ -319,10 +319,12 @@ def test_layer_on_gpu_matches_cpu(quant: str, seed: int) -> None:
 
 @pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
 @pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
-@pytest.mark.parametrize("two_microbatches", [False, True])
-def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, two_microbatches: bool, seed: int) -> None:
+@pytest.mark.parametrize("schedule", ["plain", "two-microbatches", "two-microbatches-side-streams"])
+def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: int) -> None:
     """4 emulated EP ranks (cuda backend) step together; the whole step is captured in one CUDA graph and
-    replayed on fresh tokens."""
+    replayed on fresh tokens. Each replay equals the same schedule run eagerly with all communication on
+    the current stream, bit for bit: the side streams (shared by the ranks) change when kernels run,
+    not what they compute."""
     from ep_layer.emulation import emulated_buffers
 
     gen = torch.Generator().manual_seed(seed)
@@ -334,23 +336,26 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, two_microbatches: boo
     reference = cpu_layer(cfg, quant, weights)
     counts = [cfg.max_tokens, 0, 1, 17]
     xs = [torch.zeros(n, cfg.hidden, dtype=torch.bfloat16, device="cuda") for n in counts]
+    side_streams = CommStreams.new() if schedule.endswith("side-streams") else None
 
-    def step() -> list[torch.Tensor]:
-        if two_microbatches:
-            halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
-            outs = run_interleaved([layer.steps(h) for layer, pair in zip(layers, halves) for h in pair])
-            return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(ranks)]
-        return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
+    def run(streams: CommStreams | None) -> list[torch.Tensor]:
+        if schedule == "plain":
+            return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
+        halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
+        outs = run_interleaved([layer.steps(h, streams) for layer, pair in zip(layers, halves) for h in pair])
+        return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(ranks)]
 
-    graph, outs = capture_after_warmup(step)  # compiles and warms up outside the graph
+    graph, outs = capture_after_warmup(lambda: run(side_streams))  # compiles and warms up outside the graph
     for replay in range(3):
         tokens = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16) for n in counts]
         for x, t in zip(xs, tokens):
             x.copy_(t)
         graph.replay()
+        eager = run(None)
         for layer in layers:
             layer.buffer.check()
-        for r, (got, x) in enumerate(zip(outs, tokens)):
+        for r, (got, want, x) in enumerate(zip(outs, eager, tokens)):
+            assert torch.equal(got, want), f"seed={seed} replay {replay} rank {r}: {schedule} replay != eager"
             assert_layer_close(got, reference(x), quant, f"seed={seed} replay {replay} rank {r}")
     for layer in layers:
         layer.buffer.destroy()

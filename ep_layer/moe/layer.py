@@ -4,7 +4,8 @@ on top of `ep_layer.Buffer`'s low-latency dispatch and combine (DESIGN.md sectio
 One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route and send the dispatch;
 then the shared expert while the tokens travel, the dispatch hook, the expert GEMMs and the combine
 send; then the combine hook. Running the steps to the end is the plain forward; interleaving two
-micro-batches' steps is the overlapped one, with bit-identical results on CPU.
+micro-batches' steps is the overlapped one, with bit-identical results on CPU. On a GPU the overlapped one
+queues the communication on side streams (CommStreams), so that it runs under the other half's compute.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..quant import FP8_GROUP, per_token_cast_to_fp8
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
 from .routing import RoutingConfig, route
-from .schedule import Steps, run_interleaved, run_to_end
+from .schedule import CommStreams, Steps, hook_on, join, run_interleaved, run_to_end, send_on
 from .weights import ExpertWeights
 
 QUANT_MODES = ("bf16", "fp8-block")
@@ -74,6 +75,7 @@ class FusedMoE(nn.Module):
             self.register_buffer(name, torch.zeros(self.num_ranks, dtype=torch.int64, device=device), persistent=False)
         self.expert_kernels = expert_kernels
         self._kernels: dict[torch.device, ExpertKernels] = {}
+        self._comm_streams: dict[torch.device, CommStreams] = {}
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -90,29 +92,50 @@ class FusedMoE(nn.Module):
 
     def forward_two_microbatches(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """forward with the batch split in two halves whose communication overlaps the other's compute;
-        equal to `forward` (bit for bit on CPU). Each half holds at most max_tokens_per_rank tokens."""
+        equal to `forward` (bit for bit on CPU). Each half holds at most max_tokens_per_rank tokens. On a GPU the
+        communication runs on the layer's side streams (CommStreams), concurrently with the compute."""
         half = (hidden_states.shape[0] + 1) // 2
-        first, second = run_interleaved([self.steps(hidden_states[:half]), self.steps(hidden_states[half:])])
+        streams = self.comm_streams(hidden_states.device)
+        first, second = run_interleaved([self.steps(hidden_states[:half], streams),
+                                         self.steps(hidden_states[half:], streams)])
         return torch.cat([first, second])
 
-    def steps(self, hidden_states: torch.Tensor) -> Steps[torch.Tensor]:
+    def comm_streams(self, device: torch.device) -> CommStreams | None:
+        """This layer's side streams for communication on `device` (None on CPU)."""
+        if device.type != "cuda":
+            return None
+        streams = self._comm_streams.get(device)
+        if streams is None:
+            streams = self._comm_streams[device] = CommStreams.new(device)
+        return streams
+
+    def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None) -> Steps[torch.Tensor]:
         """One micro-batch's forward as a generator that yields after the dispatch send and after the
-        combine send, and returns the output (see ep_layer.moe.schedule)."""
+        combine send, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
+        combine kernels run on those side streams (layers of emulated ranks on one GPU share one)."""
         x = self._check_input(hidden_states)
         topk_idx, topk_weights = self.route(x)
-        recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(
-            x, topk_idx, self.max_tokens_per_rank, self.num_experts,
-            cumulative_local_expert_recv_stats=self.expert_load,
-            dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8, return_recv_hook=True)
+        dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
+        with send_on(dispatch_stream):
+            recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(
+                x, topk_idx, self.max_tokens_per_rank, self.num_experts,
+                cumulative_local_expert_recv_stats=self.expert_load,
+                dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
+                return_recv_hook=True)
         yield
         shared = self.shared_expert(x)
-        dispatch_hook()
+        with hook_on(dispatch_stream):
+            dispatch_hook()
+        join(dispatch_stream)
         y = self.run_experts(recv_x, recv_count)
-        combined, _, combine_hook = self.buffer.low_latency_combine(
-            y, topk_idx, topk_weights, handle, return_recv_hook=True,
-            combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
+        with send_on(combine_stream):
+            combined, _, combine_hook = self.buffer.low_latency_combine(
+                y, topk_idx, topk_weights, handle, return_recv_hook=True,
+                combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
         yield
-        combine_hook()
+        with hook_on(combine_stream):
+            combine_hook()
+        join(combine_stream)
         return combined if shared is None else combined + shared
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
