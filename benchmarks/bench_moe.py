@@ -38,9 +38,9 @@ from ep_layer import Buffer, native
 from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.emulation import emulated_buffers
 from ep_layer.layout import MAX_RANKS
-from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, triton_experts
+from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, run_two_microbatches, triton_experts
 from ep_layer.moe.block_fp8 import num_blocks
-from ep_layer.moe.schedule import Steps
+from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 
 PROJECTIONS = ("gate", "up", "down")
 FP8_CODE_SPREAD = 64.0  # randn * 64 spans e4m3's range; the block scales undo it
@@ -220,10 +220,11 @@ def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Case:
-    """All ranks' tokens for one (EP, T) point, and closures that run one step of every rank."""
+    """All ranks' tokens for one (EP, T) point, and closures that run one step of every rank: `depth`
+    calls of each rank's layer in a row, as a model's MoE layers (one set of weights)."""
 
-    def __init__(self, setup: EpLayers, tokens: int, seed: int) -> None:
-        self.setup, self.layers, self.tokens = setup, setup.layers, tokens
+    def __init__(self, setup: EpLayers, tokens: int, seed: int, depth: int = 1) -> None:
+        self.setup, self.layers, self.tokens, self.depth = setup, setup.layers, tokens, depth
         device = self.layers[0].gate_weight.device
         gen = torch.Generator(device=device).manual_seed(seed)
         h = setup.shape.hidden
@@ -248,19 +249,25 @@ class Case:
         return [s[:3] for s in sent]
 
     def plain(self) -> list[torch.Tensor]:
-        if len(self.layers) == 1:
-            return [self.layers[0](self.xs[0])]
-        return run_interleaved([layer.steps(x) for layer, x in zip(self.layers, self.xs)])
+        return run_interleaved([self._layers(layer, x, None) for layer, x in zip(self.layers, self.xs)])
 
     def overlap(self, streams: CommStreams | None) -> list[torch.Tensor]:
         """The two-micro-batch schedule (as FusedMoE.forward_two_microbatches runs it), its communication on
         `streams` (None: the current stream)."""
-        outs = run_interleaved([layer.steps(h, streams) for layer, x in zip(self.layers, self.xs) for h in halves(x)])
-        return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(len(self.layers))]
+        split = [(layer, halves(x)) for layer, x in zip(self.layers, self.xs)]
+        first, second = run_two_microbatches([self._layers(layer, h[0], streams) for layer, h in split],
+                                             [self._layers(layer, h[1], streams) for layer, h in split])
+        return [torch.cat(pair) for pair in zip(first, second)]
+
+    def _layers(self, layer: FusedMoE, x: torch.Tensor, streams: CommStreams | None) -> Steps[torch.Tensor]:
+        for _ in range(self.depth):
+            x = yield from layer.steps(x, streams)
+        return x
 
     def gemms(self) -> list[torch.Tensor]:
         """The routed experts' GEMMs alone, on every rank's received tokens."""
-        return [layer.run_experts(x, count) for layer, (x, count) in zip(self.layers, self.recv)]
+        return [layer.run_experts(x, count) for _ in range(self.depth)
+                for layer, (x, count) in zip(self.layers, self.recv)]
 
     def communication(self, split: bool = False) -> list[torch.Tensor]:
         """A schedule with routing, shared and routed experts skipped: dispatch and combine only, of the
@@ -274,15 +281,16 @@ class Case:
 
     def _communication_steps(self, layer: FusedMoE, x: torch.Tensor, topk_idx: torch.Tensor,
                              topk_weights: torch.Tensor) -> Steps[torch.Tensor]:
-        _, _, handle, _, dispatch_hook = layer.buffer.low_latency_dispatch(
-            x, topk_idx, self.setup.max_tokens, layer.num_experts, cumulative_local_expert_recv_stats=layer.expert_load,
-            use_fp8=layer.fp8, return_recv_hook=True)
-        yield
-        dispatch_hook()
-        combined, _, combine_hook = layer.buffer.low_latency_combine(self.y, topk_idx, topk_weights, handle,
-                                                                     return_recv_hook=True)
-        yield
-        combine_hook()
+        for _ in range(self.depth):
+            _, _, handle, _, dispatch_hook = layer.buffer.low_latency_dispatch(
+                x, topk_idx, self.setup.max_tokens, layer.num_experts,
+                cumulative_local_expert_recv_stats=layer.expert_load, use_fp8=layer.fp8, return_recv_hook=True)
+            yield DISPATCH_SENT
+            dispatch_hook()
+            combined, _, combine_hook = layer.buffer.low_latency_combine(self.y, topk_idx, topk_weights, handle,
+                                                                         return_recv_hook=True)
+            yield COMBINE_SENT
+            combine_hook()
         return combined
 
 
@@ -346,7 +354,7 @@ def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
     split_comm_graph = time_graph(lambda: case.communication(split=True), reps.graph)
     gemm = time_graph(case.gemms, reps.graph)
     ref_eager = ref_diff = float("nan")
-    if reference and setup.ep == 1:
+    if reference and setup.ep == 1 and case.depth == 1:
         ref = reference_layer(setup.layers[0], setup.shape, setup.max_tokens)
         ref_diff = relative_difference([ref(case.xs[0])], plain_out)
         ref_eager = time_eager(lambda: ref(case.xs[0]), reps.reference, warmup=1)
@@ -382,10 +390,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"top-{SMOKE.top_k}) to check that everything runs")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the reference backend (EP=1, eager)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="MoE layer calls per step, one after another as in a model (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.tokens is None:
         args.tokens = [1, 32] if args.smoke else [1, 128] if args.quick else [1, 32, 128, 256]
+    if args.layers < 1:
+        parser.error(f"--layers: expected at least 1, got {args.layers}")
     if min(args.tokens) < 1:
         parser.error(f"--tokens: expected positive token counts, got {args.tokens}")
     if args.max_tokens is None:
@@ -413,7 +425,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)")
     print(f"# H={shape.hidden} E={shape.num_experts} I={shape.intermediate} top-{shape.top_k} "
           f"n_group={shape.n_group} topk_group={shape.topk_group} shared={shape.n_shared_experts} FP8 block weights; "
-          f"num_max_dispatch_tokens_per_rank={args.max_tokens}")
+          f"num_max_dispatch_tokens_per_rank={args.max_tokens}; {args.layers} layer call(s) per step")
     print(" ".join(HEADER), flush=True)
     rows = []
     for ep in args.ep:
@@ -426,7 +438,7 @@ def main() -> None:
               f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated, buffer "
               f"{setup.buffer_bytes / 2**20:.0f} MiB per rank", flush=True)
         for tokens in args.tokens:
-            case = Case(setup, tokens, seed=args.seed + 1000 * ep + tokens)
+            case = Case(setup, tokens, seed=args.seed + 1000 * ep + tokens, depth=args.layers)
             if case.active_experts != case.routed_experts:
                 print(f"# warning: EP={ep} T={tokens}: {case.active_experts} experts received tokens but "
                       f"routing chose {case.routed_experts}", flush=True)

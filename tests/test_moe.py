@@ -45,7 +45,9 @@ from ep_layer.moe import (
     make_expert_kernels,
     noaux_tc_route,
     route,
+    run_two_microbatches,
 )
+from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_SENT, Steps
 from ep_layer.moe.tiles import ROW_TILE
 from ep_layer.quant import per_token_cast_to_fp8
 
@@ -254,11 +256,46 @@ def test_two_microbatches_interleave_communication() -> None:
     x = torch.randn(7, cfg.hidden).to(torch.bfloat16)
     overlapped = layer.forward_two_microbatches(x)
     assert log == ["dispatch send A", "dispatch send B",
-                   "shared", "dispatch hook A", "experts", "combine send A",
-                   "shared", "dispatch hook B", "experts", "combine send B",
-                   "combine hook A", "combine hook B"]
+                   "shared", "dispatch hook A", "experts", "combine send A", "combine hook A",
+                   "shared", "dispatch hook B", "experts", "combine send B", "combine hook B"]
     # In this process torch may use several threads; still bit for bit.
     assert torch.equal(overlapped, layer(x))
+
+
+def test_two_microbatch_schedule_of_emulated_ranks() -> None:
+    """run_two_microbatches with two ranks per micro-batch, through two layers: every rank's send of a
+    call comes before any hook of it (ranks sharing a stream never wait for a send queued behind them),
+    and micro-batch A's combine hook comes before B's combine send (on a side stream it runs under B's
+    experts)."""
+    log: list[str] = []
+
+    def layer(name: str) -> Steps[str]:
+        log.append(f"{name} dispatch send")
+        yield DISPATCH_SENT
+        log.append(f"{name} dispatch hook")
+        log.append(f"{name} combine send")
+        yield COMBINE_SENT
+        log.append(f"{name} combine hook")
+        yield COMBINE_HOOKED
+        return name
+
+    def two_layers(mb: str, rank: int) -> Steps[str]:
+        yield from layer(f"{mb}{rank}.1")
+        return (yield from layer(f"{mb}{rank}.2"))
+
+    first, second = run_two_microbatches([two_layers("A", r) for r in range(2)],
+                                         [two_layers("B", r) for r in range(2)])
+    assert (first, second) == (["A0.2", "A1.2"], ["B0.2", "B1.2"])
+
+    def turn(mb: str, depth: int, *events: str) -> list[str]:  # one step of both ranks of a micro-batch
+        return [f"{mb}{rank}.{depth} {event}" for rank in range(2) for event in events]
+
+    want = []
+    for depth in (1, 2):
+        want += (turn("A", depth, "dispatch send") + turn("B", depth, "dispatch send")
+                 + turn("A", depth, "dispatch hook", "combine send") + turn("A", depth, "combine hook")
+                 + turn("B", depth, "dispatch hook", "combine send") + turn("B", depth, "combine hook"))
+    assert log == want
 
 
 # ---------------------------------------------------------------------------- expert kernels

@@ -20,7 +20,15 @@ from cuda_graphs import capture_after_warmup
 from moe_helpers import MoeConfig, dense_weights, hf_weights
 
 from ep_layer import Buffer, native
-from ep_layer.moe import CommStreams, ExpertWeights, FusedMoE, TorchExperts, run_interleaved, triton_experts
+from ep_layer.moe import (
+    CommStreams,
+    ExpertWeights,
+    FusedMoE,
+    TorchExperts,
+    run_interleaved,
+    run_two_microbatches,
+    triton_experts,
+)
 from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
 
 pytestmark = [
@@ -342,8 +350,9 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
         if schedule == "plain":
             return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
         halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
-        outs = run_interleaved([layer.steps(h, streams) for layer, pair in zip(layers, halves) for h in pair])
-        return [torch.cat(outs[2 * r:2 * r + 2]) for r in range(ranks)]
+        first, second = run_two_microbatches([layer.steps(h[0], streams) for layer, h in zip(layers, halves)],
+                                             [layer.steps(h[1], streams) for layer, h in zip(layers, halves)])
+        return [torch.cat(pair) for pair in zip(first, second)]
 
     graph, outs = capture_after_warmup(lambda: run(side_streams))  # compiles and warms up outside the graph
     for replay in range(3):

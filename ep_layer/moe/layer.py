@@ -23,7 +23,17 @@ from ..quant import FP8_GROUP, per_token_cast_to_fp8
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
 from .routing import RoutingConfig, route
-from .schedule import CommStreams, Steps, hook_on, join, run_interleaved, run_to_end, send_on
+from .schedule import (
+    COMBINE_HOOKED,
+    COMBINE_SENT,
+    DISPATCH_SENT,
+    CommStreams,
+    Steps,
+    run_hook,
+    run_to_end,
+    run_two_microbatches,
+    send_on,
+)
 from .weights import ExpertWeights
 
 QUANT_MODES = ("bf16", "fp8-block")
@@ -96,8 +106,8 @@ class FusedMoE(nn.Module):
         communication runs on the layer's side streams (CommStreams), concurrently with the compute."""
         half = (hidden_states.shape[0] + 1) // 2
         streams = self.comm_streams(hidden_states.device)
-        first, second = run_interleaved([self.steps(hidden_states[:half], streams),
-                                         self.steps(hidden_states[half:], streams)])
+        (first,), (second,) = run_two_microbatches([self.steps(hidden_states[:half], streams)],
+                                                   [self.steps(hidden_states[half:], streams)])
         return torch.cat([first, second])
 
     def comm_streams(self, device: torch.device) -> CommStreams | None:
@@ -110,9 +120,10 @@ class FusedMoE(nn.Module):
         return streams
 
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None) -> Steps[torch.Tensor]:
-        """One micro-batch's forward as a generator that yields after the dispatch send and after the
-        combine send, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
-        combine kernels run on those side streams (layers of emulated ranks on one GPU share one)."""
+        """One micro-batch's forward as a generator that yields after the dispatch send, after the combine
+        send and after queueing the combine hook, and returns the output (see ep_layer.moe.schedule). With
+        `streams` the dispatch and combine kernels run on those side streams (layers of emulated ranks on
+        one GPU share one)."""
         x = self._check_input(hidden_states)
         topk_idx, topk_weights = self.route(x)
         dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
@@ -122,20 +133,18 @@ class FusedMoE(nn.Module):
                 cumulative_local_expert_recv_stats=self.expert_load,
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
                 return_recv_hook=True)
-        yield
+        yield DISPATCH_SENT
         shared = self.shared_expert(x)
-        with hook_on(dispatch_stream):
-            dispatch_hook()
-        join(dispatch_stream)
+        run_hook(dispatch_hook, dispatch_stream)()
         y = self.run_experts(recv_x, recv_count)
         with send_on(combine_stream):
             combined, _, combine_hook = self.buffer.low_latency_combine(
                 y, topk_idx, topk_weights, handle, return_recv_hook=True,
                 combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
-        yield
-        with hook_on(combine_stream):
-            combine_hook()
-        join(combine_stream)
+        yield COMBINE_SENT
+        wait_combined = run_hook(combine_hook, combine_stream)
+        yield COMBINE_HOOKED
+        wait_combined()
         return combined if shared is None else combined + shared
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

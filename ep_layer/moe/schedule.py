@@ -1,8 +1,10 @@
-"""Running a layer's forward written as steps: a generator that yields right after each send half.
+"""Running a layer's forward written as steps: a generator that yields right after each send half
+(DISPATCH_SENT, COMBINE_SENT) and after queueing its last hook (COMBINE_HOOKED), before it waits for it.
 
-Between a send and its hook the caller may run anything, typically the other micro-batch's compute
-(or, with emulated ranks on one GPU, the other ranks' sends). Round-robin over several step
-generators gives exactly the overlapped schedule; running one to its end gives the plain one.
+Between a send and its hook the caller may run anything: the other micro-batch's compute, or, with
+emulated ranks on one GPU, the other ranks' sends (every rank's send of an op must be queued before
+any hook of it). Running one generator to its end is the plain forward; `run_interleaved` steps
+several in turn (emulated ranks); `run_two_microbatches` is the overlapped schedule.
 
 On one CUDA stream the overlapped schedule only reorders work. With `CommStreams` the communication
 kernels run on side streams, concurrently with the compute on the current stream.
@@ -10,7 +12,7 @@ kernels run on side streams, concurrently with the compute on the current stream
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -18,7 +20,8 @@ from typing import TypeVar
 import torch
 
 Result = TypeVar("Result")
-Steps = Generator[None, None, Result]
+DISPATCH_SENT, COMBINE_SENT, COMBINE_HOOKED = "dispatch sent", "combine sent", "combine hooked"
+Steps = Generator[str, None, Result]  # yields one of the three marks above
 
 
 def run_to_end(steps: Steps[Result]) -> Result:
@@ -42,6 +45,30 @@ def run_interleaved(all_steps: Sequence[Steps[Result]]) -> list[Result]:
                 results[i] = stop.value
                 pending.remove(i)
     return results  # type: ignore[return-value]
+
+
+def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[Result]]
+                         ) -> tuple[list[Result], list[Result]]:
+    """The two-micro-batch schedule: `first` and `second` hold each micro-batch's generators (one per
+    emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
+    has just sent its combine keeps the turn to queue the combine hook. On a side stream the first
+    micro-batch's combine then runs under the second's experts, not behind the second's combine send.
+    Each micro-batch may chain several layers (`yield from`)."""
+    groups = [list(first), list(second)]
+    results: list[list[Result | None]] = [[None] * len(g) for g in groups]
+    pending = [list(range(len(g))) for g in groups]
+    turn = 0
+    while pending[0] or pending[1]:
+        marks = set()
+        for i in list(pending[turn]):
+            try:
+                marks.add(next(groups[turn][i]))
+            except StopIteration as stop:
+                results[turn][i] = stop.value
+                pending[turn].remove(i)
+        if marks != {COMBINE_SENT} or not pending[turn]:
+            turn ^= 1
+    return results[0], results[1]  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -69,7 +96,7 @@ class CommStreams:
 @contextmanager
 def send_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Queue a send half on `stream` (None: the current stream), after all work queued on the current
-    stream so far: its inputs. Its outputs then belong to `stream`: `join` it before using them."""
+    stream so far: its inputs. Its outputs belong to `stream`: use them after its hook's wait (run_hook)."""
     if stream is None:
         yield
         return
@@ -78,22 +105,19 @@ def send_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def hook_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Queue a hook on `stream`, right behind its send half and without waiting for the compute queued
-    since (what it overlaps)."""
-    if stream is None:
-        yield
-        return
-    with torch.cuda.stream(stream):
-        yield
-
-
-def join(stream: torch.cuda.Stream | None) -> None:
-    """Make the current stream wait for everything queued on `stream` (None: nothing to wait for).
+def run_hook(hook: Callable[[], None], stream: torch.cuda.Stream | None) -> Callable[[], None]:
+    """Run `hook` (a receive half) on `stream`, right behind its send half and without waiting for the
+    compute queued since (what it overlaps). Returns the function that makes the current stream wait
+    for it, before the received tensors are used (a no-op without a stream: the hook ran in order).
 
     Allocator safety without record_stream: side-stream tensors used on the current stream are freed
-    only after the join, and each later side-stream allocation comes from a send queued behind the
-    current stream's work (send_on), or from a hook behind such a send."""
-    if stream is not None:
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    after that wait, and each later side-stream allocation comes from a send queued behind the current
+    stream's work (send_on), or from a hook behind such a send."""
+    if stream is None:
+        hook()
+        return lambda: None
+    with torch.cuda.stream(stream):
+        hook()
+    done = torch.cuda.Event()
+    done.record(stream)
+    return lambda: torch.cuda.current_stream(stream.device).wait_event(done)
