@@ -359,9 +359,9 @@ def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
         ref_diff = relative_difference([ref(case.xs[0])], plain_out)
         ref_eager = time_eager(lambda: ref(case.xs[0]), reps.reference, warmup=1)
         del ref
+    gemm_bytes = case.depth * case.active_experts * setup.expert_bytes
     return Row(setup.ep, case.tokens, case.active_experts, ref_eager, eager, overlap_eager, graph, overlap_graph,
-               one_stream_graph, gemm, case.active_experts * setup.expert_bytes, comm_graph, split_comm_graph,
-               overlap_diff, ref_diff)
+               one_stream_graph, gemm, gemm_bytes, comm_graph, split_comm_graph, overlap_diff, ref_diff)
 
 
 def print_table(rows: list[Row], copy_bw: float) -> None:
@@ -455,15 +455,15 @@ def main() -> None:
         release_memory()
         torch.cuda.reset_peak_memory_stats()
     print()
-    print("Times in microseconds for all EP ranks together (EP > 1 emulated on one GPU, one stream), median of "
-          f"{args.reps.eager} eager calls or {args.reps.graph} graph replays. experts = routed experts that got a "
-          "token; ref_eager = reference backend (EP=1 only); eager/graph = cuda backend, plain schedule; ovl_* = "
-          "two micro-batches, communication on side streams; ovl_1stream = the same all on one stream (graph); "
-          "gemm = routed experts' GEMMs alone (CUDA graph); gemm_floor = their FP8 weights + block scales "
-          "(experts that got a token) at the copy bandwidth; gemm_GB/s = those bytes / gemm; comm = dispatch + "
-          "combine alone (graph), of the whole batches; comm_2mb = of the two micro-batches; hid% = (ovl_1stream "
-          "- ovl_graph) / comm_2mb: the share of its communication that the overlap hides; ovl_diff, ref_diff = "
-          "relative difference of the two-micro-batch and reference outputs from the plain one.")
+    print(f"Times in microseconds for all EP ranks together (EP > 1 emulated on one GPU) and {args.layers} layer "
+          f"call(s), median of {args.reps.eager} eager calls or {args.reps.graph} graph replays. experts = routed "
+          "experts that got a token; ref_eager = reference backend (EP=1 only); eager/graph = cuda backend, plain "
+          "schedule; ovl_* = two micro-batches, communication on side streams; ovl_1stream = the same all on one "
+          "stream (graph); gemm = routed experts' GEMMs alone (CUDA graph); gemm_floor = their FP8 weights + block "
+          "scales (experts that got a token) at the copy bandwidth; gemm_GB/s = those bytes / gemm; comm = "
+          "dispatch + combine alone (graph), of the whole batches; comm_2mb = of the two micro-batches; hid% = "
+          "(ovl_1stream - ovl_graph) / comm_2mb: the share of its communication that the overlap hides; ovl_diff, "
+          "ref_diff = relative difference of the two-micro-batch and reference outputs from the plain one.")
     print_table(rows, copy_bw)
     print(f"# {time.perf_counter() - started:.0f} s in all")
 
