@@ -47,7 +47,7 @@ from ep_layer.moe import (
     route,
     run_two_microbatches,
 )
-from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_SENT, Steps
+from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_HOOKED, DISPATCH_SENT, Steps
 from ep_layer.moe.tiles import ROW_TILE
 from ep_layer.quant import per_token_cast_to_fp8
 
@@ -265,14 +265,15 @@ def test_two_microbatches_interleave_communication() -> None:
 def test_two_microbatch_schedule_of_emulated_ranks() -> None:
     """run_two_microbatches with two ranks per micro-batch, through two layers: every rank's send of a
     call comes before any hook of it (ranks sharing a stream never wait for a send queued behind them),
-    and micro-batch A's combine hook comes before B's combine send (on a side stream it runs under B's
-    experts)."""
+    and each of micro-batch A's hooks comes before B's send of that op (on a side stream it runs right
+    after A's send instead of behind B's)."""
     log: list[str] = []
 
     def layer(name: str) -> Steps[str]:
         log.append(f"{name} dispatch send")
         yield DISPATCH_SENT
         log.append(f"{name} dispatch hook")
+        yield DISPATCH_HOOKED
         log.append(f"{name} combine send")
         yield COMBINE_SENT
         log.append(f"{name} combine hook")
@@ -292,9 +293,9 @@ def test_two_microbatch_schedule_of_emulated_ranks() -> None:
 
     want = []
     for depth in (1, 2):
-        want += (turn("A", depth, "dispatch send") + turn("B", depth, "dispatch send")
-                 + turn("A", depth, "dispatch hook", "combine send") + turn("A", depth, "combine hook")
-                 + turn("B", depth, "dispatch hook", "combine send") + turn("B", depth, "combine hook"))
+        for op in ("dispatch", "combine"):
+            for mb in "AB":
+                want += turn(mb, depth, f"{op} send") + turn(mb, depth, f"{op} hook")
     assert log == want
 
 

@@ -26,6 +26,7 @@ from .routing import RoutingConfig, route
 from .schedule import (
     COMBINE_HOOKED,
     COMBINE_SENT,
+    DISPATCH_HOOKED,
     DISPATCH_SENT,
     CommStreams,
     Steps,
@@ -120,10 +121,9 @@ class FusedMoE(nn.Module):
         return streams
 
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None) -> Steps[torch.Tensor]:
-        """One micro-batch's forward as a generator that yields after the dispatch send, after the combine
-        send and after queueing the combine hook, and returns the output (see ep_layer.moe.schedule). With
-        `streams` the dispatch and combine kernels run on those side streams (layers of emulated ranks on
-        one GPU share one)."""
+        """One micro-batch's forward as a generator that yields after each send and after each hook is
+        queued, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
+        combine kernels run on those side streams (layers of emulated ranks on one GPU share one)."""
         x = self._check_input(hidden_states)
         topk_idx, topk_weights = self.route(x)
         dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
@@ -134,8 +134,14 @@ class FusedMoE(nn.Module):
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
                 return_recv_hook=True)
         yield DISPATCH_SENT
+        if dispatch_stream is not None:  # the hook right behind its send, under the shared expert
+            wait_received = run_hook(dispatch_hook, dispatch_stream)
+        yield DISPATCH_HOOKED
         shared = self.shared_expert(x)
-        run_hook(dispatch_hook, dispatch_stream)()
+        if dispatch_stream is None:  # one stream: the shared expert runs between the send and the hook
+            dispatch_hook()
+        else:
+            wait_received()
         y = self.run_experts(recv_x, recv_count)
         with send_on(combine_stream):
             combined, _, combine_hook = self.buffer.low_latency_combine(

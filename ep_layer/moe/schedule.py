@@ -1,5 +1,6 @@
 """Running a layer's forward written as steps: a generator that yields right after each send half
-(DISPATCH_SENT, COMBINE_SENT) and after queueing its last hook (COMBINE_HOOKED), before it waits for it.
+(DISPATCH_SENT, COMBINE_SENT) and after each hook is queued on a side stream (DISPATCH_HOOKED,
+COMBINE_HOOKED), before anything waits for it.
 
 Between a send and its hook the caller may run anything: the other micro-batch's compute, or, with
 emulated ranks on one GPU, the other ranks' sends (every rank's send of an op must be queued before
@@ -20,8 +21,10 @@ from typing import TypeVar
 import torch
 
 Result = TypeVar("Result")
-DISPATCH_SENT, COMBINE_SENT, COMBINE_HOOKED = "dispatch sent", "combine sent", "combine hooked"
-Steps = Generator[str, None, Result]  # yields one of the three marks above
+DISPATCH_SENT, DISPATCH_HOOKED = "dispatch sent", "dispatch hooked"
+COMBINE_SENT, COMBINE_HOOKED = "combine sent", "combine hooked"
+SENT = (DISPATCH_SENT, COMBINE_SENT)
+Steps = Generator[str, None, Result]  # yields one of the four marks above
 
 
 def run_to_end(steps: Steps[Result]) -> Result:
@@ -51,9 +54,10 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
                          ) -> tuple[list[Result], list[Result]]:
     """The two-micro-batch schedule: `first` and `second` hold each micro-batch's generators (one per
     emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
-    has just sent its combine keeps the turn to queue the combine hook. On a side stream the first
-    micro-batch's combine then runs under the second's experts, not behind the second's combine send.
-    Each micro-batch may chain several layers (`yield from`)."""
+    has just sent keeps the turn to queue that op's hook. On a side stream a hook then runs right after
+    its send, not behind the other micro-batch's send: the first half's dispatch is received while its
+    shared expert computes, its combine under the second half's experts. Each micro-batch may chain
+    several layers (`yield from`)."""
     groups = [list(first), list(second)]
     results: list[list[Result | None]] = [[None] * len(g) for g in groups]
     pending = [list(range(len(g))) for g in groups]
@@ -66,7 +70,7 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
             except StopIteration as stop:
                 results[turn][i] = stop.value
                 pending[turn].remove(i)
-        if marks != {COMBINE_SENT} or not pending[turn]:
+        if len(marks) != 1 or marks.pop() not in SENT or not pending[turn]:
             turn ^= 1
     return results[0], results[1]  # type: ignore[return-value]
 
