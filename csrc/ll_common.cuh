@@ -306,25 +306,29 @@ __device__ __forceinline__ unsigned long long wait_for(const Common& c, const Wo
   return waited;
 }
 
+// Waits for rank `source`'s hello of this call; false (with the reason recorded) if it never came or
+// the rank disagrees on what it was called with.
+__device__ __forceinline__ bool hello_agrees(const Common& c, Op op, unsigned seq, int source) {
+  const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
+  unsigned long long v;
+  if (wait_for(c, &ctrl->hello[op][seq & 1u][source], seq, &v, /*acquire=*/false) == kNeverArrived) {
+    record_error(c, op, kTimeout, 1u << source);
+    return false;
+  }
+  if (static_cast<unsigned>(v >> 32) != c.spec_check) {
+    record_error(c, op, kMismatch, 1u << source);
+    return false;
+  }
+  return true;
+}
+
 // Threads r < num_ranks wait for rank r's hello; returns false (and records why) if any failed.
 // Must be called by all threads of the block.
 __device__ __forceinline__ bool check_hellos(const Common& c, Op op, unsigned seq) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  if (threadIdx.x < c.num_ranks) {
-    const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
-    const unsigned long long* word = &ctrl->hello[op][seq & 1u][threadIdx.x];
-    unsigned long long v;
-    const bool arrived = wait_for(c, word, seq, &v, /*acquire=*/false) != kNeverArrived;
-    if (!arrived) {
-      record_error(c, op, kTimeout, 1u << threadIdx.x);
-      failed = 1;
-    } else if (static_cast<unsigned>(v >> 32) != c.spec_check) {
-      record_error(c, op, kMismatch, 1u << threadIdx.x);
-      failed = 1;
-    }
-  }
+  if (threadIdx.x < c.num_ranks && !hello_agrees(c, op, seq, threadIdx.x)) failed = 1;
   __syncthreads();
   return failed == 0;
 }

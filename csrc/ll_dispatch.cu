@@ -393,17 +393,7 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts)
     const int w = threadIdx.x + j * kThreads;
     if (w < words) got[j] = ld_relaxed(c, tagged + w);
   }
-  if (threadIdx.x < c.num_ranks) {
-    const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
-    unsigned long long v;
-    if (wait_for(c, &ctrl->hello[kDispatch][seq & 1u][threadIdx.x], seq, &v, /*acquire=*/false) == kNeverArrived) {
-      record_error(c, kDispatch, kTimeout, 1u << threadIdx.x);
-      failed = 1;
-    } else if (static_cast<unsigned>(v >> 32) != c.spec_check) {
-      record_error(c, kDispatch, kMismatch, 1u << threadIdx.x);
-      failed = 1;
-    }
-  }
+  if (threadIdx.x < c.num_ranks && !hello_agrees(c, kDispatch, seq, threadIdx.x)) failed = 1;
   const int num_local = c.num_experts / c.num_ranks;
 #pragma unroll
   for (int j = 0; j < kCountsPerThread; ++j) {
