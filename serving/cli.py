@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="model name in the API (default: MODEL as given, or 'ep-layer-tiny')")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to bind (0: a free one, logged as 'Uvicorn running on http://HOST:PORT')")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but --api-key-exempt-paths")
     p.add_argument("--api-key-exempt-paths", default="/health,/metrics", metavar="PATHS",
@@ -95,7 +96,8 @@ def _add_multi_host_args(p: argparse.ArgumentParser) -> None:
                    help="address of the host that runs rank 0, where the ranks meet")
     g.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None, metavar="PORT",
                    help=f"port on the rank-0 host where the ranks meet (torch.distributed's TCP store; default: "
-                        f"{DEFAULT_RPC_PORT} when the ranks span several ep-serve processes, else a free port)")
+                        f"{DEFAULT_RPC_PORT} when the ranks span several ep-serve processes, else a free port); 0 "
+                        f"on the rank-0 host: a free port, logged as 'all ranks meet at ADDR:PORT'")
     g.add_argument("--data-parallel-hybrid-lb", "-dph", action="store_true",
                    help="accepted for vLLM compatibility: the ep-serve of each host serves its own ranks either way")
 
@@ -146,10 +148,6 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args, model, args.served_model_name or default_name)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
-    if config.spans_processes:
-        ranks = config.local_ranks
-        log.info("ranks %d..%d of %d run here; all ranks meet at %s:%d", ranks.start, ranks.stop - 1,
-                 config.data_parallel_size, config.data_parallel_address, config.dist_port)
     serve(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
           max_waiting_seqs=args.max_waiting_seqs)

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -85,35 +84,41 @@ def tool(name: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which(name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------- ep-serve as a process
 class EPServe:
-    """`python -m serving.cli` on HOST with a port of its own; output goes to a log file."""
+    """`python -m serving.cli` on HOST; output goes to a log file. It binds a port the OS picks (--port 0)
+    and logs it: a port picked here and closed could be taken (by a rank's rendezvous, another server)
+    before ep-serve binds it. url and port are known once wait_healthy returns."""
 
     def __init__(self, args: list[str], cache: str | os.PathLike[str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://{HOST}:{self.port}"
         self.log = log
+        self.port: int | None = None
+        self.url: str | None = None
         env = {**os.environ, "EP_LAYER_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--port", str(self.port),
-                                          "--log-level", "warning", *args], env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--port", "0", "--log-level", "info",
+                                          *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def logged(self, pattern: str, timeout_s: float = 90.0) -> re.Match[str]:
+        """The first match of `pattern` in the log, waiting until ep-serve has written it."""
+        deadline = time.monotonic() + timeout_s
+        while not (match := re.search(pattern, self.log.read_text())):
+            assert self.proc.poll() is None, f"ep-serve exited ({self.proc.returncode}):\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, \
+                f"ep-serve: no {pattern!r} in its log after {timeout_s:.0f} s:\n{self.log.read_text()}"
+            time.sleep(0.2)
+        return match
+
+    def rendezvous_port(self) -> int:
+        """Where the job's ranks meet, as the rank-0 host logs it (once its store is bound)."""
+        return int(self.logged(r"all ranks meet at \S+:(\d+)")[1])
 
     def wait_healthy(self, timeout_s: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert self.proc.poll() is None, f"ep-serve exited ({self.proc.returncode}):\n{self.log.read_text()}"
-            assert time.monotonic() < deadline, f"ep-serve not healthy in {timeout_s:.0f} s:\n{self.log.read_text()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
+        """Wait until ep-serve listens (once its ranks are ready), then check that /health says 200."""
+        self.port = int(self.logged(r"Uvicorn running on http://\S+:(\d+)", timeout_s)[1])
+        self.url = f"http://{HOST}:{self.port}"
+        health = httpx.get(f"{self.url}/health", timeout=10)
+        assert health.status_code == 200, f"/health: {health.status_code} {health.text}\n{self.log.read_text()}"
 
     def kill(self) -> None:
         """SIGKILL the server and its engine ranks at once, as a lost host."""

@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,7 +29,6 @@ from deploy_helpers import (
     alert_rules,
     dashboard_exprs,
     ep_serve,
-    free_port,
     metric_names,
     scrape,
     substitute,
@@ -159,8 +159,8 @@ def test_dispatch_combine_latency_counts_match_the_steps(server: EPServe):
 
 # ---------------------------------------------------------------------------- a real Prometheus
 class Prometheus:
-    """Debian's prometheus binary on a free 127.0.0.1 port, scraping `target` every SCRAPE_S seconds with
-    deploy/prometheus/prometheus.yml's job and alert rules."""
+    """Debian's prometheus binary on a free 127.0.0.1 port (it binds port 0 and logs the port it got),
+    scraping `target` every SCRAPE_S seconds with deploy/prometheus/prometheus.yml's job and alert rules."""
 
     def __init__(self, binary: str, target: str, tmp: Path) -> None:
         config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
@@ -169,15 +169,20 @@ class Prometheus:
         (job,) = config["scrape_configs"]
         job["static_configs"] = [{"targets": [target]}]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://{HOST}:{free_port()}"
+        self.url = ""  # once wait_ready has read the port from the log
         self.log = tmp / "prometheus.log"
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                 f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
+                 f"--web.listen-address={HOST}:0", "--log.level=info"],
                 stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
+        def listening() -> bool:
+            match = re.search(r'msg="Listening on" address=(\S+)', self.log.read_text())
+            self.url = f"http://{match[1]}" if match else ""
+            return bool(match)
+        self.until(listening, timeout_s, "listening")
         self.until(lambda: httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200, timeout_s, "ready")
 
     def until(self, check, timeout_s: float, what: str) -> None:

@@ -101,12 +101,11 @@ class Served:
 def ep_serve(cache: str, log: Path, *args: str) -> Iterator[Served]:
     server = EPServe(list(args), cache, log)
     proc = server.proc
-    served = Served(proc, server.url, server.port, log)
     tree: list[int] = []
     try:
         server.wait_healthy()
         tree = descendants(proc.pid)
-        yield served
+        yield Served(proc, server.url, server.port, log)
     finally:
         if proc.poll() is None:
             proc.kill()

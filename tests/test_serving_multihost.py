@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy_helpers import EPServe, ep_serve, free_port, scrape, total
+from deploy_helpers import EPServe, ep_serve, scrape, total
 
 from serving.cli import DEFAULT_RPC_PORT, build_parser, engine_config
 
@@ -44,14 +44,16 @@ def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
 
     cache = tmp_path / "cache"
     tiny_checkpoint(str(cache))  # written once, up front, for all three servers
-    rpc = str(free_port())
-    common = ["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
-              "--data-parallel-rpc-port", rpc]
+    common = ["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1"]
     with ExitStack() as stack:
-        # Both start before either is up: host 0's ranks wait for host 1's to join.
-        host0 = EPServe([*common, "--data-parallel-size-local", "1"], cache, tmp_path / "host0.log")
+        # Host 0 binds the rendezvous on a free port and logs it; host 1 starts with that port, before either
+        # is up: host 0's ranks wait for host 1's to join.
+        host0 = EPServe([*common, "--data-parallel-size-local", "1", "--data-parallel-rpc-port", "0"], cache,
+                        tmp_path / "host0.log")
         stack.callback(host0.stop)
-        host1 = EPServe([*common, "--data-parallel-rank", "1"], cache, tmp_path / "host1.log")
+        rpc = str(host0.rendezvous_port())
+        host1 = EPServe([*common, "--data-parallel-rank", "1", "--data-parallel-rpc-port", rpc], cache,
+                        tmp_path / "host1.log")
         stack.callback(host1.stop)
         one = stack.enter_context(ep_serve([], cache, tmp_path / "one.log"))
         host0.wait_healthy()
@@ -92,12 +94,14 @@ def test_a_lost_host_takes_the_job_down(tmp_path: Path):
     from serving.engine.loading import tiny_checkpoint
 
     tiny_checkpoint(str(tmp_path / "cache"))
-    rpc = str(free_port())
-    common = ["--enable-expert-parallel", "--data-parallel-size", "2", "--data-parallel-rpc-port", rpc]
+    common = ["--enable-expert-parallel", "--data-parallel-size", "2"]
     with ExitStack() as stack:
-        host0 = EPServe([*common, "--data-parallel-size-local", "1"], tmp_path / "cache", tmp_path / "host0.log")
+        host0 = EPServe([*common, "--data-parallel-size-local", "1", "--data-parallel-rpc-port", "0"],
+                        tmp_path / "cache", tmp_path / "host0.log")
         stack.callback(host0.stop)
-        host1 = EPServe([*common, "--data-parallel-rank", "1"], tmp_path / "cache", tmp_path / "host1.log")
+        rpc = str(host0.rendezvous_port())
+        host1 = EPServe([*common, "--data-parallel-rank", "1", "--data-parallel-rpc-port", rpc], tmp_path / "cache",
+                        tmp_path / "host1.log")
         stack.callback(host1.stop)
         host0.wait_healthy()
         host1.wait_healthy()
@@ -125,6 +129,7 @@ def test_rank_placement_flags():
     assert (host1.data_parallel_address, host1.dist_port) == ("leader", DEFAULT_RPC_PORT)
     host0 = config("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpp", "1234")
     assert host0.local_ranks == range(8) and host0.dist_port == 1234
+    assert config("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpp", "0").dist_port == 0  # a free port
     lone = config("--enable-expert-parallel", "--data-parallel-size", "4", "--data-parallel-rank", "3")
     assert lone.local_ranks == range(3, 4)
 
@@ -136,7 +141,7 @@ def test_rank_placement_flags():
     (["--enable-expert-parallel", "-dp", "4", "-dpl", "2", "-dpr", "3"], "go past data_parallel_size=4"),
     (["--enable-expert-parallel", "-dp", "4", "-dpn", "4"], "expected a rank in [0, 4), got 4"),
     (["--enable-expert-parallel", "-dp", "4", "-dpl", "0"], "data_parallel_size_local: expected >= 1"),
-    (["--enable-expert-parallel", "-dp", "2", "-dpl", "1", "-dpp", "0"], "dist_port: expected the rendezvous port"),
+    (["--enable-expert-parallel", "-dp", "2", "-dpn", "1", "-dpp", "0"], "dist_port: expected the rendezvous port"),
 ])
 def test_rank_placement_errors(argv: list[str], message: str):
     with pytest.raises((SystemExit, ValueError), match=re.escape(message)):

@@ -39,7 +39,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     enforce_eager: bool = False  # no decode CUDA graphs (see serving.engine.model_runner)
-    dist_port: int = 0  # rendezvous port of the rank group (0: the launcher picks a free one)
+    dist_port: int = 0  # rendezvous port of the rank group (0: the process that runs rank 0 binds a free one)
     data_parallel_size_local: int | None = None  # ranks this process runs (None: all from the start rank on)
     data_parallel_start_rank: int = 0  # global rank of this process's first rank
     data_parallel_address: str = "127.0.0.1"  # host of the rendezvous store (the process that runs rank 0)
@@ -73,9 +73,10 @@ class EngineConfig:
                 raise ValueError(f"data_parallel_size_local: ranks {start}..{start + len(self.local_ranks) - 1} "
                                  f"of {size} join other processes' ranks only with enable_expert_parallel (without "
                                  f"it the ranks are independent: start one server per host instead)")
-            if not 0 < self.dist_port < 65536:
-                raise ValueError(f"dist_port: expected the rendezvous port every host uses, in [1, 65535], got "
-                                 f"{self.dist_port}")
+            lowest = 0 if start == 0 else 1  # 0 where the store is kept: it binds a free port and logs it
+            if not lowest <= self.dist_port < 65536:
+                raise ValueError(f"dist_port: expected the rendezvous port every host uses, in [{lowest}, 65535], "
+                                 f"got {self.dist_port}")
 
     @property
     def local_ranks(self) -> range:

@@ -101,6 +101,11 @@ class DPCoordinator:
             self._store = dist.TCPStore(_HOST, config.dist_port, config.data_parallel_size, is_master=True,
                                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
             config = dataclasses.replace(config, dist_port=self._store.port)
+        if config.spans_processes:
+            # After the store is bound: with dist_port 0 this is where the other hosts learn its port.
+            log.info("ranks %d..%d of %d run here; all ranks meet at %s:%d", config.local_ranks.start,
+                     config.local_ranks.stop - 1, config.data_parallel_size, config.data_parallel_address,
+                     config.dist_port)
         for i, rank in enumerate(config.local_ranks):
             proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[i], self._outbox),
                                      name=f"ep-serve-rank{rank}", daemon=True)
