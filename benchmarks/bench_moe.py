@@ -393,8 +393,9 @@ def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
         del ref
     gemm_bytes = case.depth * case.active_experts * setup.expert_bytes
     return Row(setup.ep, case.tokens, case.active_experts, ref_eager, eager, overlap_eager, graph,
-               statistics.median(overlap_times), statistics.median(one_stream_times), hidden, statistics.median(gemm_times),
-               gemm_bytes, comm_graph, statistics.median(split_comm_times), hideable, overlap_diff, ref_diff)
+               statistics.median(overlap_times), statistics.median(one_stream_times), hidden,
+               statistics.median(gemm_times), gemm_bytes, comm_graph, statistics.median(split_comm_times), hideable,
+               overlap_diff, ref_diff)
 
 
 def print_table(rows: list[Row], copy_bw: float) -> None:
