@@ -34,6 +34,9 @@ BLOCK_M = 64  # rows (tokens) per program
 BLOCK_N_GATED = 64  # gate_up: output columns per program (two accumulators: gate and up)
 BLOCK_N = 128  # down: output columns per program
 BLOCK_N_FEW_ROWS = 32  # dense FP8 linear with at most BLOCK_M rows: 4x the programs, each streams less weight
+SPLITK_MAX_ROWS = 16  # dense FP8 linear with at most this many rows: split-K GEMM (one 16-row tile)
+SPLITK_BLOCK_N = 64
+SPLITK_PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
 BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -112,6 +115,32 @@ if triton is not None:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             out_ptrs = out_ptr + expert * stride_oe + rows[:, None] * stride_om + cols[None, :] * stride_on
             tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+    @triton.jit
+    def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
+                           stride_am, stride_sm, stride_bn, stride_tn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Split-K FP8 GEMM for a few rows: program (n, s) sums the 128-deep blocks s, s + SPLIT, ...
+        of out[:, n tile] = a [M, K] . b [N, K]^T, each block scaled as in _masked_gemm_kernel, into
+        part[s] (float32 [SPLIT, M, N]; the caller sums the parts, so the result is deterministic)."""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for block in range(split, K_BLOCKS, SPLIT):
+            k0 = block * BLOCK_K
+            a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptr + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=col_ok[None, :], other=0.0)
+            a_s = tl.load(a_scale_ptr + rows * stride_sm + block, mask=row_ok, other=0.0)
+            b_s = tl.load(b_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_tn + block)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+        out = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
     @triton.jit
@@ -195,10 +224,30 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return out[0]
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)
     data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
+    if m <= SPLITK_MAX_ROWS:
+        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv)
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs
     # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200).
     block_n = BLOCK_N_FEW_ROWS if m <= BLOCK_M else None
     return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out, block_n=block_n)[0]
+
+
+def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                       weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """The split-K path of fp8_block_linear: a GEMV-like shape (a decode step's rows) has too few
+    column tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well."""
+    m, k = data.shape
+    n = weight.shape[0]
+    k_blocks = k // FP8_GROUP
+    column_tiles = triton.cdiv(n, SPLITK_BLOCK_N)
+    sms = torch.cuda.get_device_properties(data.device).multi_processor_count
+    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sms, column_tiles)))
+    parts = torch.empty(split, m, n, dtype=torch.float32, device=data.device)
+    _fp8_splitk_kernel[(column_tiles, split)](
+        data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
+        data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=SPLITK_MAX_ROWS, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
+    return parts.sum(0).to(torch.bfloat16)
 
 
 class TritonExperts(ExpertKernels):
