@@ -408,4 +408,4 @@ def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, seed: in
                          lens, tables, torch.zeros(b, dtype=torch.long), torch.arange(b), decode=True)
     want = paged_mla_attention(q.to(dtype).double(), cache.to(dtype).double(), DecodeMetadata.from_batch(batch, 16),
                                scale, lora)
-    assert_close(got, want, 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -9, "mla_decode")
+    assert_close(got, want, 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -8, "mla_decode")  # float32: TF32 dots

@@ -23,6 +23,8 @@ except ImportError:
 BLOCK_H = 16  # heads per program (they share every key load)
 BLOCK_T = 32  # keys per step of the online softmax
 NUM_SPLITS = 8  # programs along each sequence (enough to fill the GPU at batch 1 and 128 heads)
+NUM_WARPS = 4
+NUM_STAGES = 2  # a float32 cache tile is 64 KB: two in flight fit shared memory, three would not
 
 
 def available() -> bool:
@@ -97,7 +99,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     grid = (b, triton.cdiv(h, BLOCK_H), NUM_SPLITS)
     _mla_decode_kernel[grid](q, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size, NUM_SPLITS,
                              scale, q.stride(0), q.stride(1), flat.stride(0), LORA=kv_lora_rank, ROPE=rope,
-                             BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T)
+                             BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     # Part s holds its softmax-weighted mean of c_kv and the log of its weight sum: the whole is their
     # mean weighted by softmax over the parts' log-sum-exps (an empty part, -inf, weighs 0).
     return (out * torch.softmax(lse, dim=1)[..., None]).sum(dim=1).to(q.dtype)
