@@ -388,3 +388,32 @@ def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_featu
     want = x_deq @ block_dequant(weight, scales).double().t()
     assert_close(got, want, 2.0 ** -7, "fp8_block_linear")
     assert triton_experts.fp8_block_linear(x[:0], weight, scales).shape == (0, out_features)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, seed: int) -> None:
+    """The Triton MLA decode kernel (own keys only, split over the sequence) against the padded PyTorch
+    layout in float64: DeepSeek-V3's widths (512 + 64, 128 heads), lengths from 1 to a few blocks."""
+    import math
+
+    from serving.forward_batch import ForwardBatch
+    from serving.models import mla_decode_triton
+    from serving.models.paged_attention import DecodeMetadata, paged_mla_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    lora, rope, heads, block_size, num_blocks, max_blocks = 512, 64, 128, 16, 64, 12
+    lens = torch.tensor([1, 17, 100, 190, 33], dtype=torch.int32)
+    b = len(lens)
+    tables = torch.randperm(num_blocks, generator=gen)[:b * max_blocks].view(b, max_blocks).int()
+    for i, n in enumerate(lens.tolist()):
+        tables[i, -(-n // block_size):] = -1
+    cache = torch.randn(num_blocks, block_size, lora + rope, generator=gen)
+    q = torch.randn(b, heads, lora + rope, generator=gen)
+    scale = 1 / math.sqrt(192)
+    got = mla_decode_triton.mla_decode(q.to(dtype).cuda(), cache.to(dtype).cuda(), tables.cuda(), lens.cuda(),
+                                       scale, lora)
+    batch = ForwardBatch(torch.zeros(b, dtype=torch.long), (lens - 1).long(), torch.arange(b + 1, dtype=torch.int32),
+                         lens, tables, torch.zeros(b, dtype=torch.long), torch.arange(b), decode=True)
+    want = paged_mla_attention(q.to(dtype).double(), cache.to(dtype).double(), DecodeMetadata.from_batch(batch, 16),
+                               scale, lora)
+    assert_close(got, want, 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -8, "mla_decode")  # float32: TF32 dots

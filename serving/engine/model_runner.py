@@ -10,9 +10,9 @@ logits are dropped. An idle expert-parallel rank replays the agreed size on padd
 layers still take part in the peers' dispatch and combine. Prefill steps run eagerly.
 
 Graphs need a GPU, MoE layers whose Buffer backend is `cuda` (the reference backend synchronises
-with the host inside dispatch), and max_model_len <= GRAPH_MAX_MODEL_LEN: the graph-safe decode
-attention (serving.models.paged_attention.DecodeMetadata) reads max_model_len keys per sequence,
-whatever its length. Otherwise, or with enforce_eager, every step runs eagerly.
+with the host inside dispatch), and, without Triton's MLA decode kernel, max_model_len <=
+GRAPH_MAX_MODEL_LEN: the graph-safe PyTorch decode attention (serving.models.paged_attention) reads
+max_model_len keys per sequence. Otherwise, or with enforce_eager, every step runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..forward_batch import ForwardBatch
+from ..models import mla_decode_triton
 from .scheduler import ScheduledBatch
 
 LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
@@ -199,7 +200,7 @@ def why_eager(device: torch.device, ep_backend: str | None, max_model_len: int) 
         return "no GPU"
     if ep_backend not in (None, "cuda"):
         return f"the {ep_backend} backend's dispatch waits on the host"
-    if max_model_len > GRAPH_MAX_MODEL_LEN:
+    if max_model_len > GRAPH_MAX_MODEL_LEN and not mla_decode_triton.available():
         return (f"max_model_len {max_model_len} > {GRAPH_MAX_MODEL_LEN}: the graph-safe decode attention reads "
                 "max_model_len keys per sequence (set --max-model-len to capture graphs)")
     return None

@@ -8,11 +8,10 @@ as serving.models.rotary lays it out)]; slot s is block s // block_size, offset 
 Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
 - `AttentionMetadata` (any batch: prefill chunks and decodes): one sequence at a time, with a host
   sync per step to read and check the batch layout.
-- `DecodeMetadata` (one new token per sequence): every sequence at once over its whole block table,
-  keys past its length masked, no host sync, so a decode step can be captured in a CUDA graph. It
-  reads max_blocks_per_seq * block_size keys per sequence whatever the sequence's length.
-GPU kernel: FlashMLA / FlashInfer's MLA paged kernels take `q` [T, H, 576], the cache, block tables and
-sequence lengths and replace `paged_mla_attention` (reading only each sequence's own keys).
+- `DecodeMetadata` (one new token per sequence): no host sync, so a decode step can be captured in a
+  CUDA graph. On a GPU with Triton, serving.models.mla_decode_triton reads each sequence's own keys
+  (flash-decoding over its block table); elsewhere every sequence is read over its whole block table
+  with the keys past its length masked (max_blocks_per_seq * block_size keys, whatever its length).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..forward_batch import ForwardBatch
+from . import mla_decode_triton
 
 
 @dataclass(frozen=True)
@@ -73,24 +73,28 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class DecodeMetadata:
-    """One new token per sequence (row b of the batch is sequence b): `slots` int64 [B, L] are the cache
-    slots of every position its block table covers (L = max_blocks_per_seq * block_size; -1 entries of
-    the table read block 0), `visible` bool [B, L] marks positions < seq_len. Built on the device."""
+    """One new token per sequence (row b of the batch is sequence b), read on the device only: its
+    block table (int32 [B, max_blocks], -1 past its blocks) and its length (int32 [B])."""
 
     slot_mapping: torch.Tensor
-    slots: torch.Tensor
-    visible: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    block_size: int
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, block_size: int) -> DecodeMetadata:
         if batch.num_tokens != batch.num_seqs:
             raise ValueError(f"batch: a decode batch has one token per sequence, got {batch.num_tokens} tokens "
                              f"for {batch.num_seqs} sequences")
-        offsets = torch.arange(block_size, device=batch.block_tables.device)
-        slots = batch.block_tables.clamp(min=0).long()[:, :, None] * block_size + offsets  # [B, blocks, bs]
-        slots = slots.flatten(1)
-        visible = torch.arange(slots.shape[1], device=slots.device)[None, :] < batch.seq_lens[:, None]
-        return cls(batch.slot_mapping, slots, visible)
+        return cls(batch.slot_mapping, batch.block_tables, batch.seq_lens, block_size)
+
+    def padded_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots int64 [B, L], visible bool [B, L]): the cache slot of every position the block tables
+        cover (L = max_blocks * block_size; -1 entries read block 0) and whether it is < seq_len."""
+        offsets = torch.arange(self.block_size, device=self.block_tables.device)
+        slots = (self.block_tables.clamp(min=0).long()[:, :, None] * self.block_size + offsets).flatten(1)
+        visible = torch.arange(slots.shape[1], device=slots.device)[None, :] < self.seq_lens[:, None]
+        return slots, visible
 
 
 def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Tensor) -> None:
@@ -104,9 +108,12 @@ def paged_mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMet
     then q_pe) against one layer's cache [num_blocks, block_size, D]: softmax(q . key * scale) . c_kv."""
     flat = cache.view(-1, cache.shape[-1])
     if isinstance(meta, DecodeMetadata):
-        keys = flat[meta.slots].to(q.dtype)  # [B, L, D]
+        if q.is_cuda and mla_decode_triton.available():
+            return mla_decode_triton.mla_decode(q, cache, meta.block_tables, meta.seq_lens, scale, kv_lora_rank)
+        slots, visible = meta.padded_slots()
+        keys = flat[slots].to(q.dtype)  # [B, L, D]
         scores = torch.einsum("bhd,bld->bhl", q, keys) * scale
-        scores = scores.masked_fill(~meta.visible[:, None, :], float("-inf"))
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.einsum("bhl,blc->bhc", probs, keys[..., :kv_lora_rank])
     out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)

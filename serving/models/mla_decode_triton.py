@@ -1,0 +1,105 @@
+"""A Triton kernel for MLA decode over the paged latent cache (GPU only): one new token per sequence,
+reading only the sequence's own keys (its block table up to seq_len, read on the device), so a decode
+step stays CUDA-graph capturable without gathering max_model_len keys per sequence.
+
+Flash-decoding: the grid is [sequences, head groups, splits of the sequence]; each program runs an
+online softmax over its part of the keys and writes its normalised partial output and log-sum-exp;
+`mla_decode` merges the splits with softmax weights over those. Each cache entry is
+[c_kv (kv_lora_rank) | k_pe (rope dim)]: the score is q . entry, the output sums c_kv.
+
+Importing this module needs neither Triton nor a GPU; `available()` says whether it can run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCK_H = 16  # heads per program (they share every key load)
+BLOCK_T = 32  # keys per step of the online softmax
+NUM_SPLITS = 8  # programs along each sequence (enough to fill the GPU at batch 1 and 128 heads)
+NUM_WARPS = 4
+NUM_STAGES = 2  # a float32 cache tile is 64 KB: two in flight fit shared memory, three would not
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_decode_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
+                           H, MAX_BLOCKS, BLOCK_SIZE, SPLITS, scale,
+                           stride_qb, stride_qh, stride_cs,
+                           LORA: tl.constexpr, ROPE: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Program (b, g, s): heads [g*BLOCK_H, ...) of sequence b over its keys [s*chunk, (s+1)*chunk)
+        with chunk = cdiv(seq_len, SPLITS). Writes out[b, s, h] = sum_t p_t c_kv_t / sum_t p_t (float32;
+        p_t = exp(score_t - m)) and lse[b, s, h] = m + log(sum_t p_t) (-inf for an empty part)."""
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_ok = heads < H
+        lora = tl.arange(0, LORA)
+        rope = tl.arange(0, ROPE)
+        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q_nope = tl.load(q_row + lora[None, :], mask=head_ok[:, None], other=0.0)
+        q_pe = tl.load(q_row + LORA + rope[None, :], mask=head_ok[:, None], other=0.0)
+        seq_len = tl.load(lens_ptr + b)
+        chunk = tl.cdiv(seq_len, SPLITS)
+        start = s * chunk
+        stop = tl.minimum(start + chunk, seq_len)
+        m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, LORA), tl.float32)
+        for t0 in range(start, stop, BLOCK_T):
+            pos = t0 + tl.arange(0, BLOCK_T)
+            ok = pos < stop
+            block = tl.load(tables_ptr + b * MAX_BLOCKS + pos // BLOCK_SIZE, mask=ok, other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            entry = cache_ptr + slot[:, None] * stride_cs
+            c_kv = tl.load(entry + lora[None, :], mask=ok[:, None], other=0.0)
+            k_pe = tl.load(entry + LORA + rope[None, :], mask=ok[:, None], other=0.0)
+            scores = (tl.dot(q_nope, tl.trans(c_kv)) + tl.dot(q_pe, tl.trans(k_pe))) * scale
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv)
+            m = m_new
+        part = (b * SPLITS + s) * H + heads
+        acc = acc / tl.maximum(l_sum, 1e-30)[:, None]  # an empty part: 0 (its weight below is 0)
+        tl.store(out_ptr + part[:, None] * LORA + lora[None, :], acc, mask=head_ok[:, None])
+        tl.store(lse_ptr + part, m + tl.log(l_sum), mask=head_ok)
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Latent attention output [B, H, kv_lora_rank] (q's dtype) of q [B, H, kv_lora_rank + rope] (one new
+    token per sequence, already in the cache) against one layer's cache [num_blocks, block_size, D],
+    each sequence reading block_tables[b] (int32, -1 past its blocks) up to seq_lens[b] (>= 1)."""
+    if triton is None:
+        raise RuntimeError("mla_decode needs Triton")
+    b, h, d = q.shape
+    rope = d - kv_lora_rank
+    block_size = cache.shape[1]
+    flat = cache.view(-1, d)
+    out = torch.empty(b, NUM_SPLITS, h, kv_lora_rank, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, NUM_SPLITS, h, dtype=torch.float32, device=q.device)
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    grid = (b, triton.cdiv(h, BLOCK_H), NUM_SPLITS)
+    _mla_decode_kernel[grid](q, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size, NUM_SPLITS,
+                             scale, q.stride(0), q.stride(1), flat.stride(0), LORA=kv_lora_rank, ROPE=rope,
+                             BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    # Part s holds its softmax-weighted mean of c_kv and the log of its weight sum: the whole is their
+    # mean weighted by softmax over the parts' log-sum-exps (an empty part, -inf, weighs 0).
+    return (out * torch.softmax(lse, dim=1)[..., None]).sum(dim=1).to(q.dtype)
