@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests that give none")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode (by default a GPU rank on the cuda backend "
-                        "captures one per decode batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs, "
-                        "when --max-model-len is at most 4096)")
+                        "captures one per decode batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs; "
+                        "without Triton only when --max-model-len is at most 4096)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn and ep-serve log level")
     _add_multi_host_args(p)

@@ -390,10 +390,12 @@ def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_featu
     assert triton_experts.fp8_block_linear(x[:0], weight, scales).shape == (0, out_features)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, seed: int) -> None:
-    """The Triton MLA decode kernel (own keys only, split over the sequence) against the padded PyTorch
-    layout in float64: DeepSeek-V3's widths (512 + 64, 128 heads), lengths from 1 to a few blocks."""
+def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, splits: int | None, seed: int) -> None:
+    """The Triton MLA decode kernel (own keys only, split over the sequence: as many parts as fill the
+    GPU, one part, three) against the padded PyTorch layout in float64: DeepSeek-V3's widths (512 + 64,
+    128 heads), lengths from 1 to a few blocks."""
     import math
 
     from serving.forward_batch import ForwardBatch
@@ -411,7 +413,7 @@ def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, seed: in
     q = torch.randn(b, heads, lora + rope, generator=gen)
     scale = 1 / math.sqrt(192)
     got = mla_decode_triton.mla_decode(q.to(dtype).cuda(), cache.to(dtype).cuda(), tables.cuda(), lens.cuda(),
-                                       scale, lora)
+                                       scale, lora, splits)
     batch = ForwardBatch(torch.zeros(b, dtype=torch.long), (lens - 1).long(), torch.arange(b + 1, dtype=torch.int32),
                          lens, tables, torch.zeros(b, dtype=torch.long), torch.arange(b), decode=True)
     want = paged_mla_attention(q.to(dtype).double(), cache.to(dtype).double(), DecodeMetadata.from_batch(batch, 16),

@@ -12,6 +12,7 @@ from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, graph_sizes, why_ea
 from serving.engine.scheduler import ScheduledBatch
 from serving.engine.sequence import SamplingParams
 from serving.loader import load_model, load_tokenizer
+from serving.models import mla_decode_triton
 from serving.tiny_model import write_tiny_checkpoint
 
 BLOCK_SIZE = 4
@@ -95,13 +96,17 @@ def test_cpu_engine_runs_eagerly(checkpoint: str) -> None:
     assert engine.runner.graph_size(1) is None
 
 
-def test_why_eager() -> None:
+def test_why_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda", 0)
     assert why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN) is None
     assert why_eager(cuda, None, 1024) is None  # no MoE layers
     assert "reference" in why_eager(cuda, "reference", 1024)
-    assert "--max-model-len" in why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1)
     assert why_eager(torch.device("cpu"), "cuda", 1024) == "no GPU"
+    # Long contexts: graphs with Triton's MLA decode kernel (own keys only), eager with the padded attention.
+    monkeypatch.setattr(mla_decode_triton, "available", lambda: True)
+    assert why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1) is None
+    monkeypatch.setattr(mla_decode_triton, "available", lambda: False)
+    assert "--max-model-len" in why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -22,7 +22,8 @@ except ImportError:
 
 BLOCK_H = 16  # heads per program (they share every key load)
 BLOCK_T = 32  # keys per step of the online softmax
-NUM_SPLITS = 8  # programs along each sequence (enough to fill the GPU at batch 1 and 128 heads)
+MAX_SPLITS = 8  # programs along each sequence: 8 fill the GPU at batch 1 and 128 heads
+PROGRAMS_PER_SM = 2  # fewer splits at larger batches: each split's partial output is a float32 pass more
 NUM_WARPS = 4
 NUM_STAGES = 2  # a float32 cache tile is 64 KB: two in flight fit shared memory, three would not
 
@@ -81,25 +82,35 @@ if triton is not None:
         tl.store(lse_ptr + part, m + tl.log(l_sum), mask=head_ok)
 
 
+def num_splits(batch: int, heads: int, device: torch.device) -> int:
+    """Splits along each sequence: enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sms, batch * triton.cdiv(heads, BLOCK_H))))
+
+
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, kv_lora_rank: int) -> torch.Tensor:
+               scale: float, kv_lora_rank: int, splits: int | None = None) -> torch.Tensor:
     """Latent attention output [B, H, kv_lora_rank] (q's dtype) of q [B, H, kv_lora_rank + rope] (one new
     token per sequence, already in the cache) against one layer's cache [num_blocks, block_size, D],
-    each sequence reading block_tables[b] (int32, -1 past its blocks) up to seq_lens[b] (>= 1)."""
+    each sequence reading block_tables[b] (int32, -1 past its blocks) up to seq_lens[b] (>= 1), in
+    `splits` parts per sequence (default: num_splits)."""
     if triton is None:
         raise RuntimeError("mla_decode needs Triton")
     b, h, d = q.shape
     rope = d - kv_lora_rank
     block_size = cache.shape[1]
     flat = cache.view(-1, d)
-    out = torch.empty(b, NUM_SPLITS, h, kv_lora_rank, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, NUM_SPLITS, h, dtype=torch.float32, device=q.device)
+    splits = splits or num_splits(b, h, q.device)
+    out = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q.device)
     q = q.contiguous()
     tables = block_tables.contiguous()
-    grid = (b, triton.cdiv(h, BLOCK_H), NUM_SPLITS)
-    _mla_decode_kernel[grid](q, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size, NUM_SPLITS,
+    grid = (b, triton.cdiv(h, BLOCK_H), splits)
+    _mla_decode_kernel[grid](q, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size, splits,
                              scale, q.stride(0), q.stride(1), flat.stride(0), LORA=kv_lora_rank, ROPE=rope,
                              BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if splits == 1:
+        return out[:, 0].to(q.dtype)
     # Part s holds its softmax-weighted mean of c_kv and the log of its weight sum: the whole is their
     # mean weighted by softmax over the parts' log-sum-exps (an empty part, -inf, weighs 0).
     return (out * torch.softmax(lse, dim=1)[..., None]).sum(dim=1).to(q.dtype)
