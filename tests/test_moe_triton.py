@@ -272,6 +272,25 @@ def test_rows_past_recv_count_are_not_written(fp8: bool, seed: int) -> None:
         assert not out[e, :n].isnan().any(), f"expert {e}: garbage rows leaked into valid ones"
 
 
+def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
+    """TritonExperts.cast_to_fp8 (one kernel) against ep_layer.quant's PyTorch cast, bit for bit on the
+    rows below recv_count: groups whose magnitudes span 12 orders, and an all-zero group (the floor)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts, rows, hidden = [5, 0, 17], 24, 512
+    shape = (len(counts), rows, hidden // FP8_GROUP)
+    magnitude = 10.0 ** torch.empty(*shape, 1, device="cuda").uniform_(-8, 4, generator=gen)
+    x = torch.randn(*shape, FP8_GROUP, generator=gen, device="cuda") * magnitude
+    x[0, 1, 2] = 0
+    x = x.view(len(counts), rows, hidden).to(torch.bfloat16)
+    recv_count = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    got_data, got_scales = triton_experts.TritonExperts().cast_to_fp8(x, recv_count)
+    want_data, want_scales = TorchExperts().cast_to_fp8(x, recv_count)
+    for e, count in enumerate(counts):
+        assert torch.equal(got_scales[e, :count], want_scales[e, :count]), f"scales of expert {e}"
+        assert torch.equal(got_data[e, :count].view(torch.uint8), want_data[e, :count].view(torch.uint8)), \
+            f"data of expert {e}"
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_experts_in_cuda_graph(fp8: bool, seed: int) -> None:
     """Captured once, replayed with new data and new recv_count: no host sync, counts read on device."""
@@ -370,7 +389,8 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
         layer.buffer.destroy()
 
 
-@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 576, 7168), (37, 1536, 512), (130, 256, 384)])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 576, 7168), (16, 640, 1536), (37, 1536, 512), (130, 256, 384)])
 def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_features: int, seed: int) -> None:
     """A dense FP8 linear (serving's attention/MLP projections; N need not be a multiple of 128)
     against float64 math on the same FP8 activations and dequantised weights."""

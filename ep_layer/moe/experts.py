@@ -35,6 +35,13 @@ class ExpertKernels(ABC):
         x is bf16 [E, M, H], or (float8_e4m3fn [E, M, H], float32 scales [E, M, H/128]) with any
         strides (dispatch's scales are column-major)."""
 
+    def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """bf16 x [E, M, H] cast per token and 128 channels by ep_layer.quant's rule (rows from
+        recv_count[e] on may be left unspecified): (float8_e4m3fn [E, M, H], float32 [E, M, H/128])."""
+        e, m, h = x.shape
+        data, scales = per_token_cast_to_fp8(x.reshape(e * m, h))
+        return data.view(e, m, h), scales.view(e, m, h // FP8_GROUP)
+
 
 def split_recv_x(x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

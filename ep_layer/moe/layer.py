@@ -19,7 +19,7 @@ from torch import nn
 from ..backends.exchange import group_rank_and_size
 from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
-from ..quant import FP8_GROUP, per_token_cast_to_fp8
+from ..quant import FP8_GROUP
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
 from .routing import RoutingConfig, route
@@ -166,13 +166,12 @@ class FusedMoE(nn.Module):
         kernels as the routed experts: one expert that received all N tokens."""
         if self.shared_experts is None:
             return None
-        n = hidden_states.shape[0]
-        count = torch.full((1,), n, dtype=torch.int32, device=hidden_states.device)
+        kernels = self._kernels_for(hidden_states.device)
+        count = torch.full((1,), hidden_states.shape[0], dtype=torch.int32, device=hidden_states.device)
         x: RecvX = hidden_states.unsqueeze(0)
         if self.fp8:
-            data, scales = per_token_cast_to_fp8(hidden_states)
-            x = (data.unsqueeze(0), scales.unsqueeze(0))
-        return self._kernels_for(hidden_states.device)(x, count, self.shared_experts)[0]
+            x = kernels.cast_to_fp8(x, count)
+        return kernels(x, count, self.shared_experts)[0]
 
     # ------------------------------------------------------------------ helpers
     def _check_input(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ BLOCK_N_FEW_ROWS = 32  # dense FP8 linear with at most BLOCK_M rows: 4x the prog
 SPLITK_MAX_ROWS = 16  # dense FP8 linear with at most this many rows: split-K GEMM (one 16-row tile)
 SPLITK_BLOCK_N = 64
 SPLITK_PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
+SUM_BLOCK = 1024  # outputs per program of the split-K parts' sum
 BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -123,7 +124,8 @@ if triton is not None:
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Split-K FP8 GEMM for a few rows: program (n, s) sums the 128-deep blocks s, s + SPLIT, ...
         of out[:, n tile] = a [M, K] . b [N, K]^T, each block scaled as in _masked_gemm_kernel, into
-        part[s] (float32 [SPLIT, M, N]; the caller sums the parts, so the result is deterministic)."""
+        part[s] (float32 [SPLIT, M, N]; _sum_parts_kernel adds them in order: deterministic).
+        (Casting a here instead costs more than the cast's launch: every column tile would cast it.)"""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
@@ -141,6 +143,17 @@ if triton is not None:
             acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         out = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+    @triton.jit
+    def _sum_parts_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
+        """out = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < SIZE
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(part_ptr + s * SIZE + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=ok)
 
 
     @triton.jit
@@ -225,7 +238,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)
     data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
     if m <= SPLITK_MAX_ROWS:
-        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv)
+        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0])
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs
     # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200).
     block_n = BLOCK_N_FEW_ROWS if m <= BLOCK_M else None
@@ -233,9 +246,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 
 
 def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
-                       weight_scale_inv: torch.Tensor) -> torch.Tensor:
-    """The split-K path of fp8_block_linear: a GEMV-like shape (a decode step's rows) has too few
-    column tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well."""
+                       weight_scale_inv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The split-K path of fp8_block_linear, into out bf16 [M, N]: a GEMV-like shape (a decode step's
+    rows) has too few column tiles to fill the GPU, so the 128-deep blocks of K are spread over programs
+    as well; a second launch adds the parts and rounds to bf16."""
     m, k = data.shape
     n = weight.shape[0]
     k_blocks = k // FP8_GROUP
@@ -247,7 +261,9 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=SPLITK_MAX_ROWS, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
-    return parts.sum(0).to(torch.bfloat16)
+    _sum_parts_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n, split, BLOCK=SUM_BLOCK,
+                                                         num_warps=NUM_WARPS)
+    return out
 
 
 class TritonExperts(ExpertKernels):
@@ -270,3 +286,6 @@ class TritonExperts(ExpertKernels):
         if weights.fp8:  # only received rows are cast; the down GEMM never reads the others
             act, act_scales = cast_rows_to_fp8(act, recv_count)
         return masked_grouped_gemm(act, act_scales, weights.down, weights.down_scale, recv_count, out)
+
+    def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cast_rows_to_fp8(x.contiguous(), recv_count)  # one launch (the PyTorch cast takes eight)
