@@ -164,3 +164,17 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     # Values that would round up to infinity are clamped to the largest finite bf16.
     inf = (bits & 0x7F80) == 0x7F80
     return np.where(inf, (bits & 0x8000) | 0x7F7F, bits).astype(np.uint16)
+
+
+def every_finite_bf16(arrangement: str, size: int, seed: int) -> np.ndarray:
+    """Every finite bf16 bit pattern (-0 included) as uint16, padded with zeros to `size`.
+    `neighbours`: sorted by magnitude, so that each 128-channel group holds neighbouring magnitudes and
+    the quotients sweep the FP8 range near every rounding boundary; `shuffled`: in random order, so
+    that small values meet large scales."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits = bits[(bits & 0x7F80) != 0x7F80]  # drop infinities and NaNs
+    if arrangement == "neighbours":
+        bits = bits[np.argsort(bits & 0x7FFF, kind="stable")]
+    else:
+        bits = np.random.default_rng(seed).permutation(bits)
+    return np.concatenate([bits, np.zeros(size - bits.size, dtype=np.uint16)])

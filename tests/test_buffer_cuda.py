@@ -228,19 +228,13 @@ def test_dispatch_without_hook_runs_one_kernel(max_tokens: int, hidden: int, num
 
 @pytest.mark.parametrize("arrangement", ["neighbours", "shuffled"])
 def test_fp8_cast_of_every_bf16_value(arrangement: str, seed: int) -> None:
-    """Every finite bf16 bit pattern (-0 included) through dispatch's FP8 cast, which divides by the scale
-    without a division instruction, against the numpy oracle, in every FP8 mode and both kernels (one
-    kernel without a hook, send + hook with it). `neighbours`: each 128-channel group holds neighbouring
-    magnitudes, so the quotients sweep the whole FP8 range near every rounding boundary; `shuffled`: in
-    random order, so small values meet large scales."""
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    bits = bits[(bits & 0x7F80) != 0x7F80]  # drop infinities and NaNs
-    if arrangement == "neighbours":
-        bits = bits[np.argsort(bits & 0x7FFF, kind="stable")]
-    else:
-        bits = np.random.default_rng(seed).permutation(bits)
+    """Every finite bf16 bit pattern (-0 included, arranged as fp8_oracle.every_finite_bf16 says) through
+    dispatch's FP8 cast, which divides by the scale without a division instruction, against the numpy
+    oracle, in every FP8 mode and both kernels (one kernel without a hook, send + hook with it)."""
+    import fp8_oracle
+
     tokens, hidden, num_experts = 16, 4096, 4
-    bits = np.concatenate([bits, np.zeros(tokens * hidden - bits.size, dtype=np.uint16)])
+    bits = fp8_oracle.every_finite_bf16(arrangement, tokens * hidden, seed)
     x = torch.from_numpy(bits.view(np.int16).reshape(tokens, hidden)).view(torch.bfloat16).cuda()
     idx = (torch.arange(tokens) % num_experts).view(tokens, 1).cuda()
     rows = expected_rows([idx], num_experts)

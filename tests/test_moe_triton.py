@@ -294,18 +294,13 @@ def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
 
 @pytest.mark.parametrize("arrangement", ["neighbours", "shuffled"])
 def test_triton_fp8_cast_of_every_bf16_value(arrangement: str, seed: int) -> None:
-    """Every finite bf16 bit pattern (-0 included) through the Triton FP8 cast, which divides through the
-    scale's reciprocal and one FMA correction, against ep_layer.quant's cast (IEEE divisions), bit for
-    bit. `neighbours`: each 128-channel group holds neighbouring magnitudes, so the quotients sweep the
-    FP8 range near every rounding boundary; `shuffled`: small values meet large scales."""
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    bits = bits[(bits & 0x7F80) != 0x7F80]  # drop infinities and NaNs
-    if arrangement == "neighbours":
-        bits = bits[np.argsort(bits & 0x7FFF, kind="stable")]
-    else:
-        bits = np.random.default_rng(seed).permutation(bits)
+    """Every finite bf16 bit pattern (-0 included, arranged as fp8_oracle.every_finite_bf16 says) through
+    the Triton FP8 cast, which divides through the scale's reciprocal and one FMA correction, against
+    ep_layer.quant's cast (IEEE divisions), bit for bit."""
+    import fp8_oracle
+
     rows, hidden = 16, 4096
-    bits = np.concatenate([bits, np.zeros(rows * hidden - bits.size, dtype=np.uint16)])
+    bits = fp8_oracle.every_finite_bf16(arrangement, rows * hidden, seed)
     x = torch.from_numpy(bits.view(np.int16).reshape(1, rows, hidden)).view(torch.bfloat16).cuda()
     recv_count = torch.tensor([rows], dtype=torch.int32, device="cuda")
     got_data, got_scales = triton_experts.TritonExperts().cast_to_fp8(x, recv_count)
