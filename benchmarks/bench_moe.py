@@ -9,7 +9,8 @@ and its own T tokens, driven in step. A time covers the work of all EP ranks tog
 The two-micro-batch schedule runs its communication on side streams (ep_layer.moe.CommStreams, shared
 by the emulated ranks) under the other half's compute, and again with everything on one stream, where
 nothing overlaps. The difference, over the time of the halves' communication alone, is the share of
-the communication that the overlap hides (`hid%`). The split itself costs time at decode sizes (each
+the communication that the overlap hides (`hid%`); `hid_max%` is the share the GPU hides when the same
+communication runs beside the GEMMs with no dependency at all (the most any schedule could hide). The split itself costs time at decode sizes (each
 half reads every active expert's weights again); plain vs ovl shows that cost.
 
 Weights are random (e4m3 codes with random 128x128 block scales, made on the GPU) and loaded by their
