@@ -10,8 +10,9 @@ The two-micro-batch schedule runs its communication on side streams (ep_layer.mo
 by the emulated ranks) under the other half's compute, and again with everything on one stream, where
 nothing overlaps. The difference, over the time of the halves' communication alone, is the share of
 the communication that the overlap hides (`hid%`); `hid_max%` is the share the GPU hides when the same
-communication runs beside the GEMMs with no dependency at all (the most any schedule could hide). The split itself costs time at decode sizes (each
-half reads every active expert's weights again); plain vs ovl shows that cost.
+communication runs beside the GEMMs with no dependency at all (the most any schedule could hide). The
+split itself costs time at decode sizes (each half reads every active expert's weights again); plain vs
+ovl shows that cost.
 
 Weights are random (e4m3 codes with random 128x128 block scales, made on the GPU) and loaded by their
 HF names; routing is DeepSeek-V3's noaux_tc on random router weights, so load is near uniform.
