@@ -115,21 +115,14 @@ def time_graph(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     """Median microseconds of one `fn()` replayed from a CUDA graph (bench_ll.capture_graph, after
     `warmup` eager calls that also compile the Triton kernels). The graph and its memory pool are freed
     on return."""
-    release_memory()  # the eager calls' cached blocks, before the graph takes a pool of its own
-    graph = capture_graph(fn, warmup, 1)
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = [event_us(graph.replay) for _ in range(reps)]
-    del graph
-    release_memory()
-    return statistics.median(samples)
+    return statistics.median(time_graphs_in_turn([fn], reps, warmup)[0])
 
 
 def time_graphs_in_turn(fns: list[Callable[[], object]], reps: int, warmup: int = 2) -> list[list[float]]:
     """Microseconds of each `fn()` replayed from its own CUDA graph, the graphs replayed in turn (0, 1, ...,
     0, 1, ...): `reps` samples each, paired by round, so that clock and temperature drift reach every one
     alike and a difference of two is taken round by round. The graphs are freed on return."""
-    release_memory()
+    release_memory()  # the eager calls' cached blocks, before the graphs take a pool of their own
     graphs = [capture_graph(fn, warmup, 1) for fn in fns]
     for graph in graphs:
         graph.replay()

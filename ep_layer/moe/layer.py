@@ -134,13 +134,14 @@ class FusedMoE(nn.Module):
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
                 return_recv_hook=True)
         yield DISPATCH_SENT
-        if dispatch_stream is not None:  # the hook right behind its send, under the shared expert
-            wait_received = run_hook(dispatch_hook, dispatch_stream)
-        yield DISPATCH_HOOKED
-        shared = self.shared_expert(x)
         if dispatch_stream is None:  # one stream: the shared expert runs between the send and the hook
+            yield DISPATCH_HOOKED
+            shared = self.shared_expert(x)
             dispatch_hook()
-        else:
+        else:  # the hook right behind its send, under the shared expert
+            wait_received = run_hook(dispatch_hook, dispatch_stream)
+            yield DISPATCH_HOOKED
+            shared = self.shared_expert(x)
             wait_received()
         y = self.run_experts(recv_x, recv_count)
         with send_on(combine_stream):
