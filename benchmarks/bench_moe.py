@@ -191,6 +191,9 @@ def reference_layer(layer: FusedMoE, shape: Shape, max_tokens: int) -> FusedMoE:
     """The same layer (sharing its weights, no copy) on the reference backend, for EP = 1."""
     ref = new_layer(shape, Buffer(None, low_latency_mode=True, backend="reference"), max_tokens, "meta")
     ref.load_state_dict(layer.state_dict(), assign=True)
+    for name, buffer in layer.named_buffers(recurse=False):  # outside the state dict (the wait stats): its own
+        if getattr(ref, name).is_meta:
+            setattr(ref, name, torch.zeros_like(buffer))
     return ref
 
 
