@@ -26,7 +26,7 @@ from serving.loader import load_model, load_tokenizer
 
 PROMPT_LEN = 16
 TOKENS_PER_STEP = 256  # ep-serve's default --max-tokens-per-rank
-KERNELS_SHOWN = 12
+KERNELS_SHOWN = 40
 
 
 def build_engine(path: str, load_format: str, device: str, max_num_seqs: int, max_model_len: int) -> LLMEngine:

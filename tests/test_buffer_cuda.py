@@ -251,6 +251,40 @@ def test_fp8_cast_of_every_bf16_value(arrangement: str, seed: int) -> None:
     buffer.destroy()
 
 
+def test_hooks_keep_the_outputs_a_caller_dropped(seed: int) -> None:
+    """A caller may drop dispatch's recv_x or combine's output before running the hook (a benchmark that
+    only moves data does). The hook's kernel still writes them, so their memory must not go to the next
+    tensors of the stream first: here tensors of the same sizes, allocated right after, take the freed
+    blocks if the backend let them go (found by a bench_moe --smoke crash: misaligned addresses)."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local, topk = 2, 16, 1024, 4, 4
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    sent = [b.low_latency_dispatch(x, i, max_tokens, num_experts, use_fp8=False, return_recv_hook=True)
+            for b, x, i in zip(buffers, xs, idxs)]
+    handles, hooks, shape = [s[2] for s in sent], [s[4] for s in sent], sent[0][0].shape
+    del sent
+    sentinels = [torch.full(shape, 7.0, dtype=torch.bfloat16, device="cuda") for _ in buffers]
+    for hook in hooks:
+        hook()
+    ys = [torch.randn(shape, device="cuda").to(torch.bfloat16) for _ in buffers]
+    weights = [torch.rand(i.shape, device="cuda") for i in idxs]
+    hooks = [b.low_latency_combine(y, i, w, h, return_recv_hook=True)[2]
+             for b, y, i, w, h in zip(buffers, ys, idxs, weights, handles)]
+    out_sentinels = [torch.full((i.shape[0], hidden), 7.0, dtype=torch.bfloat16, device="cuda") for i in idxs]
+    for hook in hooks:
+        hook()
+    torch.cuda.synchronize()
+    for b in buffers:
+        b.check()
+    for r in range(num_ranks):
+        assert bool((sentinels[r] == 7).all()), f"seed={seed} rank {r}: the dispatch hook wrote a freed recv_x"
+        assert bool((out_sentinels[r] == 7).all()), f"seed={seed} rank {r}: the combine hook wrote a freed output"
+    for b in buffers:
+        b.destroy()
+
+
 def test_emulated_options(seed: int) -> None:
     """out=, zero_copy, async_finish and the wait stats on the cuda backend."""
     rng = np.random.default_rng(seed)

@@ -230,7 +230,10 @@ class CudaBackend(Backend):
             self._c.dispatch(common, _BOTH_HALVES, *args, self._stream())
             return DispatchResult(recv_x, recv_count, handle, lambda: None, private=(combine_map, recv_count))
         self._c.dispatch(common, _SEND_HALF, *args, self._stream())
-        keep = [ticket]  # alive until the receive half has been launched (stream order does the rest)
+        # Everything the receive half writes stays alive until it has been launched (stream order does the
+        # rest), even if the caller drops recv_x first: the allocator would hand its memory to the next
+        # tensor of this stream, which the hook's kernel would then overwrite.
+        keep = [ticket, recv_x, recv_count, src_info, layout_range, combine_map, recv_stats, wait_stats]
 
         def receive() -> None:
             self._c.dispatch(common, _RECEIVE_HALF, *args, self._stream())
@@ -253,7 +256,9 @@ class CudaBackend(Backend):
                 combine_map.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(),
                 wait_stats.data_ptr() if wait_stats is not None else 0)
         self._c.combine(common, True, *args, self._stream())
-        keep = [x, topk_idx, topk_weights, ticket]  # the receive half reads x (own rows) and the rest
+        # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
+        # dropped it), alive until it has been launched.
+        keep = [x, topk_idx, topk_weights, ticket, out, wait_stats]
 
         def receive() -> None:
             self._c.combine(common, False, *args, self._stream())
