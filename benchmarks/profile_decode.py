@@ -26,7 +26,6 @@ from serving.loader import load_model, load_tokenizer
 
 PROMPT_LEN = 16
 TOKENS_PER_STEP = 256  # ep-serve's default --max-tokens-per-rank
-KERNELS_SHOWN = 40
 
 
 def build_engine(path: str, load_format: str, device: str, max_num_seqs: int, max_model_len: int) -> LLMEngine:
@@ -58,13 +57,13 @@ def replay_gpu_us(engine: LLMEngine, size: int, reps: int = 50) -> float:
     return statistics.median(event_us(graph.replay) for _ in range(reps))
 
 
-def top_kernels(engine: LLMEngine, size: int) -> list[tuple[str, float]]:
+def top_kernels(engine: LLMEngine, size: int, shown: int) -> list[tuple[str, float]]:
     graph, _ = engine.runner._graphs[size]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             graph.replay()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:KERNELS_SHOWN]
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:shown]
     return [(r.key[:70], r.device_time_total / 5) for r in rows]
 
 
@@ -76,6 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
+    parser.add_argument("--kernels", type=int, default=12, help="GPU kernels listed per batch size (default 12)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.model or tiny_checkpoint()
@@ -90,7 +90,7 @@ def main() -> None:
         floor_ms = decode_step_bytes(Path(path), batch, 1) / args.hbm_bytes_per_s * 1e3
         print(f"{batch:>6} | {step_ms:8.2f} | {replay_ms:9.2f} | {step_ms - replay_ms:8.2f} | {floor_ms:8.2f}")
         if size:
-            for name, us in top_kernels(engine, size):
+            for name, us in top_kernels(engine, size, args.kernels):
                 print(f"         {us:9.1f} us  {name}")
     print("step = host time of LLMEngine.step(); replay = GPU time of the decode graph alone; host = the rest "
           "(inputs, sampling, detokenizing, launch gaps); floor = weight bytes at the HBM bandwidth")
