@@ -285,6 +285,35 @@ def test_hooks_keep_the_outputs_a_caller_dropped(seed: int) -> None:
         b.destroy()
 
 
+def test_a_hook_on_another_stream_keeps_the_dropped_outputs(seed: int) -> None:
+    """The hooks run on a second stream that is held back by a long kernel, while the send stream goes on
+    and allocates tensors of the dropped outputs' sizes: the outputs must be kept until the hooks' kernels
+    have run there (recorded on that stream), not only until they were launched."""
+    rng = np.random.default_rng(seed)
+    num_ranks, max_tokens, hidden, num_local, topk = 2, 16, 1024, 4, 4
+    num_experts = num_ranks * num_local
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
+    hook_stream = torch.cuda.Stream()
+    sent = [b.low_latency_dispatch(x, i, max_tokens, num_experts, use_fp8=False, return_recv_hook=True)
+            for b, x, i in zip(buffers, xs, idxs)]
+    hooks, shape = [s[4] for s in sent], sent[0][0].shape
+    del sent
+    hook_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(hook_stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the hooks' kernels run well after the sentinels are written
+        for hook in hooks:
+            hook()
+    sentinels = [torch.full(shape, 7.0, dtype=torch.bfloat16, device="cuda") for _ in buffers]
+    torch.cuda.synchronize()
+    for b in buffers:
+        b.check()
+    for r in range(num_ranks):
+        assert bool((sentinels[r] == 7).all()), f"seed={seed} rank {r}: the hook's kernel wrote a reused recv_x"
+    for b in buffers:
+        b.destroy()
+
+
 def test_emulated_options(seed: int) -> None:
     """out=, zero_copy, async_finish and the wait stats on the cuda backend."""
     rng = np.random.default_rng(seed)

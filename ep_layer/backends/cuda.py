@@ -76,6 +76,23 @@ def _ranks(mask: int) -> list[int]:
     return [r for r in range(layout.MAX_RANKS) if mask >> r & 1]
 
 
+class _KeptForHook:
+    """The tensors a hook's receive half uses, held from the send half until the hook has been launched.
+    On the send's stream, stream order then protects them. On another stream they are recorded there,
+    so that the allocator does not reuse their memory on the send's stream before that kernel has run."""
+
+    def __init__(self, send_stream: int, *tensors: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
+        self._send_stream = send_stream
+        self._tensors = [t for item in tensors if item is not None
+                         for t in (item if isinstance(item, tuple) else (item,))]
+
+    def release(self, hook_stream: int) -> None:
+        if hook_stream != self._send_stream:
+            for t in self._tensors:
+                t.record_stream(torch.cuda.current_stream(t.device))
+        self._tensors.clear()
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
@@ -230,14 +247,16 @@ class CudaBackend(Backend):
             self._c.dispatch(common, _BOTH_HALVES, *args, self._stream())
             return DispatchResult(recv_x, recv_count, handle, lambda: None, private=(combine_map, recv_count))
         self._c.dispatch(common, _SEND_HALF, *args, self._stream())
-        # Everything the receive half writes stays alive until it has been launched (stream order does the
-        # rest), even if the caller drops recv_x first: the allocator would hand its memory to the next
-        # tensor of this stream, which the hook's kernel would then overwrite.
-        keep = [ticket, recv_x, recv_count, src_info, layout_range, combine_map, recv_stats, wait_stats]
+        # Everything the receive half writes stays alive until it has been launched, even if the caller
+        # drops recv_x first: the allocator would hand its memory to the next tensor of this stream, which
+        # the hook's kernel would then overwrite.
+        keep = _KeptForHook(self._stream(), ticket, recv_x, recv_count, src_info, layout_range, combine_map,
+                            recv_stats, wait_stats)
 
         def receive() -> None:
-            self._c.dispatch(common, _RECEIVE_HALF, *args, self._stream())
-            keep.clear()
+            stream = self._stream()
+            self._c.dispatch(common, _RECEIVE_HALF, *args, stream)
+            keep.release(stream)
 
         return DispatchResult(recv_x, recv_count, handle, receive, private=(combine_map, recv_count))
 
@@ -258,11 +277,12 @@ class CudaBackend(Backend):
         self._c.combine(common, True, *args, self._stream())
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
-        keep = [x, topk_idx, topk_weights, ticket, out, wait_stats]
+        keep = _KeptForHook(self._stream(), x, topk_idx, topk_weights, ticket, out, wait_stats)
 
         def receive() -> None:
-            self._c.combine(common, False, *args, self._stream())
-            keep.clear()
+            stream = self._stream()
+            self._c.combine(common, False, *args, stream)
+            keep.release(stream)
 
         return receive
 
