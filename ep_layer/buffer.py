@@ -38,6 +38,21 @@ Hook = Callable[[], None]
 Result = TypeVar("Result")
 
 
+def _once(receive: Hook, op: str) -> Hook:
+    """The hook handed to the caller: the receive half, which may run only once (a second run would
+    receive again and count the expert-load and wait stats twice)."""
+    done = False
+
+    def hook() -> None:
+        nonlocal done
+        if done:
+            raise RuntimeError(f"{op}: this hook has already run (each call's receive half runs once)")
+        done = True
+        receive()
+
+    return hook
+
+
 class _DispatchRecord:
     """What the Buffer remembers about one dispatch, found again from its handle in combine."""
 
@@ -194,7 +209,7 @@ class Buffer:
             self._remember(result.handle, result.private)
             return result, result.receive
 
-        result, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx))
+        result, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx), "low_latency_dispatch")
         return result.recv_x, result.recv_count, result.handle, event, hook
 
     # ------------------------------------------------------------------ combine
@@ -231,7 +246,8 @@ class Buffer:
             return combined, backend.combine(x, topk_idx, topk_weights, handle, record.private, combined,
                                              combine_wait_recv_cost_stats)
 
-        _, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx, topk_weights))
+        _, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx, topk_weights),
+                                   "low_latency_combine")
         return out, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
@@ -247,7 +263,7 @@ class Buffer:
                "False when return_recv_hook=True (the two are exclusive)", async_finish)
 
     def _run(self, send: Callable[[], tuple[Result, Hook]], async_finish: bool, return_recv_hook: bool,
-             inputs: tuple[torch.Tensor, ...]) -> tuple[Result, EventOverlap | None, Hook | None]:
+             inputs: tuple[torch.Tensor, ...], op: str) -> tuple[Result, EventOverlap | None, Hook | None]:
         """Run the send half, then the receive half now (plain), later (hook) or on a side stream."""
         if async_finish and inputs[0].is_cuda:
             stream = self._comm_stream = self._comm_stream or torch.cuda.Stream()
@@ -262,7 +278,7 @@ class Buffer:
             return result, EventOverlap(event, inputs), None
         result, receive = send()
         if return_recv_hook:
-            return result, None, receive
+            return result, None, _once(receive, op)
         receive()
         return result, (EventOverlap(None, inputs) if async_finish else None), None
 

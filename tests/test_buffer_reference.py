@@ -848,3 +848,27 @@ def test_dead_handles_do_not_retire_live_ones(seed: int) -> None:
             case.check_combine(out, ys, "dead handles")
         case.combine(buf, y, b)
         del a, b
+
+
+def test_a_hook_runs_once(seed: int) -> None:
+    """A second call of a receive hook raises instead of receiving again (and counting the stats twice);
+    the first call's results stay as they were."""
+    grp = Group("none")
+    buf = grp.buffer()
+    case = Case(grp, seed, (31,), t=4, h=128, k=2, num_local=2, n=3)
+    stats = torch.zeros(2, dtype=torch.int32)
+    recv_x, count, handle, _, hook = case.dispatch(buf, "bf16", return_recv_hook=True,
+                                                   cumulative_local_expert_recv_stats=stats)
+    hook()
+    before = (recv_x.view(torch.int16).clone(), count.clone(), stats.clone())  # bits: unused rows may be NaN
+    with raises(RuntimeError, "low_latency_dispatch"):
+        hook()
+    assert torch.equal(recv_x.view(torch.int16), before[0])
+    assert torch.equal(count, before[1]) and torch.equal(stats, before[2])
+    assert torch.equal(stats, count), "the expert-load stats counted the one receive"
+    y, ys = case.expert_outputs(0)
+    out, _, combine_hook = case.combine(buf, y, handle, return_recv_hook=True)
+    combine_hook()
+    case.check_combine(out, ys, "hooked once")
+    with raises(RuntimeError, "low_latency_combine"):
+        combine_hook()
