@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
     }
   }
   // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
-  if (threadIdx.x == 0) finish_send(c, kCombine, seq, timing, first_block());
+  if (threadIdx.x == 0) finish_send(c, kCombine, seq, timing);
 }
 
 // The receive half's work for one (token, channel chunk); threads return here, so that all of them

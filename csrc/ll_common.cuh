@@ -191,13 +191,13 @@ __device__ __forceinline__ TimingRecord& timing_record(const Common& c, Op op, u
   return reinterpret_cast<Control*>(c.local_base)->timing[op].call[seq % kTimingRecords];
 }
 
-// Shared memory of the block of a send kernel that owns the call's timing: the record of the call two
-// before this one, fetched at the start and added to the histogram at the end.
+// Shared memory of a send kernel's block 0: the record of the call two before this one, fetched at the
+// start and added to the histogram at the end.
 struct alignas(16) SendTiming {
   TimingRecord previous;
 };
 
-// Thread 0 of the timing owner of a kernel that starts a call, once it has the sequence number: fetch the
+// Thread 0 of block 0 of a kernel that starts a call, once it has the call's sequence number: fetch the
 // record of call seq - 2 into shared memory without waiting for it (cp.async: no register holds it
 // through the kernel), and start this call's record. `fused`: one kernel does both halves, so its span
 // counts as the receive span (the send span is empty).
@@ -215,10 +215,9 @@ __device__ __forceinline__ void begin_call_timing(const Common& c, Op op, unsign
   rec.recv_start = fused ? ~start : 0ull;  // a hook's receive notes its own start later
 }
 
-// Thread 0 of the timing owner, when its work is done: add call seq - 2 to the histogram if its receive
-// ran. Here rather than at the start: by now the copy has arrived, so nothing waits for global memory,
-// and what is left (the bounds from the constant cache, two fire-and-forget atomics) delays only the
-// owner's exit.
+// Thread 0 of block 0, when its work is done: add call seq - 2 to the histogram if its receive ran. Here
+// rather than at the start: by now the copy has arrived, so nothing waits for global memory, and what is
+// left (the bounds from the constant cache, two fire-and-forget atomics) delays only block 0's exit.
 __device__ __forceinline__ void account_previous_call(const Common& c, Op op, SendTiming& s) {
   asm volatile("cp.async.wait_all;" ::: "memory");
   const TimingRecord old = s.previous;
@@ -234,9 +233,9 @@ __device__ __forceinline__ void account_previous_call(const Common& c, Op op, Se
 }
 
 // Called by thread 0 of every block at the end of a send kernel (after the block's work).
-__device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq, SendTiming& s, bool timing_owner) {
+__device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq, SendTiming& s) {
   red_max(&timing_record(c, op, seq).send_end, globaltimer());
-  if (timing_owner) account_previous_call(c, op, s);
+  if (first_block()) account_previous_call(c, op, s);
 }
 
 // Receive kernels: block 0 notes the kernel's start (one store; it starts with the first wave), and

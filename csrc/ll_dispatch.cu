@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
     finish_recv(a.c, kDispatch, seq);  // has a barrier: the counting block may account below
     if (kFused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
   } else if (threadIdx.x == 0) {
-    finish_send(a.c, kDispatch, seq, timing, first_block());
+    finish_send(a.c, kDispatch, seq, timing);
   }
 }
 
