@@ -407,8 +407,8 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts)
 }
 
 // Work items of the receive half: (slot, channel chunk) of the slots, rank 0's own excepted (rank 0's
-// own tokens went straight to their rows).
-__device__ __forceinline__ int receive_items(const DispatchCall& a) {
+// own tokens went straight to their rows). The launcher sizes the grid from it too.
+__host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
   return (a.c.num_ranks - (a.c.rank == 0)) * a.c.max_tokens * a.chunks_per_slot;
 }
 
@@ -558,9 +558,7 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
 }
 
 int receive_blocks(const DispatchCall& call) {
-  const long long items =
-      static_cast<long long>(call.c.num_ranks - (call.c.rank == 0)) * call.c.max_tokens * call.chunks_per_slot;
-  return static_cast<int>(std::max<long long>(1, std::min<long long>((items + kWarps - 1) / kWarps, 1024)));
+  return std::max(1, std::min((receive_items(call) + kWarps - 1) / kWarps, 1024));
 }
 
 // The kernel for these phases with the fewest row pairs per thread that hold a row.
