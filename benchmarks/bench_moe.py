@@ -10,9 +10,9 @@ The two-micro-batch schedule runs its communication on side streams (ep_layer.mo
 by the emulated ranks) under the other half's compute, and again with everything on one stream, where
 nothing overlaps. The difference, over the time of the halves' communication alone, is the share of
 the communication that the overlap hides (`hid%`); `hid_max%` is the share the GPU hides when the same
-communication runs beside the GEMMs with no dependency at all (the most any schedule could hide). The
-split itself costs time at decode sizes (each half reads every active expert's weights again); plain vs
-ovl shows that cost.
+communication runs beside the routed experts' GEMMs alone with no dependency at all (the schedule also
+has the gate, routing and shared expert to run it under, so it can hide more). The split itself costs
+time at decode sizes (each half reads every active expert's weights again); plain vs ovl shows that cost.
 
 Weights are random (e4m3 codes with random 128x128 block scales, made on the GPU) and loaded by their
 HF names; routing is DeepSeek-V3's noaux_tc on random router weights, so load is near uniform.
@@ -297,7 +297,7 @@ class Case:
 
     def communication_beside_gemms(self, stream: torch.cuda.Stream) -> None:
         """The two micro-batches' communication on `stream` while the routed experts' GEMMs run on the
-        current stream, with no dependency between them: how much of it the GPU hides under them at best."""
+        current stream, with no dependency between them: how much of it the GPU hides under them alone."""
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.communication(split=True)
@@ -497,7 +497,7 @@ def main() -> None:
           "dispatch + combine alone (graph), of the whole batches; comm_2mb = of the two micro-batches; hid% = "
           "(ovl_1stream - ovl_graph, median of the rounds' differences) / comm_2mb: the share of its "
           "communication that the overlap hides; hid_max% = (gemm + comm_2mb - the two run side by side with no "
-          "dependency) / comm_2mb: how much of it the GPU hides under the GEMMs at best; ovl_diff, "
+          "dependency) / comm_2mb: how much of it the GPU hides under the GEMMs alone; ovl_diff, "
           "ref_diff = relative difference of the two-micro-batch and reference outputs from the plain one.")
     print_table(rows, copy_bw)
     print(f"# {time.perf_counter() - started:.0f} s in all")
