@@ -1,16 +1,19 @@
 // Low-latency dispatch.
 // Send half: block 0 publishes this rank's per-expert token counts to every destination (each count
-// tagged with the sequence number, so a count is its own arrival flag); one block per token casts it
-// (FP8 optional) once and writes it into one slot of each destination rank it has experts on, with a
-// header listing those experts, the token's top-k positions and its row offset among this rank's
-// tokens for each expert; the header's flag (sequence number and number of entries) is stored last.
-// Rank 0 writes its own tokens straight to their rows (no slot, nothing to receive). Every global load
-// a token block needs (its row, its expert ids, the earlier tokens' ids for the row offsets) is issued
-// at once at its start; the sequence ticket is only waited for where a slot needs it.
+// tagged with the sequence number, so a count is its own arrival flag); the token blocks (one per token
+// up to this rank's share of the GPU, then several tokens each) cast each token (FP8 optional) once and
+// give each destination rank it has experts on a slot: a header listing those experts, the token's
+// top-k positions and its row offset among this rank's tokens for each expert, then the payload
+// (pushed into the destination's slot, or, for ranks sharing the GPU, left in the sender's own slot
+// for the destination to pull); the header's flag (sequence number and number of entries) is stored
+// last. Rank 0 writes its own tokens straight to their rows (no slot, nothing to receive). The loads a
+// token block needs (rows, expert ids, the earlier tokens' ids for the row offsets) are issued ahead;
+// the sequence ticket is only waited for where a slot needs it.
 // Receive half: each block polls the counts (and the peers' hellos, for the spec check) in parallel;
 // then warps take (slot, channel chunk) items; each waits for its slot's flag and copies the token
 // straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of earlier source ranks,
-// from the counts, + the offset in the header): each slot is read once, by one warp per chunk.
+// from the counts, + the offset in the header): each payload is read once per destination, by one warp
+// per chunk.
 // Without a hook both halves run as one kernel whose blocks all fit on the GPU at once: each block
 // sends its tokens, then receives; one launch and no wait for the send kernel to drain.
 #include <algorithm>
@@ -42,6 +45,13 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
   return scale;
 }
 
+// Ranks that share this GPU pull payloads: a token's payload goes once into the sender's own slot for it
+// (the one it would fill as its own destination), and every destination's receive copies it from there,
+// out of the L2 they share, instead of the sender writing it to DRAM once per destination. Ranks on
+// separate GPUs push: the payload goes into a slot at each destination, so that the receive reads local
+// memory. Either way the destination's slot gets the header, and its flag publishes the payload.
+__device__ __forceinline__ bool pull_payloads(const Common& c) { return !c.system_scope; }
+
 __device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int dest, unsigned seq, int token) {
   return half_base(c, c.peer_bases[dest], seq) + c.layout.dispatch +
          (static_cast<long long>(c.rank) * c.max_tokens + token) * c.layout.slot;
@@ -58,23 +68,10 @@ __device__ __forceinline__ void load_ids(const DispatchCall& a, int token, int (
   for (int k = 0; k < kMaxTopk; ++k) ids[k] = raw[k] >= 0 && raw[k] < a.c.num_experts ? static_cast<int>(raw[k]) : -1;
 }
 
-// The counting block (block 0): count this rank's tokens per expert (a token counts once per
-// expert), write each destination its experts' counts tagged with the sequence number, then the hello
-// (spec check). It also owns the call's timing: it is done long before the token blocks.
-__device__ void publish_counts(const DispatchCall& a, unsigned long long start, bool fused, SendTiming& timing,
-                               unsigned& seq) {
-  const Common& c = a.c;
-  __shared__ int bins[kMaxExperts];
-  const int num_local = c.num_experts / c.num_ranks;
-  int ids[kMaxTopk];
-  if (static_cast<int>(threadIdx.x) < a.num_tokens) load_ids(a, threadIdx.x, ids);  // in flight with the ticket
-  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
-  if (threadIdx.x == 0) {
-    seq = take_ticket(c, kDispatch);
-    begin_call_timing(c, kDispatch, seq, start, fused, timing);
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < a.num_tokens; t += kThreads) {
+// Adds to bins[e] how many of tokens [0, end) chose expert e (a token counts once per expert). `ids`
+// holds token threadIdx.x's ids, loaded ahead by the caller when threadIdx.x < end.
+__device__ __forceinline__ void count_tokens(const DispatchCall& a, int end, int (&ids)[kMaxTopk], int* bins) {
+  for (int t = threadIdx.x; t < end; t += kThreads) {
     if (t >= kThreads) load_ids(a, t, ids);
 #pragma unroll
     for (int k = 0; k < kMaxTopk; ++k) {
@@ -84,6 +81,24 @@ __device__ void publish_counts(const DispatchCall& a, unsigned long long start, 
       if (first) atomicAdd(&bins[ids[k]], 1);
     }
   }
+}
+
+// The counting block (block 0): count this rank's tokens per expert, write each destination its
+// experts' counts tagged with the sequence number, then the hello (spec check). It also owns the
+// call's timing: it is done long before the token blocks.
+__device__ void publish_counts(const DispatchCall& a, unsigned long long start, bool fused, SendTiming& timing,
+                               int* bins, unsigned& seq) {
+  const Common& c = a.c;
+  const int num_local = c.num_experts / c.num_ranks;
+  int ids[kMaxTopk];
+  if (static_cast<int>(threadIdx.x) < a.num_tokens) load_ids(a, threadIdx.x, ids);  // in flight with the ticket
+  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
+  if (threadIdx.x == 0) {
+    seq = take_ticket(c, kDispatch);
+    begin_call_timing(c, kDispatch, seq, start, fused, timing);
+  }
+  __syncthreads();
+  count_tokens(a, a.num_tokens, ids, bins);
   __syncthreads();
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) {
     const int dest = e / num_local;
@@ -101,6 +116,18 @@ template <int kPairs>
 struct RowShare {
   int4 v[kPairs][2];
   __device__ __forceinline__ static int pair(int p) { return static_cast<int>(threadIdx.x) + p * kThreads; }
+  // Token t's share (zeros for a token past num_tokens: nothing is loaded).
+  __device__ __forceinline__ static RowShare load(const DispatchCall& a, int t, int row_pairs) {
+    const int4* row = reinterpret_cast<const int4*>(a.x + static_cast<long long>(t) * a.c.hidden);
+    RowShare share;
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p) {
+      const bool here = t < a.num_tokens && pair(p) < row_pairs;
+      share.v[p][0] = here ? row[2 * pair(p)] : make_int4(0, 0, 0, 0);
+      share.v[p][1] = here ? row[2 * pair(p) + 1] : make_int4(0, 0, 0, 0);
+    }
+    return share;
+  }
   // Stores the share as bf16 into a row of `row_pairs` pairs.
   __device__ __forceinline__ void store(int4* row, int row_pairs) const {
 #pragma unroll
@@ -184,197 +211,207 @@ __device__ __forceinline__ const unsigned long long* tagged_counts(const Common&
                                                      c.layout.counts);
 }
 
-// The token blocks: token t = blockIdx.x - 1, then + stride, ...; kPairs = pairs of 16-byte vectors
-// of a bf16 row per thread (RowShare). Rank 0's entries on itself go straight to their rows of recv_x:
-// its rows come first in every expert, so it places them without any other rank's counts. Every other
-// destination, a higher rank's own included, gets the token in a slot: a send never waits for a peer
-// (a send whose blocks spin on a peer that has no SM left would stall until the timeout). An SM stores
-// about 32 bytes per clock, so the stores are what a token costs: they are 16 bytes per lane, and a
-// row's scales go out in one instruction for up to 8 rows.
-template <int kPairs>
-__device__ void send_tokens(const DispatchCall& a, int stride, unsigned& seq) {
-  const Common& c = a.c;
-  const int num_local = c.num_experts / c.num_ranks, hidden = c.hidden, lane = threadIdx.x % 32;
-  const int row_pairs = hidden / 16, groups = hidden / kFp8Group, num_rows = c.num_ranks * c.max_tokens;
-  // Per top-k position k of the current token: its expert, whether k is the first position choosing
-  // that expert (the entry that stands for all of them), the mask of positions choosing it, its
-  // destination rank and local index, and its row offset. Lane k of warp 0 fills position k.
-  __shared__ int experts[kMaxTopk], dest_of[kMaxTopk], local_of[kMaxTopk];
-  // Row offset of position k (how many earlier tokens chose its expert): 16-bit field k % 2 of word k / 2.
-  __shared__ unsigned offsets[kMaxTopk / 2];
-  __shared__ unsigned kmasks[kMaxTopk];
-  __shared__ bool is_entry[kMaxTopk];
-  __shared__ int dests[kMaxRanks], num_dests;  // other ranks the token goes to
-  __shared__ int selfs[kMaxTopk], num_selfs;   // positions k of the entries on this rank
-  __shared__ unsigned char* slots[kMaxRanks];  // the token's slot in each other rank's buffer
-  __shared__ signed char entry_of[kMaxExperts];  // expert -> its entry's position k, or -1
-  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) entry_of[e] = -1;
-  const auto position = [&](int k) { return static_cast<int>(offsets[k / 2] >> (16 * (k % 2)) & 0xffffu); };
-  // Row of recv_x (all experts) of rank 0's entry k on itself.
-  const auto self_row = [&](int k) { return static_cast<long long>(local_of[k]) * num_rows + position(k); };
+constexpr int kBatch = kWarps;  // tokens per pass of a token block: warp j routes token j of the pass
 
-  // Thread 0 takes the ticket at the first token and keeps it in a register: the data path needs the
-  // sequence number only for other ranks' slots, so with one rank nothing waits for the atomic.
-  unsigned ticket = 0;
-  bool first_token = true;
-  for (int t = blockIdx.x - 1; t < c.max_tokens; t += stride) {
-    const bool real = t < a.num_tokens;
-    // All loads first, in flight together: the row, this token's expert ids, and the ids of the first
-    // kThreads earlier tokens (one per thread) for the row offsets.
-    const int4* row = reinterpret_cast<const int4*>(a.x + static_cast<long long>(t) * hidden);
-    RowShare<kPairs> share;
+// Where the tokens of one pass go; warp j fills token j, lane k top-k position k. A position is the
+// entry of its expert if it is the first position choosing that expert: the entry stands for all of them.
+struct PassRoutes {
+  int expert[kBatch][kMaxTopk];      // -1: none
+  int dest[kBatch][kMaxTopk];        // the entry's destination rank; -1 where k is not an entry
+  int local[kBatch][kMaxTopk];       // the expert's index on its rank
+  unsigned kmask[kBatch][kMaxTopk];  // the positions choosing the expert
+  int offset[kBatch][kMaxTopk];      // the entry's row offset: earlier tokens of this rank with its expert
+  unsigned slot_ranks[kBatch];       // bit r: rank r gets the token in a slot
+  int selfs[kBatch][kMaxTopk];       // positions of rank 0's entries on itself, ascending
+  int num_selfs[kBatch];
+};
+
+// Warp j of a pass: token t's routes into row j of `r`. `own` = lane k's expert id (-1 past the top-k).
+__device__ __forceinline__ void route_token(const DispatchCall& a, long long own, int j, PassRoutes& r) {
+  const Common& c = a.c;
+  const int k = threadIdx.x % 32, num_local = c.num_experts / c.num_ranks;
+  if (own < -1 || own >= c.num_experts) {
+    record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(own));
+    own = -1;
+  }
+  const int e = static_cast<int>(own);
+  const unsigned same = __match_any_sync(0xffffffffu, e);  // lanes that chose the same expert
+  const bool entry = e >= 0 && __ffs(same) - 1 == k;
+  const int dest = entry ? e / num_local : -1;
+  const bool self = dest == c.rank && c.rank == 0;
+  const unsigned slot_ranks = __reduce_or_sync(0xffffffffu, entry && !self ? 1u << dest : 0u);
+  const unsigned self_mask = __ballot_sync(0xffffffffu, self);
+  if (k < kMaxTopk) {
+    r.expert[j][k] = e;
+    r.dest[j][k] = dest;
+    r.local[j][k] = entry ? e % num_local : 0;
+    r.kmask[j][k] = same;
+    if (self) r.selfs[j][__popc(self_mask & ((1u << k) - 1))] = k;
+  }
+  if (k == 0) {
+    r.slot_ranks[j] = slot_ranks;
+    r.num_selfs[j] = __popc(self_mask);
+  }
+}
+
+// The payload of token t (routes row j): one cast, stored to each slot and each row on this rank.
+// Loops run over destinations outside and pairs inside: a store through a generic pointer may alias
+// shared memory, so each shared load after one waits for it.
+template <int kPairs>
+__device__ __forceinline__ void send_payload(const DispatchCall& a, const RowShare<kPairs>& share, int t, int j,
+                                             const PassRoutes& r, unsigned seq) {
+  const Common& c = a.c;
+  const int hidden = c.hidden, row_pairs = hidden / 16, groups = hidden / kFp8Group;
+  const int num_rows = c.num_ranks * c.max_tokens, num_selfs = r.num_selfs[j];
+  const auto self_row = [&](int k) { return static_cast<long long>(r.local[j][k]) * num_rows + r.offset[j][k]; };
+  const unsigned slot_ranks = r.slot_ranks[j];
+  if (slot_ranks == 0 && num_selfs == 0) return;
+  unsigned payload_ranks = slot_ranks && pull_payloads(c) ? 1u << c.rank : slot_ranks;  // slots holding the payload
+  if (!a.use_fp8) {
+    for (; payload_ranks; payload_ranks &= payload_ranks - 1)
+      share.store(reinterpret_cast<int4*>(dispatch_slot(c, __ffs(payload_ranks) - 1, seq, t) + kHeaderBytes),
+                  row_pairs);
+    for (int n = 0; n < num_selfs; ++n)
+      share.store(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(r.selfs[j][n]) * hidden * 2),
+                  row_pairs);
+    return;
+  }
+  int4 packed[kPairs];
+  float scales[kPairs];
+  cast_fp8<kPairs>(share, row_pairs, a.round_scale, packed, scales);
+  const int in_group = threadIdx.x & 7;  // lane 0 of each 8 holds the group's scale for the slots
+  for (; payload_ranks; payload_ranks &= payload_ranks - 1) {
+    unsigned char* payload = dispatch_slot(c, __ffs(payload_ranks) - 1, seq, t) + kHeaderBytes;
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
       const int i = RowShare<kPairs>::pair(p);
-      const bool here = real && i < row_pairs;
-      share.v[p][0] = here ? row[2 * i] : make_int4(0, 0, 0, 0);
-      share.v[p][1] = here ? row[2 * i + 1] : make_int4(0, 0, 0, 0);
+      if (i >= row_pairs) continue;
+      reinterpret_cast<int4*>(payload)[i] = packed[p];
+      if (in_group == 0) reinterpret_cast<float*>(payload + hidden)[i / 8] = scales[p];
     }
-    long long own = -1;
-    if (threadIdx.x < a.num_topk && real) own = a.topk_idx[static_cast<long long>(t) * a.num_topk + threadIdx.x];
-    int earlier_ids[kMaxTopk];
-    if (real && static_cast<int>(threadIdx.x) < t) load_ids(a, threadIdx.x, earlier_ids);
-    if (first_token && threadIdx.x == 0) ticket = take_ticket(c, kDispatch);
-    first_token = false;
-    if (threadIdx.x < 32) {  // warp 0 routes the token in registers: lane k < num_topk has position k
-      if (own < -1 || own >= c.num_experts) {
-        record_error(c, kDispatch, kBadExpert, 0, static_cast<int>(own));
-        own = -1;
-      }
-      const int k = lane, e = static_cast<int>(own);
-      const unsigned same = __match_any_sync(0xffffffffu, e);  // lanes that chose the same expert
-      const bool first = e >= 0 && __ffs(same) - 1 == k;
-      const int dest = first ? e / num_local : -1;
-      const bool self = dest == c.rank && c.rank == 0;
-      const unsigned dest_mask = __reduce_or_sync(0xffffffffu, first && !self ? 1u << dest : 0u);
-      const unsigned self_mask = __ballot_sync(0xffffffffu, self);
-      if (k < kMaxTopk / 2) offsets[k] = 0;
-      if (k < kMaxTopk) {
-        experts[k] = e;
-        is_entry[k] = first;
-        kmasks[k] = same;
-        dest_of[k] = dest;
-        local_of[k] = first ? e % num_local : 0;
-        if (first) entry_of[e] = static_cast<signed char>(k);
-        if (self) selfs[__popc(self_mask & ((1u << k) - 1))] = k;  // in ascending k
-      }
-      if (c.num_ranks > 1 && k == 0) seq = ticket;
-      __syncwarp();
-      if (k < c.num_ranks) slots[k] = dispatch_slot(c, k, seq, t);
-      if (k < kMaxRanks && (dest_mask >> k & 1u)) dests[__popc(dest_mask & ((1u << k) - 1))] = k;  // ascending
-      if (k == 0) {
-        num_dests = __popc(dest_mask);
-        num_selfs = __popc(self_mask);
-      }
+  }
+  // Scales of the rows here: column-major, so lane in_group of each 8 stores rows in_group, in_group + 8.
+  long long scale_at[2] = {-1, -1};  // element index of group 0 of the row, -1: no such row
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = in_group + 8 * h;
+    if (i >= num_selfs) continue;
+    const int k = r.selfs[j][i];
+    scale_at[h] = static_cast<long long>(r.local[j][k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows +
+                  r.offset[j][k];
+  }
+  for (int i = 0; i < num_selfs; ++i) {
+    auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(r.selfs[j][i]) * hidden);
+#pragma unroll
+    for (int p = 0; p < kPairs; ++p)
+      if (RowShare<kPairs>::pair(p) < row_pairs) data[RowShare<kPairs>::pair(p)] = packed[p];
+  }
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) {
+    const int g = RowShare<kPairs>::pair(p) / 8;
+    if (g >= groups) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (scale_at[h] < 0) continue;
+      if (a.use_ue8m0)  // four exponents per int: group g is byte g % 4 of int g / 4
+        static_cast<unsigned char*>(a.recv_scales)[(scale_at[h] + static_cast<long long>(g / 4) * num_rows) * 4 + g % 4] =
+            static_cast<unsigned char>(__float_as_uint(scales[p]) >> 23);
+      else
+        static_cast<float*>(a.recv_scales)[scale_at[h] + static_cast<long long>(g) * num_rows] = scales[p];
+    }
+  }
+}
+
+// The token blocks: block b >= 1 of `token_blocks` + 1 sends a contiguous run of tokens, kBatch per pass;
+// kPairs = pairs of 16-byte vectors of a bf16 row per thread (RowShare). A pass routes its tokens in
+// parallel (a warp each), then casts and stores them one after another, the next token's row loading
+// while this one is stored, then releases all their slots at once: a token's chain of dependent steps
+// (loads, routing, row offsets, cast, stores, flags) is long, so a block with several tokens overlaps
+// them rather than running the chain once per token (ranks sharing a GPU give each rank few blocks).
+// Rank 0's entries on itself go straight to their rows of recv_x: its rows come first in every expert,
+// so it places them without any other rank's counts. Every other destination, a higher rank's own
+// included, gets the token in a slot: a send never waits for a peer (a send whose blocks spin on a peer
+// that has no SM left would stall until the timeout). An SM stores about 32 bytes per clock, so the
+// stores are what a token costs: they are 16 bytes per lane, and a row's scales go out in one
+// instruction for up to 8 rows.
+template <int kPairs>
+__device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, unsigned& seq) {
+  const Common& c = a.c;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row_pairs = c.hidden / 16;
+  const int per_block = (c.max_tokens + token_blocks - 1) / token_blocks;
+  const int begin = (blockIdx.x - 1) * per_block, end = min(begin + per_block, c.max_tokens);
+  __shared__ PassRoutes routes;
+  // All loads first, in flight together: the first token's row, the first pass's expert ids, and the
+  // ids of the earlier tokens (one per thread) for the row offsets. Thread 0 takes the ticket and keeps
+  // it in a register: the data path needs the sequence number only for slots, so with one rank nothing
+  // waits for the atomic.
+  RowShare<kPairs> share = RowShare<kPairs>::load(a, begin, row_pairs);
+  const auto own_id = [&](int t) {
+    return lane < a.num_topk && t < min(end, a.num_tokens) ? a.topk_idx[static_cast<long long>(t) * a.num_topk + lane]
+                                                           : -1ll;
+  };
+  long long own = own_id(begin + warp);
+  const int counted = begin < min(end, a.num_tokens) ? begin : 0;  // no offsets needed without a real token
+  int ids[kMaxTopk];
+  if (static_cast<int>(threadIdx.x) < counted) load_ids(a, threadIdx.x, ids);
+  for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
+  unsigned ticket = 0;
+  if (threadIdx.x == 0) {
+    ticket = take_ticket(c, kDispatch);
+    if (c.num_ranks > 1) seq = ticket;
+  }
+  __syncthreads();
+  count_tokens(a, counted, ids, bins);
+  for (int first = begin; first < end; first += kBatch) {
+    const int n = min(kBatch, end - first);
+    if (warp < n) route_token(a, own, warp, routes);
+    own = own_id(first + kBatch + warp);  // the next pass's ids, in flight from here
+    __syncthreads();  // also: bins hold the tokens before this pass
+    // Row offset of each entry: the tokens before the pass, plus the pass's earlier tokens with its expert.
+    if (warp < n && lane < a.num_topk && routes.dest[warp][lane] >= 0) {
+      const int e = routes.expert[warp][lane];
+      int offset = bins[e];
+      for (int j = 0; j < warp; ++j)
+        for (int k = 0; k < a.num_topk; ++k) offset += routes.expert[j][k] == e && routes.dest[j][k] >= 0;
+      routes.offset[warp][lane] = offset;
     }
     __syncthreads();
-    // Row offset of each entry: how many earlier tokens of this rank chose the same expert. Each thread
-    // counts its earlier tokens in 16-bit fields, a warp adds them up (eight REDUX), lane 0 adds that.
-    if (num_dests + num_selfs > 0 && t > 0) {
-      unsigned hits[kMaxTopk / 2] = {};
-      for (int base = 0; base < t; base += kThreads) {
-        const int earlier = base + threadIdx.x;
-        if (earlier >= t) break;
-        if (base > 0) load_ids(a, earlier, earlier_ids);  // beyond the first kThreads
-        unsigned hit = 0;  // bit j: the earlier token chose the expert of position j
-#pragma unroll
-        for (int k = 0; k < kMaxTopk; ++k) {
-          const int j = earlier_ids[k] >= 0 ? entry_of[earlier_ids[k]] : -1;
-          if (j >= 0) hit |= 1u << j;
-        }
-#pragma unroll
-        for (int w = 0; w < kMaxTopk / 2; ++w) hits[w] += (hit >> (2 * w) & 1u) | (hit >> (2 * w + 1) & 1u) << 16;
-      }
-#pragma unroll
-      for (int w = 0; w < kMaxTopk / 2; ++w) {
-        const unsigned sum = __reduce_add_sync(0xffffffffu, hits[w]);
-        if (lane == 0 && sum) atomicAdd(&offsets[w], sum);
+    {  // the rows on this rank: their source token and top-k positions
+      const int j = threadIdx.x / kMaxTopk, i = threadIdx.x % kMaxTopk;
+      if (j < n && i < routes.num_selfs[j]) {
+        const int k = routes.selfs[j][i];
+        const long long row = static_cast<long long>(routes.local[j][k]) * c.num_ranks * c.max_tokens +
+                              routes.offset[j][k];
+        a.src_info[row] = first + j;
+        a.combine_map[row] = static_cast<int>(routes.kmask[j][k] << 13 | static_cast<unsigned>(first + j));
       }
     }
-    __syncthreads();
-    if (threadIdx.x < num_selfs) {  // the rows on this rank: their source token and top-k positions
-      const int k = selfs[threadIdx.x];
-      const long long out_row = self_row(k);
-      a.src_info[out_row] = t;
-      a.combine_map[out_row] = static_cast<int>(kmasks[k] << 13 | static_cast<unsigned>(c.rank * c.max_tokens + t));
+    for (int j = 0; j < n; ++j) {
+      const RowShare<kPairs> next = RowShare<kPairs>::load(a, first + j + 1 < end ? first + j + 1 : a.num_tokens,
+                                                           row_pairs);
+      send_payload<kPairs>(a, share, first + j, j, routes, seq);
+      share = next;
     }
-    // The payload: one cast, stored to each other rank's slot and to each row on this rank. Loops run
-    // over destinations outside and pairs inside: a store through a generic pointer may alias shared
-    // memory, so each shared load after one waits for it.
-    if (a.use_fp8 && num_dests + num_selfs > 0) {
-      int4 packed[kPairs];
-      float scales[kPairs];
-      cast_fp8<kPairs>(share, row_pairs, a.round_scale, packed, scales);
-      const int in_group = lane & 7;  // lane 0 of each 8 holds the group's scale for the slots
-      for (int d = 0; d < num_dests; ++d) {
-        unsigned char* payload = slots[dests[d]] + kHeaderBytes;
-#pragma unroll
-        for (int p = 0; p < kPairs; ++p) {
-          const int i = RowShare<kPairs>::pair(p);
-          if (i >= row_pairs) continue;
-          reinterpret_cast<int4*>(payload)[i] = packed[p];
-          if (in_group == 0) reinterpret_cast<float*>(payload + hidden)[i / 8] = scales[p];
-        }
-      }
-      // Scales of the rows here: column-major, so lane in_group of each 8 stores rows in_group, in_group + 8.
-      long long scale_at[2] = {-1, -1};  // element index of group 0 of the row, -1: no such row
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = in_group + 8 * h;
-        if (i >= num_selfs) continue;
-        const int k = selfs[i];
-        scale_at[h] = static_cast<long long>(local_of[k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows +
-                      position(k);
-      }
-      for (int i = 0; i < num_selfs; ++i) {
-        const int k = selfs[i];
-        const long long out_row = self_row(k);
-        auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + out_row * hidden);
-#pragma unroll
-        for (int p = 0; p < kPairs; ++p)
-          if (RowShare<kPairs>::pair(p) < row_pairs) data[RowShare<kPairs>::pair(p)] = packed[p];
-      }
-#pragma unroll
-      for (int p = 0; p < kPairs; ++p) {
-        const int g = RowShare<kPairs>::pair(p) / 8;
-        if (g >= groups) continue;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (scale_at[h] < 0) continue;
-          if (a.use_ue8m0)  // four exponents per int: group g is byte g % 4 of int g / 4
-            static_cast<unsigned char*>(a.recv_scales)[(scale_at[h] + static_cast<long long>(g / 4) * num_rows) * 4 + g % 4] =
-                static_cast<unsigned char>(__float_as_uint(scales[p]) >> 23);
-          else
-            static_cast<float*>(a.recv_scales)[scale_at[h] + static_cast<long long>(g) * num_rows] = scales[p];
-        }
-      }
-    } else if (num_dests + num_selfs > 0) {
-      for (int d = 0; d < num_dests; ++d) share.store(reinterpret_cast<int4*>(slots[dests[d]] + kHeaderBytes), row_pairs);
-      for (int n = 0; n < num_selfs; ++n)
-        share.store(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(selfs[n]) * hidden * 2),
-                    row_pairs);
-    }
-    if (c.num_ranks > 1) __syncthreads();  // every payload store of the block, before the flags below
-    if (threadIdx.x < kMaxTopk && is_entry[threadIdx.x]) entry_of[experts[threadIdx.x]] = -1;  // next token
+    if (c.num_ranks > 1) __syncthreads();  // every payload store of the pass, before the flags below
     // Every other rank gets a header for every token slot (no entries if no expert there), flag last.
-    if (threadIdx.x < c.num_ranks && !(threadIdx.x == 0 && c.rank == 0)) {
-      const int r = threadIdx.x;
-      auto* header = reinterpret_cast<DispatchHeader*>(slots[r]);
+    const int j = threadIdx.x / kMaxRanks, r = threadIdx.x % kMaxRanks;
+    if (j < n && r < c.num_ranks && !(r == 0 && c.rank == 0)) {
+      auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, seq, first + j));
       unsigned m = 0;
-      for (int k = 0; k < kMaxTopk; ++k) {
-        if (dest_of[k] != r) continue;
-        header->entries[m++] = make_uint2(static_cast<unsigned>(local_of[k]) | (kmasks[k] << 16),
-                                          static_cast<unsigned>(position(k)));
+      for (int k = 0; k < a.num_topk; ++k) {
+        if (routes.dest[j][k] != r) continue;
+        header->entries[m++] = make_uint2(static_cast<unsigned>(routes.local[j][k]) | (routes.kmask[j][k] << 16),
+                                          static_cast<unsigned>(routes.offset[j][k]));
       }
       const unsigned long long flag = static_cast<unsigned long long>(m) << 32 | seq;
       if (m > 0) st_release(c, &header->flag, flag);  // orders the payload (and entries) before it
       else *reinterpret_cast<volatile unsigned long long*>(&header->flag) = flag;  // nothing to order
     }
-    __syncthreads();  // the shared state above is rewritten for the next token
+    if (warp < n && lane < a.num_topk && routes.dest[warp][lane] >= 0) atomicAdd(&bins[routes.expert[warp][lane]], 1);
+    __syncthreads();  // the routes are rewritten by the next pass
   }
-  // Every block takes its ticket, one without tokens too (fused kernel, T < blocks); the kernel's barrier
-  // after this publishes the sequence number to the block.
-  if (threadIdx.x == 0) seq = first_token ? take_ticket(c, kDispatch) : ticket;
+  // The kernel's barrier after this publishes the sequence number to the block.
+  if (threadIdx.x == 0) seq = ticket;
 }
 
 // Polls this block's copy of the counts: counts[s][l] = tokens of source s for local expert l. Threads
@@ -467,7 +504,10 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
     // expert, top-k mask and destination row.
     uint2 entry = make_uint2(0, 0);
     if (lane < n) entry = __ldcg(&header->entries[lane]);
-    const auto* payload = reinterpret_cast<const int4*>(reinterpret_cast<const unsigned char*>(header) + kHeaderBytes);
+    const unsigned char* slot = pull_payloads(c) ? half_base(c, c.peer_bases[source], seq) + c.layout.dispatch +
+                                                       static_cast<long long>(i) * c.layout.slot
+                                                 : reinterpret_cast<const unsigned char*>(header);
+    const auto* payload = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     const bool scales_here = a.use_fp8 && chunk == chunks - 1;
     unsigned scale_value[kScaleWordsPerLane] = {};  // scale words lane, lane + 32, ...
     if (scales_here) {
@@ -541,8 +581,9 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
   __shared__ SendTiming timing;
   __shared__ unsigned seq;
   if constexpr ((kPhases & kSendPhase) != 0) {
-    if (blockIdx.x == 0) publish_counts(a, start, kFused, timing, seq);  // block 0 counts: it starts first
-    else send_tokens<kPairs>(a, gridDim.x - 1, seq);
+    __shared__ int bins[kMaxExperts];  // tokens per expert
+    if (blockIdx.x == 0) publish_counts(a, start, kFused, timing, bins, seq);  // block 0 counts: it starts first
+    else send_tokens<kPairs>(a, gridDim.x - 1, bins, seq);
   } else {
     if (threadIdx.x == 0) seq = *a.c.ticket;
     mark_recv_start(a.c, kDispatch, seq, start);
@@ -589,14 +630,29 @@ int resident_blocks(void (*kernel)(DispatchCall)) {
   return sms * per_sm;
 }
 
+// Ranks whose kernels run on this GPU side by side (emulated ranks, processes sharing it).
+int ranks_sharing_the_gpu(const Common& c) { return c.system_scope ? 1 : c.num_ranks; }
+
 }  // namespace
 
+// A token block per token, up to this rank's share of the blocks the GPU holds at once (ranks on one
+// GPU share it); past that, blocks take several tokens each, which overlaps their chains of dependent
+// steps instead of running them in waves.
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
-  kernel_for<kSendPhase>(call)<<<call.c.max_tokens + 1, kThreads, 0, stream>>>(call);
+  const auto kernel = kernel_for<kSendPhase>(call);
+  const int token_blocks =
+      std::max(1, std::min(call.c.max_tokens, resident_blocks(kernel) / ranks_sharing_the_gpu(call.c) - 1));
+  kernel<<<token_blocks + 1, kThreads, 0, stream>>>(call);
 }
 
+// Ranks on one GPU get their share of the blocks it holds at once: warps then take several slots each,
+// and every rank's receive runs in one wave (a block's poll of the counts is paid once, not per wave).
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
-  dispatch_kernel<kRecvPhase, 1><<<receive_blocks(call), kThreads, 0, stream>>>(call);
+  const auto kernel = dispatch_kernel<kRecvPhase, 1>;
+  const int sharing = ranks_sharing_the_gpu(call.c);
+  const int blocks = sharing > 1 ? std::max(1, std::min(receive_blocks(call), resident_blocks(kernel) / sharing))
+                                 : receive_blocks(call);
+  kernel<<<blocks, kThreads, 0, stream>>>(call);
 }
 
 // Every block of the fused kernel must be resident at once (receivers wait for other blocks' sends),

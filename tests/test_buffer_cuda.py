@@ -151,19 +151,13 @@ def run_combine(buffers, ys, idxs, weights, handles, streams=None, **kw):
     return [s[0] for s in sent]
 
 
-@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("concurrent", [False, True], ids=["one-stream", "rank-streams"])
-def test_emulated_dispatch_combine(num_ranks: int, mode: str, concurrent: bool, seed: int) -> None:
-    """Emulated ranks against the oracles; with rank-streams each rank's kernels of a phase run on a
-    stream of their own, concurrently."""
+def check_round_trip(num_ranks: int, max_tokens: int, hidden: int, num_local: int, topk: int, mode: str,
+                     concurrent: bool, seed: int) -> None:
+    """Two dispatches (both buffer halves) and a combine of emulated ranks against the oracles."""
     from ep_layer.emulation import RankStreams
 
     rng = np.random.default_rng(seed)
-    max_tokens = int(rng.integers(1, 40))
-    hidden = int(rng.choice([512, 1024, 2048, 7168]))
-    num_local = int(rng.integers(1, 9))
-    num_experts, topk = num_ranks * num_local, int(rng.integers(1, min(9, num_ranks * num_local) + 1))
+    num_experts = num_ranks * num_local
     buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
     xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
     stats = [torch.zeros(num_local, dtype=torch.int32, device="cuda") for _ in buffers]
@@ -189,6 +183,30 @@ def test_emulated_dispatch_combine(num_ranks: int, mode: str, concurrent: bool, 
         check_combine(r, combined[r], exact, wide, f"seed={seed} mode={mode}")
     for b in buffers:
         b.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-stream", "rank-streams"])
+def test_emulated_dispatch_combine(num_ranks: int, mode: str, concurrent: bool, seed: int) -> None:
+    """Emulated ranks against the oracles; with rank-streams each rank's kernels of a phase run on a
+    stream of their own, concurrently."""
+    rng = np.random.default_rng(seed)
+    max_tokens = int(rng.integers(1, 40))
+    hidden = int(rng.choice([512, 1024, 2048, 7168]))
+    num_local = int(rng.integers(1, 9))
+    topk = int(rng.integers(1, min(9, num_ranks * num_local) + 1))
+    check_round_trip(num_ranks, max_tokens, hidden, num_local, topk, mode, concurrent, seed)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_emulated_send_blocks_with_many_tokens(mode: str, seed: int) -> None:
+    """Eight ranks on one GPU get a send block per 1/8 of the GPU's resident blocks, so at these T each
+    block sends several tokens, over more than one pass of eight (partial passes included)."""
+    rng = np.random.default_rng(seed)
+    max_tokens = int(rng.integers(150, 400))
+    hidden = int(rng.choice([512, 7168]))
+    check_round_trip(8, max_tokens, hidden, 32, 8, mode, True, seed)
 
 
 @pytest.mark.parametrize("max_tokens,hidden,num_experts,topk",
