@@ -66,6 +66,8 @@ struct Control {
   // for at the wrong offsets.
   unsigned long long hello[2][2][kMaxRanks];
   Timing timing[2];                // per Op
+  // Per buffer half: the dispatch receive's work items claimed so far (zeroed by the call's send).
+  unsigned receive_claims[2];
 };
 static_assert(sizeof(Control) <= 4096, "Control must fit CONTROL_BYTES");
 

@@ -107,7 +107,10 @@ __device__ void publish_counts(const DispatchCall& a, unsigned long long start, 
     *reinterpret_cast<volatile unsigned long long*>(counts + c.rank * num_local + e % num_local) = word;
   }
   say_hello(c, kDispatch, seq);
-  if (threadIdx.x == 0) *c.ticket = seq;
+  if (threadIdx.x == 0) {
+    reinterpret_cast<Control*>(c.local_base)->receive_claims[seq & 1u] = 0;  // the hook claims from 0
+    *c.ticket = seq;
+  }
 }
 
 // A thread's share of a token row: kPairs pairs of 16-byte vectors, 16 consecutive channels each; pair
@@ -451,8 +454,12 @@ __host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
 
 // The receive half's work; every thread returns here, so that all of them reach finish_recv. Block 0
 // also writes recv_count, layout_range and the stats (in the fused kernel it is the counting block,
-// done with its send part long before the token blocks).
-__device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
+// done with its send part long before the token blocks). `claimed`: warps claim their items one at a
+// time from a counter, so that a warp that drew light items takes more and the kernel ends with its
+// last item rather than with its unluckiest warp (a hook: its send zeroed the counter); otherwise each
+// warp takes every (warps)-th item (one kernel with the send: nothing zeroes a counter before the
+// other blocks would claim).
+__device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool claimed) {
   const Common& c = a.c;
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
   const int num_local = c.num_experts / num_ranks;
@@ -483,7 +490,16 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq) {
   const int row_bytes = a.use_fp8 ? hidden : hidden * 2, vectors = row_bytes / 16;
   const int chunks = a.chunks_per_slot, per_chunk = (vectors + chunks - 1) / chunks;
   const int scale_words = a.use_ue8m0 ? groups / 4 : groups;
-  for (int item = blockIdx.x * kWarps + threadIdx.x / 32; item < items; item += warps) {
+  unsigned* claims = &reinterpret_cast<Control*>(c.local_base)->receive_claims[seq & 1u];
+  const auto claim = [&](int after) {
+    if (!claimed) return after < 0 ? static_cast<int>(blockIdx.x * kWarps + threadIdx.x / 32) : after + warps;
+    int item = 0;
+    if (lane == 0) item = static_cast<int>(atomicAdd(claims, 1u));
+    return __shfl_sync(0xffffffffu, item, 0);
+  };
+  int item = claim(-1);
+  for (int next; item < items; item = next) {
+    next = claim(item);  // in flight while this item is copied
     const int other = item / chunks / num_tokens, chunk = item % chunks;
     const int source = other + (c.rank == 0), i = source * num_tokens + item / chunks % num_tokens;
     const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
@@ -590,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
   }
   __syncthreads();
   if constexpr ((kPhases & kRecvPhase) != 0) {
-    receive_tokens(a, seq);
+    receive_tokens(a, seq, /*claimed=*/!kFused);
     finish_recv(a.c, kDispatch, seq);  // has a barrier: the counting block may account below
     if (kFused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
   } else if (threadIdx.x == 0) {
