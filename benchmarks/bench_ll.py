@@ -96,7 +96,7 @@ class Case:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.ep, self.tokens, self.hidden, self.experts = ep, tokens, hidden, experts
         self.size = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ep, experts)
-        self.buffers = emulated_buffers(ep, self.size)
+        self.buffers = emulated_buffers(ep, self.size, gpu_share=1 if serial_ranks else ep)
         self.streams = RankStreams(ep) if ep > 1 and not serial_ranks else None
         self.xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ep)]
         scores = [torch.rand(tokens, experts, device="cuda", generator=gen) for _ in range(ep)]

@@ -221,11 +221,12 @@ class EpLayers:
         self.layers.clear()
 
 
-def cuda_buffers(ep: int, size: int) -> list[Buffer]:
-    """EP = 1: one real rank's Buffer; more: ranks emulated on the current GPU."""
+def cuda_buffers(ep: int, size: int, comm_sms: str = "all") -> list[Buffer]:
+    """EP = 1: one real rank's Buffer; more: ranks emulated on the current GPU, whose dispatch kernels size
+    their grids for the rank's 1/EP of it (`comm_sms` "share") or for all of it ("all")."""
     if ep == 1:
         return [Buffer(None, num_rdma_bytes=size, low_latency_mode=True, backend="cuda")]
-    return emulated_buffers(ep, size)
+    return emulated_buffers(ep, size, gpu_share=ep if comm_sms == "share" else 1)
 
 
 # ---------------------------------------------------------------------------- one (EP, T) point
@@ -424,6 +425,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time the reference backend (EP=1, eager)")
     parser.add_argument("--layers", type=int, default=1,
                         help="MoE layer calls per step, one after another as in a model (default 1)")
+    parser.add_argument("--comm-sms", choices=["all", "share"], default="all",
+                        help="emulated ranks' dispatch kernels size their grids for all of the GPU (default: their "
+                             "kernels run one after another) or for the rank's 1/EP of it, the share of the "
+                             "hardware it stands for")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.tokens is None:
@@ -463,7 +468,7 @@ def main() -> None:
     for ep in args.ep:
         built = time.perf_counter()
         setup = EpLayers(shape, ep, args.max_tokens, args.seed, torch.device("cuda", torch.cuda.current_device()),
-                         cuda_buffers)
+                         lambda ep, size: cuda_buffers(ep, size, args.comm_sms))
         torch.cuda.synchronize()
         print(f"# EP={ep}: {len(setup.layers)} layer(s) of {shape.num_experts // ep} experts made in "
               f"{time.perf_counter() - built:.1f} s, "

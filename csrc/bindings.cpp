@@ -19,7 +19,7 @@ T* ptr(long long p) {
 }
 
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
-                   bool system_scope, const std::vector<long long>& peer_bases, long long local_base, std::tuple<long long, long long, long long,
+                   bool system_scope, int gpu_share, const std::vector<long long>& peer_bases, long long local_base, std::tuple<long long, long long, long long,
                    long long, long long, long long, long long> layout, long long host_error, double timeout_s,
                    long long latency) {
   Common c{};
@@ -30,6 +30,9 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
   c.num_experts = num_experts;
   c.spec_check = spec_check;
   c.system_scope = system_scope;
+  if (gpu_share < 1 || gpu_share > num_ranks)
+    throw std::invalid_argument("make_common: gpu_share must be in [1, num_ranks]");
+  c.gpu_share = gpu_share;
   if (peer_bases.size() != static_cast<size_t>(num_ranks) || num_ranks > ep::kMaxRanks)
     throw std::invalid_argument("make_common: one buffer per rank, at most " + std::to_string(ep::kMaxRanks));
   for (int r = 0; r < num_ranks; ++r) c.peer_bases[r] = peer_bases[r];

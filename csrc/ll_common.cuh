@@ -98,6 +98,7 @@ struct Common {
   int max_tokens, hidden, num_experts;
   unsigned spec_check;            // hash of what ranks must agree on
   int system_scope;               // peers on other GPUs: order at system scope, else at GPU scope
+  int gpu_share;                  // ranks whose kernels run on this GPU at the same time (this one included)
   long long peer_bases[kMaxRanks];  // each rank's buffer, mapped here (kernel parameters: no global load)
   unsigned char* local_base;      // this rank's buffer
   Layout layout;

@@ -454,16 +454,18 @@ __host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
 
 // The receive half's work; every thread returns here, so that all of them reach finish_recv. Block 0
 // also writes recv_count, layout_range and the stats (in the fused kernel it is the counting block,
-// done with its send part long before the token blocks). `claimed`: warps claim their items one at a
-// time from a counter, so that a warp that drew light items takes more and the kernel ends with its
-// last item rather than with its unluckiest warp (a hook: its send zeroed the counter); otherwise each
-// warp takes every (warps)-th item (one kernel with the send: nothing zeroes a counter before the
-// other blocks would claim).
-__device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool claimed) {
+// done with its send part long before the token blocks). `may_claim`: where warps have several items
+// each, they claim them one at a time from a counter, so that a warp that drew light items takes more
+// and the kernel ends with its last item rather than with its unluckiest warp (a hook: its send zeroed
+// the counter); otherwise each warp takes every (warps)-th item (one item per warp needs no balancing,
+// and its claims would only queue on the counter; one kernel with the send: nothing zeroes a counter
+// before the other blocks would claim).
+__device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_claim) {
   const Common& c = a.c;
   const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
   const int num_local = c.num_experts / num_ranks;
   const int items = receive_items(a), warps = gridDim.x * kWarps;
+  const bool claimed = may_claim && items > warps;
   const bool writes_layout = blockIdx.x == 0;
   if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= items) return;  // no slot to copy here
   const unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
@@ -606,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
   }
   __syncthreads();
   if constexpr ((kPhases & kRecvPhase) != 0) {
-    receive_tokens(a, seq, /*claimed=*/!kFused);
+    receive_tokens(a, seq, /*may_claim=*/!kFused);
     finish_recv(a.c, kDispatch, seq);  // has a barrier: the counting block may account below
     if (kFused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
   } else if (threadIdx.x == 0) {
@@ -646,9 +648,6 @@ int resident_blocks(void (*kernel)(DispatchCall)) {
   return sms * per_sm;
 }
 
-// Ranks whose kernels run on this GPU side by side (emulated ranks, processes sharing it).
-int ranks_sharing_the_gpu(const Common& c) { return c.system_scope ? 1 : c.num_ranks; }
-
 }  // namespace
 
 // A token block per token, up to this rank's share of the blocks the GPU holds at once (ranks on one
@@ -656,8 +655,7 @@ int ranks_sharing_the_gpu(const Common& c) { return c.system_scope ? 1 : c.num_r
 // steps instead of running them in waves.
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = kernel_for<kSendPhase>(call);
-  const int token_blocks =
-      std::max(1, std::min(call.c.max_tokens, resident_blocks(kernel) / ranks_sharing_the_gpu(call.c) - 1));
+  const int token_blocks = std::max(1, std::min(call.c.max_tokens, resident_blocks(kernel) / call.c.gpu_share - 1));
   kernel<<<token_blocks + 1, kThreads, 0, stream>>>(call);
 }
 
@@ -665,9 +663,9 @@ void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
 // and every rank's receive runs in one wave (a block's poll of the counts is paid once, not per wave).
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = dispatch_kernel<kRecvPhase, 1>;
-  const int sharing = ranks_sharing_the_gpu(call.c);
-  const int blocks = sharing > 1 ? std::max(1, std::min(receive_blocks(call), resident_blocks(kernel) / sharing))
-                                 : receive_blocks(call);
+  const int share = call.c.gpu_share;
+  const int blocks = share > 1 ? std::max(1, std::min(receive_blocks(call), resident_blocks(kernel) / share))
+                               : receive_blocks(call);
   kernel<<<blocks, kThreads, 0, stream>>>(call);
 }
 

@@ -126,11 +126,13 @@ def check_combine(rank: int, got: torch.Tensor, exact: torch.Tensor, wide: torch
 
 
 # ---------------------------------------------------------------------------- emulated ranks
-def emulated(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, timeout_s: float = 20.0):
+def emulated(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, timeout_s: float = 20.0,
+             side_by_side: bool = False):
+    """`side_by_side`: the ranks will run on RankStreams, so each sizes its grids for its share of the GPU."""
     from ep_layer.emulation import emulated_buffers
 
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, num_ranks, num_experts)
-    return emulated_buffers(num_ranks, size, timeout_s)
+    return emulated_buffers(num_ranks, size, timeout_s, gpu_share=num_ranks if side_by_side else 1)
 
 
 def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None, streams=None):
@@ -158,7 +160,7 @@ def check_round_trip(num_ranks: int, max_tokens: int, hidden: int, num_local: in
 
     rng = np.random.default_rng(seed)
     num_experts = num_ranks * num_local
-    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts, side_by_side=concurrent)
     xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
     stats = [torch.zeros(num_local, dtype=torch.int32, device="cuda") for _ in buffers]
     streams = RankStreams(num_ranks) if concurrent else None
@@ -773,12 +775,15 @@ def test_ipc_timeout_names_missing_rank() -> None:
 
 @pytest.mark.parametrize("max_tokens,hidden,num_experts,topk", [(1024, 128, 1024, 16), (8, 16384, 16, 16)])
 def test_emulated_shape_limits(max_tokens: int, hidden: int, num_experts: int, topk: int, seed: int) -> None:
-    """The largest supported T, E, K and H (8 ranks of one node), checked like any other shape."""
+    """The largest supported T, E, K and H (8 ranks of one node), checked like any other shape; the ranks
+    side by side, so that at T = 1024 each send block has 32 tokens (four passes)."""
+    from ep_layer.emulation import RankStreams
+
     rng = np.random.default_rng(seed)
     num_ranks = 8
-    buffers = emulated(num_ranks, max_tokens, hidden, num_experts)
+    buffers = emulated(num_ranks, max_tokens, hidden, num_experts, side_by_side=True)
     xs, idxs = make_inputs(rng, num_ranks, max_tokens, hidden, num_experts, topk)
-    outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "fp8")
+    outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "fp8", streams=RankStreams(num_ranks))
     for b in buffers:
         b.check()
     rows = expected_rows(idxs, num_experts)

@@ -97,9 +97,11 @@ class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                 num_rdma_bytes: int, timeout_s: float, *, peer_bases: list[int] | None = None) -> None:
-        """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process;
-        without it the buffer is allocated here and the peers' are mapped through CUDA IPC."""
+                 num_rdma_bytes: int, timeout_s: float, *, peer_bases: list[int] | None = None,
+                 gpu_share: int = 1) -> None:
+        """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process,
+        `gpu_share` how many of them run their kernels at the same time; without them the buffer is
+        allocated here, the peers' are mapped through CUDA IPC, and the ranks on this GPU share it."""
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s)
         self._c = native.load()
         expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
@@ -111,14 +113,15 @@ class CudaBackend(Backend):
         self._num_sms = self._c.num_sms()
         self._opened: list[int] = []  # peers' buffers mapped through IPC, closed on destroy
         self._system_scope = False  # True once a peer sits on another GPU
+        # Ranks whose kernels run on this GPU at the same time: each sizes its dispatch grids for its share
+        # of the SMs, so that all of them run in one wave (measured on H200 with 8 emulated ranks side by
+        # side at T = 128: 54 us instead of 74; alone on the GPU, ranks keep all of it).
+        self._gpu_share = gpu_share
         if peer_bases is None:
             peer_bases = self._exchange_handles(self._c.alloc_buffer(num_rdma_bytes))
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
         self._peer_bases = list(peer_bases)
-        # Ranks on one GPU (emulated, or processes sharing it) run their kernels side by side: the dispatch
-        # receive is sized for this rank's share of the SMs (measured on H200 with 8 emulated ranks at
-        # T=128: 43 us instead of 59; combine's send was 2 us slower so sized, and keeps the whole GPU).
-        self._receive_sms = self._num_sms // num_ranks if num_ranks > 1 and not self._system_scope else self._num_sms
+        expect(1 <= self._gpu_share <= num_ranks, "gpu_share", f"in [1, {num_ranks}]", self._gpu_share)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
@@ -140,6 +143,7 @@ class CudaBackend(Backend):
         sizes = {r: g[1] for r, g in enumerate(gathered)}
         expect(len(set(sizes.values())) == 1, "num_rdma_bytes", "the same on every rank", sizes)
         self._system_scope = len({g[2] for g in gathered}) > 1
+        self._gpu_share = sum(g[2] == device_id for g in gathered)
         bases = []
         for r, (handle, _, _) in enumerate(gathered):
             if r == self.rank:
@@ -202,7 +206,7 @@ class CudaBackend(Backend):
                        layout.dispatch_slot_bytes(hidden), dispatch, dispatch + combine, dispatch + combine + flags)
             check = zlib.crc32(repr(key).encode())
             common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
-                                         self._system_scope, self._peer_bases, self._base, offsets,
+                                         self._system_scope, self._gpu_share, self._peer_bases, self._base, offsets,
                                          self._device_flag, self.timeout_s, self._latency.data_ptr())
             self._commons[key] = common
         return common
@@ -213,7 +217,7 @@ class CudaBackend(Backend):
 
     def _chunks_per_slot(self, slots: int) -> int:
         """Split each received token into channel chunks until there are ~16 warps of work per SM."""
-        return max(1, min(8, math.ceil(16 * self._receive_sms / slots)))
+        return max(1, min(8, math.ceil(16 * (self._num_sms // self._gpu_share) / slots)))
 
     def _blocks_per_expert(self, num_local: int) -> int:
         # About one block per SM in total (measured on H200: fewer blocks leave the copies latency-bound,
