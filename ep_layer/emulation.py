@@ -17,6 +17,7 @@ import torch
 from . import native
 from .backends.cuda import CudaBackend
 from .buffer import DEFAULT_TIMEOUT_S, Buffer
+from .checks import expect
 
 T = TypeVar("T")
 
@@ -27,6 +28,7 @@ def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEF
     1/`gpu_share` of the GPU: `num_ranks` when the ranks' kernels run side by side (`RankStreams`), or to
     give each rank the share of the hardware it stands for; 1 (each takes all of it) when they run one
     after another."""
+    expect(1 <= gpu_share <= num_ranks, "gpu_share", f"in [1, {num_ranks}]", gpu_share)
     c = native.load()
     bases = [c.alloc_buffer(num_rdma_bytes) for _ in range(num_ranks)]
     return [Buffer.from_backend(CudaBackend(None, rank, num_ranks, num_rdma_bytes, timeout_s, peer_bases=bases,

@@ -872,3 +872,12 @@ def test_a_hook_runs_once(seed: int) -> None:
     case.check_combine(out, ys, "hooked once")
     with raises(RuntimeError, "low_latency_combine"):
         combine_hook()
+
+
+@pytest.mark.parametrize("share", [0, 3])
+def test_emulated_buffers_check_the_gpu_share_first(share: int) -> None:
+    """Checked before any buffer is allocated (or the kernels are needed): runs without a GPU."""
+    from ep_layer.emulation import emulated_buffers
+
+    with pytest.raises(ValueError, match=r"gpu_share: expected in \[1, 2\], got " + str(share)):
+        emulated_buffers(2, Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 4), gpu_share=share)

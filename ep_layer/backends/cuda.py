@@ -122,7 +122,6 @@ class CudaBackend(Backend):
             peer_bases = self._exchange_handles(self._c.alloc_buffer(num_rdma_bytes))
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
         self._peer_bases = list(peer_bases)
-        expect(1 <= self._gpu_share <= num_ranks, "gpu_share", f"in [1, {num_ranks}]", self._gpu_share)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
