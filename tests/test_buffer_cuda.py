@@ -654,12 +654,12 @@ def test_latency_stats_deferred_accounting_counts_each_call_once(seed: int) -> N
 
 
 # ---------------------------------------------------------------------------- real processes (IPC)
-def _ipc_rank(rank: int, world_size: int, seed: int) -> None:
+def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())  # several GPUs: peers over NVLink
     rng = np.random.default_rng(seed)  # same stream on every rank: shared shapes, per-rank inputs below
-    max_tokens, hidden, num_local, topk = 16, 1024, 3, 4
+    hidden, num_local, topk = 1024, 3, 4
     num_experts = world_size * num_local
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
     cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=60)
@@ -742,11 +742,13 @@ def test_ipc_empty_microbatch_keeps_ranks_in_step(seed: int) -> None:
     run_ranks(_empty_microbatch_rank, 2, seed, timeout_s=120)
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_ipc_ranks_match_reference(world_size: int, seed: int) -> None:
+@pytest.mark.parametrize("world_size,max_tokens", [(2, 16), (4, 16), (8, 16), (2, 400)])
+def test_ipc_ranks_match_reference(world_size: int, max_tokens: int, seed: int) -> None:
+    """Processes on one GPU (pulled payloads) or on several (pushed); at T = 400 each send block has two
+    tokens or more (264 blocks fit on an H200 at once, shared by the ranks on a GPU)."""
     from dist_harness import run_ranks
 
-    run_ranks(_ipc_rank, world_size, seed, timeout_s=240)
+    run_ranks(_ipc_rank, world_size, seed, max_tokens, timeout_s=240)
 
 
 def _silent_rank(rank: int, world_size: int) -> float:
