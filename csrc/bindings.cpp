@@ -19,9 +19,9 @@ T* ptr(long long p) {
 }
 
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
-                   bool system_scope, int gpu_share, const std::vector<long long>& peer_bases, long long local_base, std::tuple<long long, long long, long long,
-                   long long, long long, long long, long long> layout, long long host_error, double timeout_s,
-                   long long latency) {
+                   bool system_scope, int gpu_share, const std::vector<long long>& peer_bases, long long local_base,
+                   std::tuple<long long, long long, long long, long long, long long, long long, long long> layout,
+                   long long host_error, double timeout_s, long long latency) {
   Common c{};
   c.rank = rank;
   c.num_ranks = num_ranks;

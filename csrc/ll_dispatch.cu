@@ -229,7 +229,7 @@ struct PassRoutes {
   int num_selfs[kBatch];
 };
 
-// Warp j of a pass: token t's routes into row j of `r`. `own` = lane k's expert id (-1 past the top-k).
+// Warp j of a pass: its token's routes into row j of `r`. `own` = lane k's expert id (-1 past the top-k).
 __device__ __forceinline__ void route_token(const DispatchCall& a, long long own, int j, PassRoutes& r) {
   const Common& c = a.c;
   const int k = threadIdx.x % 32, num_local = c.num_experts / c.num_ranks;
