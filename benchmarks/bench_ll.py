@@ -4,9 +4,8 @@ Ranks beyond the GPU count are emulated on one GPU (ep_layer.emulation): every r
 every rank's receive half, each rank on a CUDA stream of its own so that the ranks' kernels of a phase
 run side by side as on separate GPUs, each sized for its share of the GPU (`--serial-ranks`: one after
 another on one stream, each with the whole GPU). A time covers the work of all EP ranks together and
-is compared with the copy-bandwidth floor for the bytes
-all of them move. Kernel times come from CUDA-graph replay (median of many); Python call time is the
-host time of one eager call. At EP = 1 a dispatch without a hook runs both halves as one kernel
+is compared with the copy-bandwidth floor for the bytes all of them move. Kernel times come from
+CUDA-graph replay (median of many); Python call time is the host time of one eager call. At EP = 1 a dispatch without a hook runs both halves as one kernel
 (`disp_us`); the hook's two kernels are timed too (`hook_us` = `send_us` + `recv_us`). Emulated ranks
 always use the hook's kernels.
 
