@@ -5,9 +5,9 @@ every rank's receive half, each rank on a CUDA stream of its own so that the ran
 run side by side as on separate GPUs, each sized for its share of the GPU (`--serial-ranks`: one after
 another on one stream, each with the whole GPU). A time covers the work of all EP ranks together and
 is compared with the copy-bandwidth floor for the bytes all of them move. Kernel times come from
-CUDA-graph replay (median of many); Python call time is the host time of one eager call. At EP = 1 a dispatch without a hook runs both halves as one kernel
-(`disp_us`); the hook's two kernels are timed too (`hook_us` = `send_us` + `recv_us`). Emulated ranks
-always use the hook's kernels.
+CUDA-graph replay (median of many); Python call time is the host time of one eager call. At EP = 1 a
+dispatch without a hook runs both halves as one kernel (`disp_us`); the hook's two kernels are timed
+too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels.
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
