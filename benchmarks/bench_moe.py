@@ -273,12 +273,13 @@ class Case:
         `streams` (None: the current stream)."""
         split = [(layer, halves(x)) for layer, x in zip(self.layers, self.xs)]
         first, second = run_two_microbatches([self._layers(layer, h[0], streams) for layer, h in split],
-                                             [self._layers(layer, h[1], streams) for layer, h in split])
+                                             [self._layers(layer, h[1], streams, "combine") for layer, h in split])
         return [torch.cat(pair) for pair in zip(first, second)]
 
-    def _layers(self, layer: FusedMoE, x: torch.Tensor, streams: CommStreams | None) -> Steps[torch.Tensor]:
+    def _layers(self, layer: FusedMoE, x: torch.Tensor, streams: CommStreams | None,
+                shared_under: str = "dispatch") -> Steps[torch.Tensor]:
         for _ in range(self.depth):
-            x = yield from layer.steps(x, streams)
+            x = yield from layer.steps(x, streams, shared_under)
         return x
 
     def gemms(self) -> list[torch.Tensor]:

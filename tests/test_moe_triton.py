@@ -387,8 +387,9 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
         if schedule == "plain":
             return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
         halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
-        first, second = run_two_microbatches([layer.steps(h[0], streams) for layer, h in zip(layers, halves)],
-                                             [layer.steps(h[1], streams) for layer, h in zip(layers, halves)])
+        split = list(zip(layers, halves))
+        first, second = run_two_microbatches([layer.steps(h[0], streams) for layer, h in split],
+                                             [layer.steps(h[1], streams, "combine") for layer, h in split])
         return [torch.cat(pair) for pair in zip(first, second)]
 
     graph, outs = capture_after_warmup(lambda: run(side_streams))  # compiles and warms up outside the graph

@@ -4,8 +4,10 @@ on top of `ep_layer.Buffer`'s low-latency dispatch and combine (DESIGN.md sectio
 One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route and send the dispatch;
 then the shared expert while the tokens travel, the dispatch hook, the expert GEMMs and the combine
 send; then the combine hook. Running the steps to the end is the plain forward; interleaving two
-micro-batches' steps is the overlapped one, with bit-identical results on CPU. On a GPU the overlapped one
-queues the communication on side streams (CommStreams), so that it runs under the other half's compute.
+micro-batches' steps is the overlapped one, with bit-identical results on CPU. Its second micro-batch runs
+the shared expert while its combine travels instead: nothing else is left to compute then. On a GPU the
+overlapped one queues the communication on side streams (CommStreams), so that it runs under the other
+half's compute.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .schedule import (
 from .weights import ExpertWeights
 
 QUANT_MODES = ("bf16", "fp8-block")
+SHARED_UNDER = ("dispatch", "combine")
 
 
 class FusedMoE(nn.Module):
@@ -108,7 +111,7 @@ class FusedMoE(nn.Module):
         half = (hidden_states.shape[0] + 1) // 2
         streams = self.comm_streams(hidden_states.device)
         (first,), (second,) = run_two_microbatches([self.steps(hidden_states[:half], streams)],
-                                                   [self.steps(hidden_states[half:], streams)])
+                                                   [self.steps(hidden_states[half:], streams, "combine")])
         return torch.cat([first, second])
 
     def comm_streams(self, device: torch.device) -> CommStreams | None:
@@ -120,10 +123,16 @@ class FusedMoE(nn.Module):
             streams = self._comm_streams[device] = CommStreams.new(device)
         return streams
 
-    def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None) -> Steps[torch.Tensor]:
+    def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None,
+              shared_under: str = "dispatch") -> Steps[torch.Tensor]:
         """One micro-batch's forward as a generator that yields after each send and after each hook is
         queued, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
-        combine kernels run on those side streams (layers of emulated ranks on one GPU share one)."""
+        combine kernels run on those side streams (layers of emulated ranks on one GPU share one).
+        shared_under: the communication the shared expert runs under, "dispatch" or "combine" (the
+        overlapped schedule's second micro-batch: its dispatch already runs under the first one's experts,
+        and its combine would otherwise have nothing to run under)."""
+        if shared_under not in SHARED_UNDER:
+            raise ValueError(f"shared_under: expected one of {SHARED_UNDER}, got {shared_under!r}")
         x = self._check_input(hidden_states)
         topk_idx, topk_weights = self.route(x)
         dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
@@ -134,14 +143,17 @@ class FusedMoE(nn.Module):
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
                 return_recv_hook=True)
         yield DISPATCH_SENT
+        shared = None
         if dispatch_stream is None:  # one stream: the shared expert runs between the send and the hook
             yield DISPATCH_HOOKED
-            shared = self.shared_expert(x)
+            if shared_under == "dispatch":
+                shared = self.shared_expert(x)
             dispatch_hook()
         else:  # the hook right behind its send, under the shared expert
             wait_received = run_hook(dispatch_hook, dispatch_stream)
             yield DISPATCH_HOOKED
-            shared = self.shared_expert(x)
+            if shared_under == "dispatch":
+                shared = self.shared_expert(x)
             wait_received()
         y = self.run_experts(recv_x, recv_count)
         with send_on(combine_stream):
@@ -149,6 +161,8 @@ class FusedMoE(nn.Module):
                 y, topk_idx, topk_weights, handle, return_recv_hook=True,
                 combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
         yield COMBINE_SENT
+        if shared_under == "combine":  # queued before the hook: on one stream too it runs while the rows travel
+            shared = self.shared_expert(x)
         wait_combined = run_hook(combine_hook, combine_stream)
         yield COMBINE_HOOKED
         wait_combined()

@@ -1,9 +1,10 @@
 """Triton kernels for the expert GEMMs on dispatch's masked layout (GPU only).
 
-One kernel does both GEMMs: a grid over [experts, row programs, column tiles] whose programs read
-`recv_count` on the device and loop over the row tiles below it, so no host sync is needed, the
-launch shape depends only on the buffer's shape (CUDA-graph friendly) and an expert without rows
-costs one empty program per column tile (few row programs: at decode most experts get no rows).
+One kernel does both GEMMs: a fixed grid of programs (two per SM) that read `recv_count` on the
+device and share out the (row tile, column tile) items of the received rows only, so no host sync is
+needed, the launch shape depends only on the GPU (CUDA-graph friendly) and an expert without rows costs
+nothing (at decode most experts get few rows or none). Against one program per possible tile this made
+the GEMMs of a DeepSeek-V3 layer 5 % faster (97 % of the copy bandwidth at 128 tokens; H200).
 bf16, or FP8 e4m3 with per-token-per-128 activation scales and 128x128 block weight scales
 (DeepGEMM's scheme: each 128-deep partial product is scaled, then accumulated in float32). The
 gate_up GEMM computes gate and up tiles side by side and writes SiLU(gate) * up.
@@ -42,6 +43,9 @@ BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
 CAST_ROWS = 32  # rows per program of the intermediate's FP8 cast
+# Programs of the expert GEMM per SM: its fixed grid. At ~250 registers x 128 threads two fill an H200 SM;
+# a third waits for one of them, which made the GEMMs slower (measured).
+GEMM_PROGRAMS_PER_SM = 2
 ROW_TILES_PER_PROGRAM = 4  # row tiles one program covers in a full buffer (empty ones cost nothing)
 
 
@@ -61,31 +65,41 @@ if triton is not None:
     @triton.jit
     def _masked_gemm_kernel(
             a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr,
-            N, K, UP_OFFSET,
+            E, N, K, UP_OFFSET,
             stride_ae, stride_am, stride_ak,
             stride_se, stride_sm, stride_sk,
             stride_be, stride_bn, stride_bk,
             stride_te, stride_tn, stride_tk,
             stride_oe, stride_om, stride_on,
-            FP8: tl.constexpr, GATED: tl.constexpr,
+            FP8: tl.constexpr, GATED: tl.constexpr, E_PAD: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[e, m, n] = sum_k a[e, m, k] * b[e, n, k] for m < count[e] (bf16 out, float32 accumulation).
 
+        The (row tile, column tile) items of all experts' received rows go to programs pid, pid + grid, ...,
+        numbered expert by expert, and within one by column tile, then row tile: an expert with several row
+        tiles has them computed side by side, so that its weight tile is read from HBM once and from L2
+        after (its rows, 64 x 7168 bytes per tile, stay in L2 across its column tiles).
         GATED: b holds gate rows [0, N) and up rows [UP_OFFSET, UP_OFFSET + N); out = SiLU(gate) * up.
         FP8: a_scale [e, m, k / 128] per token and 128 channels, b_scale [e, n / 128, k / 128] per block;
         BLOCK_K is 128 and BLOCK_N divides 128, so each tile step uses one scale of each kind.
         """
-        expert = tl.program_id(0).to(tl.int64)
-        pid_n = tl.program_id(2)
-        count = tl.load(count_ptr + expert)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        experts = tl.arange(0, E_PAD)
+        counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
+        tiles = (counts + BLOCK_M - 1) // BLOCK_M
+        col_tiles = tl.cdiv(N, BLOCK_N)
+        ends = tl.cumsum(tiles * col_tiles, 0)  # items of experts 0..e
         ks = tl.arange(0, BLOCK_K)
-        col_ok = cols < N
-        # Row tiles pid_m, pid_m + grid_m, ... below count: an expert with no rows costs one program per
-        # column tile, not one per (row tile, column tile) of the whole buffer.
-        for m0 in range(tl.program_id(1) * BLOCK_M, count, tl.num_programs(1) * BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < count
+        for item in range(tl.program_id(0), tl.sum(tiles) * col_tiles, tl.num_programs(0)):
+            index = tl.sum((ends <= item).to(tl.int32))  # the expert that `item` belongs to
+            mine = experts == index
+            local = item - tl.sum(tl.where(mine, ends - tiles * col_tiles, 0))
+            row_tiles = tl.sum(tl.where(mine, tiles, 0))
+            rows = (local % row_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = rows < tl.sum(tl.where(mine, counts, 0))
+            pid_n = local // row_tiles
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            expert = index.to(tl.int64)
             a_ptrs = a_ptr + expert * stride_ae + rows[:, None] * stride_am + ks[None, :] * stride_ak
             b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -194,8 +208,8 @@ if triton is not None:
 
 
 def row_programs(rows: int, tile: int) -> int:
-    """Programs along the rows of each expert: each loops over up to ROW_TILES_PER_PROGRAM tiles when
-    the expert's rows fill the buffer, over one or none at decode, where most experts get no rows."""
+    """Programs of the FP8 cast along the rows of each expert: each loops over up to ROW_TILES_PER_PROGRAM
+    tiles when the expert's rows fill the buffer, over one or none at decode, where most experts get no rows."""
     return max(1, triton.cdiv(rows, tile * ROW_TILES_PER_PROGRAM))
 
 
@@ -219,7 +233,7 @@ def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch
     block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N)."""
     if triton is None:
         raise RuntimeError(unavailable_reason())
-    e, m, k = a.shape
+    e, _, k = a.shape
     n = out.shape[2]
     fp8 = a_scales is not None
     block_n = block_n or (BLOCK_N_GATED if gated else BLOCK_N)
@@ -231,11 +245,11 @@ def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch
     b_s = b_scales if b_scales is not None else b
     a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
-    grid = (e, row_programs(m, BLOCK_M), triton.cdiv(n, block_n))
-    _masked_gemm_kernel[grid](
-        a, a_s, b, b_s, out, recv_count, n, k, up_offset,
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sms,)](
+        a, a_s, b, b_s, out, recv_count, e, n, k, up_offset,
         *a.stride(), *a_ss, *b.stride(), *b_ss, *out.stride(),
-        FP8=fp8, GATED=gated, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        FP8=fp8, GATED=gated, E_PAD=triton.next_power_of_2(e), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
