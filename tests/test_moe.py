@@ -427,6 +427,8 @@ def test_bad_inputs_and_arguments() -> None:
     for bad in (torch.randn(3, 256), torch.randn(3, 128).to(torch.bfloat16), torch.randn(9, 256).to(torch.bfloat16)):
         with pytest.raises(ValueError, match="hidden_states"):
             layer(bad)
+    with pytest.raises(ValueError, match="shared_under"):
+        next(layer.steps(torch.randn(2, 256).to(torch.bfloat16), shared_under="gate"))
     buffer = Buffer(None, low_latency_mode=True, backend="reference")
     base = {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.0, "buffer": buffer}
     for kwargs, match in (({"quant": "int4"}, "quant"), ({"max_tokens_per_rank": 2048}, "max_tokens_per_rank"),
