@@ -56,8 +56,9 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
     emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
     has just sent keeps the turn to queue that op's hook. On a side stream a hook then runs right after
     its send, not behind the other micro-batch's send: the first half's dispatch is received while its
-    shared expert computes, its combine under the second half's experts. Each micro-batch may chain
-    several layers (`yield from`)."""
+    shared expert computes, its combine under the second half's experts, and the second half's combine
+    under the second half's shared expert (FusedMoE.steps with shared_under="combine"). Each micro-batch
+    may chain several layers (`yield from`)."""
     groups = [list(first), list(second)]
     results: list[list[Result | None]] = [[None] * len(g) for g in groups]
     pending = [list(range(len(g))) for g in groups]
