@@ -15,6 +15,8 @@ imports); `available()` says whether they can run.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..quant import FP8_GROUP
@@ -210,6 +212,13 @@ if triton is not None:
             tl.store(s_ptr + expert * M * GROUPS + rows * GROUPS + group, scale, mask=ok)
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, which the kernels' fixed grids are sized by (asked once per device: the
+    properties lookup costs microseconds of host time per launch)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def row_programs(rows: int, tile: int) -> int:
     """Programs of the FP8 cast along the rows of each expert: each loops over up to ROW_TILES_PER_PROGRAM
     tiles when the expert's rows fill the buffer, over one or none at decode, where most experts get no rows."""
@@ -248,8 +257,7 @@ def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch
     b_s = b_scales if b_scales is not None else b
     a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sms,)](
+    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sm_count(a.device),)](
         a, a_s, b, b_s, out, recv_count, e, n, k, up_offset,
         *a.stride(), *a_ss, *b.stride(), *b_ss, *out.stride(),
         FP8=fp8, GATED=gated, E_PAD=triton.next_power_of_2(e), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -286,8 +294,7 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     n = weight.shape[0]
     k_blocks = k // FP8_GROUP
     column_tiles = triton.cdiv(n, SPLITK_BLOCK_N)
-    sms = torch.cuda.get_device_properties(data.device).multi_processor_count
-    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sms, column_tiles)))
+    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), column_tiles)))
     parts = torch.empty(split, m, n, dtype=torch.float32, device=data.device)
     _fp8_splitk_kernel[(column_tiles, split)](
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,

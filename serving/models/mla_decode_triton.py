@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ep_layer.moe.triton_experts import sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -84,8 +86,8 @@ if triton is not None:
 
 def num_splits(batch: int, heads: int, device: torch.device) -> int:
     """Splits along each sequence: enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, triton.cdiv(PROGRAMS_PER_SM * sms, batch * triton.cdiv(heads, BLOCK_H))))
+    programs = PROGRAMS_PER_SM * sm_count(device)
+    return max(1, min(MAX_SPLITS, triton.cdiv(programs, batch * triton.cdiv(heads, BLOCK_H))))
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
