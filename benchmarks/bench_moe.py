@@ -42,6 +42,7 @@ from ep_layer.emulation import emulated_buffers
 from ep_layer.layout import MAX_RANKS
 from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, run_two_microbatches, triton_experts
 from ep_layer.moe.block_fp8 import num_blocks
+from ep_layer.moe.layer import MICROBATCH_SHARED_UNDER
 from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 
 PROJECTIONS = ("gate", "up", "down")
@@ -272,8 +273,9 @@ class Case:
         """The two-micro-batch schedule (as FusedMoE.forward_two_microbatches runs it), its communication on
         `streams` (None: the current stream)."""
         split = [(layer, halves(x)) for layer, x in zip(self.layers, self.xs)]
-        first, second = run_two_microbatches([self._layers(layer, h[0], streams) for layer, h in split],
-                                             [self._layers(layer, h[1], streams, "combine") for layer, h in split])
+        first_under, second_under = MICROBATCH_SHARED_UNDER
+        first, second = run_two_microbatches([self._layers(layer, h[0], streams, first_under) for layer, h in split],
+                                             [self._layers(layer, h[1], streams, second_under) for layer, h in split])
         return [torch.cat(pair) for pair in zip(first, second)]
 
     def _layers(self, layer: FusedMoE, x: torch.Tensor, streams: CommStreams | None,

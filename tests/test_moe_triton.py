@@ -30,6 +30,7 @@ from ep_layer.moe import (
     run_two_microbatches,
     triton_experts,
 )
+from ep_layer.moe.layer import MICROBATCH_SHARED_UNDER
 from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
 
 pytestmark = [
@@ -388,8 +389,9 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
             return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
         halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
         split = list(zip(layers, halves))
-        first, second = run_two_microbatches([layer.steps(h[0], streams) for layer, h in split],
-                                             [layer.steps(h[1], streams, "combine") for layer, h in split])
+        first_under, second_under = MICROBATCH_SHARED_UNDER
+        first, second = run_two_microbatches([layer.steps(h[0], streams, first_under) for layer, h in split],
+                                             [layer.steps(h[1], streams, second_under) for layer, h in split])
         return [torch.cat(pair) for pair in zip(first, second)]
 
     graph, outs = capture_after_warmup(lambda: run(side_streams))  # compiles and warms up outside the graph

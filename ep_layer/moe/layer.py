@@ -41,6 +41,9 @@ from .weights import ExpertWeights
 
 QUANT_MODES = ("bf16", "fp8-block")
 SHARED_UNDER = ("dispatch", "combine")
+# Where each micro-batch of the overlapped forward runs its shared expert (`steps`' shared_under): the
+# second one's dispatch already runs under the first one's experts, and its combine has nothing else to run under.
+MICROBATCH_SHARED_UNDER = ("dispatch", "combine")
 
 
 class FusedMoE(nn.Module):
@@ -110,8 +113,9 @@ class FusedMoE(nn.Module):
         communication runs on the layer's side streams (CommStreams), concurrently with the compute."""
         half = (hidden_states.shape[0] + 1) // 2
         streams = self.comm_streams(hidden_states.device)
-        (first,), (second,) = run_two_microbatches([self.steps(hidden_states[:half], streams)],
-                                                   [self.steps(hidden_states[half:], streams, "combine")])
+        first_under, second_under = MICROBATCH_SHARED_UNDER
+        (first,), (second,) = run_two_microbatches([self.steps(hidden_states[:half], streams, first_under)],
+                                                   [self.steps(hidden_states[half:], streams, second_under)])
         return torch.cat([first, second])
 
     def comm_streams(self, device: torch.device) -> CommStreams | None:
