@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
+from .routing import RoutingConfig, noaux_tc_route
 from .tiles import map_row_tiles
 from .weights import ExpertWeights
 
@@ -23,7 +24,8 @@ EXPERT_KERNELS = ("auto", "torch", "triton")
 
 
 class ExpertKernels(ABC):
-    """One way to run the expert GEMMs on the masked layout [E, M, H] with `recv_count` on device."""
+    """One way to run the expert GEMMs on the masked layout [E, M, H] with `recv_count` on device, and
+    the router's expert selection."""
 
     name: str
 
@@ -34,6 +36,11 @@ class ExpertKernels(ABC):
 
         x is bf16 [E, M, H], or (float8_e4m3fn [E, M, H], float32 scales [E, M, H/128]) with any
         strides (dispatch's scales are column-major)."""
+
+    def select_experts(self, logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
+                       config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """routing.noaux_tc_route: (topk_idx int64 [N, K], topk_weights float32 [N, K]) from float32 logits."""
+        return noaux_tc_route(logits, e_score_correction_bias, config)
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 x [E, M, H] cast per token and 128 channels by ep_layer.quant's rule (rows from

@@ -174,7 +174,8 @@ class FusedMoE(nn.Module):
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx int64 [N, K], topk_weights float32 [N, K]) by DeepSeek-V3's noaux_tc routing."""
-        return route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing)
+        select = self._kernels_for(hidden_states.device).select_experts
+        return route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing, select)
 
     def run_experts(self, x: RecvX, recv_count: torch.Tensor) -> torch.Tensor:
         """This rank's experts on dispatch's output: bf16 [E_l, R*T, H] in dispatch's row order."""

@@ -20,8 +20,10 @@ import functools
 import torch
 
 from ..quant import FP8_GROUP
+from . import triton_routing
 from .block_fp8 import WEIGHT_BLOCK
 from .experts import ExpertKernels, RecvX, split_recv_x
+from .routing import RoutingConfig
 from .weights import ExpertWeights
 
 try:
@@ -325,6 +327,10 @@ class TritonExperts(ExpertKernels):
         if weights.fp8:  # only received rows are cast; the down GEMM never reads the others
             act, act_scales = cast_rows_to_fp8(act, recv_count)
         return masked_grouped_gemm(act, act_scales, weights.down, weights.down_scale, recv_count, out)
+
+    def select_experts(self, logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
+                       config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_routing.noaux_tc_route(logits, e_score_correction_bias, config)  # one launch, not a dozen
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cast_rows_to_fp8(x.contiguous(), recv_count)  # one launch (the PyTorch cast takes eight)

@@ -1,0 +1,68 @@
+"""ep_layer.moe.triton_routing's one-kernel `noaux_tc` against routing.noaux_tc_route (itself checked against
+transformers' DeepseekV3 router in test_moe.py), on random logits and random non-zero correction biases.
+
+The experts must be the same, in the same order (random float32 scores do not tie). The weights may differ
+only in the order of the final k-term sum: a few float32 ulps (rtol 1e-6 is ~8 of them). Skipped without a
+GPU and Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_layer.moe import RoutingConfig, noaux_tc_route, triton_experts
+from ep_layer.moe.triton_routing import noaux_tc_route as fused_noaux_tc_route
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason()),
+]
+
+CONFIGS = {
+    "deepseek-v3": RoutingConfig(256, 8, n_group=8, topk_group=4, routed_scaling_factor=2.5),
+    "tiny": RoutingConfig(16, 4, n_group=4, topk_group=2, routed_scaling_factor=1.5),
+    "padded groups and experts": RoutingConfig(72, 6, n_group=3, topk_group=2, routed_scaling_factor=1.0),
+    "all groups kept": RoutingConfig(64, 8, n_group=4, topk_group=4, routed_scaling_factor=2.0),
+    "one group": RoutingConfig(32, 3, n_group=1, topk_group=1, routed_scaling_factor=1.0),
+    "no normalization": RoutingConfig(64, 6, n_group=8, topk_group=3, routed_scaling_factor=16.0,
+                                      norm_topk_prob=False),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("tokens", [1, 7, 256])
+def test_fused_routing_matches_pytorch(name: str, tokens: int) -> None:
+    config = CONFIGS[name]
+    gen = torch.Generator(device="cuda").manual_seed(tokens * 100 + len(name))
+    logits = torch.randn(tokens, config.num_experts, device="cuda", generator=gen) * 3
+    bias = torch.randn(config.num_experts, device="cuda", generator=gen) * 0.5
+    want_idx, want_weights = noaux_tc_route(logits, bias, config)
+    got_idx, got_weights = fused_noaux_tc_route(logits, bias, config)
+    assert got_idx.dtype == torch.int64 and got_weights.dtype == torch.float32
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-6, atol=0)
+
+
+def test_fused_routing_keeps_whole_groups() -> None:
+    """A group with one huge-scoring expert and weak others loses to groups of two good ones: the group
+    rule, not the plain top-k, decides (a kernel that skipped the group step would pick the huge one)."""
+    config = RoutingConfig(16, 2, n_group=4, topk_group=2, routed_scaling_factor=1.0)
+    logits = torch.full((1, 16), -4.0, device="cuda")
+    logits[0, 0] = 8.0  # group 0: one strong expert, three weak: group score ~1.02
+    logits[0, [4, 5, 8, 9]] = torch.tensor([2.0, 1.9, 2.1, 1.8], device="cuda")  # groups 1, 2: ~1.75 each
+    bias = torch.zeros(16, device="cuda")
+    got_idx, _ = fused_noaux_tc_route(logits, bias, config)
+    want_idx, _ = noaux_tc_route(logits, bias, config)
+    assert torch.equal(got_idx, want_idx)
+    assert got_idx.tolist() == [[8, 4]]
+
+
+def test_fused_routing_empty_batch_and_bad_logits() -> None:
+    config = CONFIGS["tiny"]
+    bias = torch.zeros(16, device="cuda")
+    idx, weights = fused_noaux_tc_route(torch.empty(0, 16, device="cuda"), bias, config)
+    assert idx.shape == (0, 4) and weights.shape == (0, 4)
+    with pytest.raises(ValueError, match="logits"):
+        fused_noaux_tc_route(torch.zeros(2, 32, device="cuda"), bias, config)
