@@ -47,7 +47,7 @@ from ep_layer.moe import (
     route,
     run_two_microbatches,
 )
-from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_HOOKED, DISPATCH_SENT, Steps
+from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_HOOKED, DISPATCH_SENT, ROUTED, Steps
 from ep_layer.moe.tiles import ROW_TILE
 from ep_layer.quant import per_token_cast_to_fp8
 
@@ -250,12 +250,13 @@ def test_two_microbatches_interleave_communication() -> None:
 
     buffer.low_latency_dispatch = logged("dispatch", dispatch)
     buffer.low_latency_combine = logged("combine", combine)
-    experts, shared = layer.run_experts, layer.shared_expert
+    experts, shared, route = layer.run_experts, layer.shared_expert, layer.route
+    layer.route = lambda x: (log.append("route"), route(x))[1]
     layer.run_experts = lambda *a: (log.append("experts"), experts(*a))[1]
     layer.shared_expert = lambda x: (log.append("shared"), shared(x))[1]
     x = torch.randn(7, cfg.hidden).to(torch.bfloat16)
     overlapped = layer.forward_two_microbatches(x)
-    assert log == ["dispatch send A", "dispatch send B",
+    assert log == ["route", "route", "dispatch send A", "dispatch send B",
                    "shared", "dispatch hook A", "experts", "combine send A", "combine hook A",
                    "dispatch hook B", "experts", "combine send B", "shared", "combine hook B"]
     # In this process torch may use several threads; still bit for bit.
@@ -263,13 +264,15 @@ def test_two_microbatches_interleave_communication() -> None:
 
 
 def test_two_microbatch_schedule_of_emulated_ranks() -> None:
-    """run_two_microbatches with two ranks per micro-batch, through two layers: every rank's send of a
-    call comes before any hook of it (ranks sharing a stream never wait for a send queued behind them),
-    and each of micro-batch A's hooks comes before B's send of that op (on a side stream it runs right
-    after A's send instead of behind B's)."""
+    """run_two_microbatches with two ranks per micro-batch, through two layers: both micro-batches route
+    before either sends a dispatch; every rank's send of a call comes before any hook of it (ranks sharing
+    a stream never wait for a send queued behind them), and each of micro-batch A's hooks comes before B's
+    send of that op (on a side stream it runs right after A's send instead of behind B's)."""
     log: list[str] = []
 
     def layer(name: str) -> Steps[str]:
+        log.append(f"{name} route")
+        yield ROUTED
         log.append(f"{name} dispatch send")
         yield DISPATCH_SENT
         log.append(f"{name} dispatch hook")
@@ -293,6 +296,7 @@ def test_two_microbatch_schedule_of_emulated_ranks() -> None:
 
     want = []
     for depth in (1, 2):
+        want += turn("A", depth, "route") + turn("B", depth, "route")
         for op in ("dispatch", "combine"):
             for mb in "AB":
                 want += turn(mb, depth, f"{op} send") + turn(mb, depth, f"{op} hook")

@@ -1,7 +1,7 @@
 """`FusedMoE`: DeepSeek-V3's MoE layer (router, routed experts over expert parallelism, shared experts)
 on top of `ep_layer.Buffer`'s low-latency dispatch and combine (DESIGN.md section 4).
 
-One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route and send the dispatch;
+One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route; send the dispatch;
 then the shared expert while the tokens travel, the dispatch hook, the expert GEMMs and the combine
 send; then the combine hook. Running the steps to the end is the plain forward; interleaving two
 micro-batches' steps is the overlapped one, with bit-identical results on CPU. Its second micro-batch runs
@@ -30,6 +30,7 @@ from .schedule import (
     COMBINE_SENT,
     DISPATCH_HOOKED,
     DISPATCH_SENT,
+    ROUTED,
     CommStreams,
     Steps,
     run_hook,
@@ -129,8 +130,8 @@ class FusedMoE(nn.Module):
 
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None,
               shared_under: str = "dispatch") -> Steps[torch.Tensor]:
-        """One micro-batch's forward as a generator that yields after each send and after each hook is
-        queued, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
+        """One micro-batch's forward as a generator that yields after routing, after each send and after
+        each hook is queued, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
         combine kernels run on those side streams (layers of emulated ranks on one GPU share one).
         shared_under: the communication the shared expert runs under, "dispatch" or "combine" (the
         overlapped schedule's second micro-batch: its dispatch already runs under the first one's experts,
@@ -139,6 +140,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"shared_under: expected one of {SHARED_UNDER}, got {shared_under!r}")
         x = self._check_input(hidden_states)
         topk_idx, topk_weights = self.route(x)
+        yield ROUTED
         dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
         with send_on(dispatch_stream):
             recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(

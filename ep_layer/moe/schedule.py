@@ -1,6 +1,6 @@
-"""Running a layer's forward written as steps: a generator that yields right after each send half
-(DISPATCH_SENT, COMBINE_SENT) and after each hook is queued on a side stream (DISPATCH_HOOKED,
-COMBINE_HOOKED), before anything waits for it.
+"""Running a layer's forward written as steps: a generator that yields once its routing is queued (ROUTED),
+right after each send half (DISPATCH_SENT, COMBINE_SENT) and after each hook is queued on a side stream
+(DISPATCH_HOOKED, COMBINE_HOOKED), before anything waits for it.
 
 Between a send and its hook the caller may run anything: the other micro-batch's compute, or, with
 emulated ranks on one GPU, the other ranks' sends (every rank's send of an op must be queued before
@@ -21,10 +21,11 @@ from typing import TypeVar
 import torch
 
 Result = TypeVar("Result")
+ROUTED = "routed"
 DISPATCH_SENT, DISPATCH_HOOKED = "dispatch sent", "dispatch hooked"
 COMBINE_SENT, COMBINE_HOOKED = "combine sent", "combine hooked"
 SENT = (DISPATCH_SENT, COMBINE_SENT)
-Steps = Generator[str, None, Result]  # yields one of the four marks above
+Steps = Generator[str, None, Result]  # yields one of the five marks above
 
 
 def run_to_end(steps: Steps[Result]) -> Result:
@@ -54,11 +55,12 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
                          ) -> tuple[list[Result], list[Result]]:
     """The two-micro-batch schedule: `first` and `second` hold each micro-batch's generators (one per
     emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
-    has just sent keeps the turn to queue that op's hook. On a side stream a hook then runs right after
-    its send, not behind the other micro-batch's send: the first half's dispatch is received while its
-    shared expert computes, its combine under the second half's experts, and the second half's combine
-    under the second half's shared expert (FusedMoE.steps with shared_under="combine"). Each micro-batch
-    may chain several layers (`yield from`)."""
+    has just sent keeps the turn to queue that op's hook. Both halves route before the first dispatch
+    send: beside communication the router's many small kernels lost about as much time as it hid (H200,
+    emulated EP). On a side stream a hook runs right after its send, not behind the other micro-batch's
+    send: the first half's dispatch travels while its shared expert computes, its combine under the
+    second half's experts, and the second half's combine under the second half's shared expert
+    (FusedMoE.steps with shared_under="combine"). Each micro-batch may chain several layers (`yield from`)."""
     groups = [list(first), list(second)]
     results: list[list[Result | None]] = [[None] * len(g) for g in groups]
     pending = [list(range(len(g))) for g in groups]
