@@ -66,3 +66,17 @@ def test_fused_routing_empty_batch_and_bad_logits() -> None:
     assert idx.shape == (0, 4) and weights.shape == (0, 4)
     with pytest.raises(ValueError, match="logits"):
         fused_noaux_tc_route(torch.zeros(2, 32, device="cuda"), bias, config)
+
+
+def test_fused_routing_never_picks_nan_or_out_of_range() -> None:
+    """A token whose logits are partly or wholly NaN still gets top_k expert indices in range."""
+    config = CONFIGS["deepseek-v3"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(3, 256, device="cuda", generator=gen)
+    logits[0, :100] = float("nan")
+    logits[1] = float("nan")
+    idx, _ = fused_noaux_tc_route(logits, torch.zeros(256, device="cuda"), config)
+    assert ((idx >= 0) & (idx < 256)).all()
+    assert not any(e < 100 for e in idx[0].tolist())  # the finite experts win over NaN ones
+    want, _ = noaux_tc_route(logits[2:], torch.zeros(256, device="cuda"), config)
+    assert torch.equal(idx[2:], want)

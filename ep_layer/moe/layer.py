@@ -131,8 +131,8 @@ class FusedMoE(nn.Module):
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None,
               shared_under: str = "dispatch") -> Steps[torch.Tensor]:
         """One micro-batch's forward as a generator that yields after routing, after each send and after
-        each hook is queued, and returns the output (see ep_layer.moe.schedule). With `streams` the dispatch and
-        combine kernels run on those side streams (layers of emulated ranks on one GPU share one).
+        each hook is queued, and returns the output (see ep_layer.moe.schedule). With `streams` the
+        dispatch and combine kernels run on those side streams (layers of emulated ranks on one GPU share one).
         shared_under: the communication the shared expert runs under, "dispatch" or "combine" (the
         overlapped schedule's second micro-batch: its dispatch already runs under the first one's experts,
         and its combine would otherwise have nothing to run under)."""

@@ -45,6 +45,10 @@ class RoutingConfig:
                              f"groups), got {self.top_k}")
 
 
+# Router logits, correction bias, config -> (topk_idx, topk_weights): noaux_tc_route or a kernel doing the same.
+Selection = Callable[[torch.Tensor, torch.Tensor, RoutingConfig], tuple[torch.Tensor, torch.Tensor]]
+
+
 def route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
           config: RoutingConfig, select: Selection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx int64 [N, K], topk_weights float32 [N, K]) for hidden_states [N, H] (any float dtype).
@@ -59,9 +63,6 @@ def route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correc
         return select(x.float() @ weight.t(), bias, config)
 
     return map_row_tiles(tile, hidden_states)
-
-
-Selection = Callable[[torch.Tensor, torch.Tensor, RoutingConfig], tuple[torch.Tensor, torch.Tensor]]
 
 
 def noaux_tc_route(logits: torch.Tensor, e_score_correction_bias: torch.Tensor,

@@ -1,11 +1,12 @@
 """DeepSeek-V3's `noaux_tc` expert selection in one Triton kernel (GPU only): the same rule as
 routing.noaux_tc_route, which takes about a dozen PyTorch kernels (sigmoid, two top-k sorts, scatter,
-gather, sums) and on an H200 ~70 µs per call at 64 tokens, most of it launches and tiny sorts.
+gather, sums) and on an H200 ~60 µs per call at 64 tokens, most of it launches and tiny sorts.
 
 One program per token holds the token's E scores in registers as [groups, experts per group], then picks
 the kept groups and the top-k experts by repeated arg-max (ties go to the lower expert index). Sigmoid
 and the divisions are IEEE (libdevice exp, div_rn), as PyTorch's CUDA kernels compute them; only the
 order of the final k-term sum can differ from torch's reduction, so weights agree to float32 rounding.
+A NaN score never wins (torch.topk would take it first): every expert index it writes is in range.
 
 Importing this module needs neither Triton nor a GPU (triton_experts.available() says whether it runs).
 """
@@ -38,7 +39,8 @@ if triton is not None:
         logits = tl.load(logits_ptr + row * (N_GROUP * GROUP_SIZE) + expert, mask=valid, other=0.0)
         scores = tl.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + libdevice.exp(-logits))
         bias = tl.load(bias_ptr + expert, mask=valid, other=0.0)
-        choice = tl.where(valid, scores + bias, float("-inf"))
+        choice = scores + bias
+        choice = tl.where(valid & (choice == choice), choice, float("-inf"))  # padding and NaN never win
         expert = tl.where(valid, expert, N_GROUP * GROUP_SIZE)  # padding would alias the next group's experts
         if TOPK_GROUP < N_GROUP:
             # A group's score is the sum of its two best biased scores (a tie counts twice, as torch.topk).
@@ -73,9 +75,9 @@ if triton is not None:
 def noaux_tc_route(logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
                    config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """routing.noaux_tc_route in one kernel launch, for CUDA float32 logits [N, E]."""
+    if logits.dim() != 2 or logits.shape[1] != config.num_experts:
+        raise ValueError(f"logits: expected [N, {config.num_experts}] (num_experts columns), got {list(logits.shape)}")
     num_tokens, num_experts = logits.shape
-    if num_experts != config.num_experts:
-        raise ValueError(f"logits: expected {config.num_experts} columns (num_experts), got {num_experts}")
     logits = logits.float().contiguous()
     bias = e_score_correction_bias.float().contiguous()
     topk_idx = torch.empty(num_tokens, config.top_k, dtype=torch.int64, device=logits.device)
