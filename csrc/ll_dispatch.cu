@@ -52,9 +52,12 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
 // memory. Either way the destination's slot gets the header, and its flag publishes the payload.
 __device__ __forceinline__ bool pull_payloads(const Common& c) { return !c.system_scope; }
 
-__device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int dest, unsigned seq, int token) {
-  return half_base(c, c.peer_bases[dest], seq) + c.layout.dispatch +
-         (static_cast<long long>(c.rank) * c.max_tokens + token) * c.layout.slot;
+// Rank `sender`'s slot for its token `token` in rank `owner`'s buffer: its slot at a destination, or, with
+// pulled payloads, its own slot in its own buffer, where the receives read the payload.
+__device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int owner, int sender, unsigned seq,
+                                                        int token) {
+  return half_base(c, c.peer_bases[owner], seq) + c.layout.dispatch +
+         (static_cast<long long>(sender) * c.max_tokens + token) * c.layout.slot;
 }
 
 // A token's top-k expert ids, all loads in flight at once; -1 past num_topk and for ids outside [0, E)
@@ -272,7 +275,7 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   unsigned payload_ranks = slot_ranks && pull_payloads(c) ? 1u << c.rank : slot_ranks;  // slots holding the payload
   if (!a.use_fp8) {
     for (; payload_ranks; payload_ranks &= payload_ranks - 1)
-      share.store(reinterpret_cast<int4*>(dispatch_slot(c, __ffs(payload_ranks) - 1, seq, t) + kHeaderBytes),
+      share.store(reinterpret_cast<int4*>(dispatch_slot(c, __ffs(payload_ranks) - 1, c.rank, seq, t) + kHeaderBytes),
                   row_pairs);
     for (int n = 0; n < num_selfs; ++n)
       share.store(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(r.selfs[j][n]) * hidden * 2),
@@ -284,7 +287,7 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   cast_fp8<kPairs>(share, row_pairs, a.round_scale, packed, scales);
   const int in_group = threadIdx.x & 7;  // lane 0 of each 8 holds the group's scale for the slots
   for (; payload_ranks; payload_ranks &= payload_ranks - 1) {
-    unsigned char* payload = dispatch_slot(c, __ffs(payload_ranks) - 1, seq, t) + kHeaderBytes;
+    unsigned char* payload = dispatch_slot(c, __ffs(payload_ranks) - 1, c.rank, seq, t) + kHeaderBytes;
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
       const int i = RowShare<kPairs>::pair(p);
@@ -399,7 +402,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
     // Every other rank gets a header for every token slot (no entries if no expert there), flag last.
     const int j = threadIdx.x / kMaxRanks, r = threadIdx.x % kMaxRanks;
     if (j < n && r < c.num_ranks && !(r == 0 && c.rank == 0)) {
-      auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, seq, first + j));
+      auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, c.rank, seq, first + j));
       unsigned m = 0;
       for (int k = 0; k < a.num_topk; ++k) {
         if (routes.dest[j][k] != r) continue;
@@ -503,7 +506,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   for (int next; item < items; item = next) {
     next = claim(item);  // in flight while this item is copied
     const int other = item / chunks / num_tokens, chunk = item % chunks;
-    const int source = other + (c.rank == 0), i = source * num_tokens + item / chunks % num_tokens;
+    const int source = other + (c.rank == 0), token = item / chunks % num_tokens, i = source * num_tokens + token;
     const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
     unsigned long long waited = 0, flag = 0;
     if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
@@ -522,8 +525,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     // expert, top-k mask and destination row.
     uint2 entry = make_uint2(0, 0);
     if (lane < n) entry = __ldcg(&header->entries[lane]);
-    const unsigned char* slot = pull_payloads(c) ? half_base(c, c.peer_bases[source], seq) + c.layout.dispatch +
-                                                       static_cast<long long>(i) * c.layout.slot
+    const unsigned char* slot = pull_payloads(c) ? dispatch_slot(c, source, source, seq, token)
                                                  : reinterpret_cast<const unsigned char*>(header);
     const auto* payload = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     const bool scales_here = a.use_fp8 && chunk == chunks - 1;
