@@ -149,18 +149,12 @@ class FusedMoE(nn.Module):
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
                 return_recv_hook=True)
         yield DISPATCH_SENT
-        shared = None
-        if dispatch_stream is None:  # one stream: the shared expert runs between the send and the hook
-            yield DISPATCH_HOOKED
-            if shared_under == "dispatch":
-                shared = self.shared_expert(x)
-            dispatch_hook()
-        else:  # the hook right behind its send, under the shared expert
-            wait_received = run_hook(dispatch_hook, dispatch_stream)
-            yield DISPATCH_HOOKED
-            if shared_under == "dispatch":
-                shared = self.shared_expert(x)
-            wait_received()
+        # On one stream the hook runs after the shared expert (between the send and the hook); on a side
+        # stream it is queued right behind its send, under the shared expert, and only waited for here.
+        wait_received = dispatch_hook if dispatch_stream is None else run_hook(dispatch_hook, dispatch_stream)
+        yield DISPATCH_HOOKED
+        shared = self.shared_expert(x) if shared_under == "dispatch" else None
+        wait_received()
         y = self.run_experts(recv_x, recv_count)
         with send_on(combine_stream):
             combined, _, combine_hook = self.buffer.low_latency_combine(
