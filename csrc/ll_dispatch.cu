@@ -471,7 +471,6 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   const bool claimed = may_claim && items > warps;
   const bool writes_layout = blockIdx.x == 0;
   if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= items) return;  // no slot to copy here
-  const unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
   __shared__ int counts[kMaxExperts];  // [s][l]
   __shared__ int base[kMaxExperts];    // [s][l]: rows of local expert l that come from sources before s
   if (!receive_counts(a, seq, counts)) return;
@@ -490,7 +489,6 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   }
   __syncthreads();
 
-  const unsigned char* slots = half + c.layout.dispatch;
   const int hidden = c.hidden, groups = hidden / kFp8Group, lane = threadIdx.x % 32;
   const int row_bytes = a.use_fp8 ? hidden : hidden * 2, vectors = row_bytes / 16;
   const int chunks = a.chunks_per_slot, per_chunk = (vectors + chunks - 1) / chunks;
@@ -507,7 +505,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     next = claim(item);  // in flight while this item is copied
     const int other = item / chunks / num_tokens, chunk = item % chunks;
     const int source = other + (c.rank == 0), token = item / chunks % num_tokens, i = source * num_tokens + token;
-    const auto* header = reinterpret_cast<const DispatchHeader*>(slots + i * c.layout.slot);
+    const auto* header = reinterpret_cast<const DispatchHeader*>(dispatch_slot(c, c.rank, source, seq, token));
     unsigned long long waited = 0, flag = 0;
     if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
     waited = __shfl_sync(0xffffffffu, waited, 0);
