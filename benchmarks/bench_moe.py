@@ -40,9 +40,9 @@ from ep_layer import Buffer, native
 from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.emulation import emulated_buffers
 from ep_layer.layout import MAX_RANKS
-from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, run_two_microbatches, triton_experts
+from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, triton_experts
 from ep_layer.moe.block_fp8 import num_blocks
-from ep_layer.moe.layer import MICROBATCH_SHARED_UNDER
+from ep_layer.moe.layer import forward_two_microbatches, microbatches
 from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 
 PROJECTIONS = ("gate", "up", "down")
@@ -231,12 +231,6 @@ def cuda_buffers(ep: int, size: int, comm_sms: str = "all") -> list[Buffer]:
 
 
 # ---------------------------------------------------------------------------- one (EP, T) point
-def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two micro-batches of `x`, split as FusedMoE.forward_two_microbatches splits it."""
-    half = (x.shape[0] + 1) // 2
-    return x[:half], x[half:]
-
-
 class Case:
     """All ranks' tokens for one (EP, T) point, and closures that run one step of every rank: `depth`
     calls of each rank's layer in a row, as a model's MoE layers (one set of weights)."""
@@ -267,21 +261,16 @@ class Case:
         return [s[:3] for s in sent]
 
     def plain(self) -> list[torch.Tensor]:
-        return run_interleaved([self._layers(layer, x, None) for layer, x in zip(self.layers, self.xs)])
+        return run_interleaved([self._layers(layer, x) for layer, x in zip(self.layers, self.xs)])
 
     def overlap(self, streams: CommStreams | None) -> list[torch.Tensor]:
         """The two-micro-batch schedule (as FusedMoE.forward_two_microbatches runs it), its communication on
         `streams` (None: the current stream)."""
-        split = [(layer, halves(x)) for layer, x in zip(self.layers, self.xs)]
-        first_under, second_under = MICROBATCH_SHARED_UNDER
-        first, second = run_two_microbatches([self._layers(layer, h[0], streams, first_under) for layer, h in split],
-                                             [self._layers(layer, h[1], streams, second_under) for layer, h in split])
-        return [torch.cat(pair) for pair in zip(first, second)]
+        return forward_two_microbatches(self.layers, self.xs, streams, self.depth)
 
-    def _layers(self, layer: FusedMoE, x: torch.Tensor, streams: CommStreams | None,
-                shared_under: str = "dispatch") -> Steps[torch.Tensor]:
+    def _layers(self, layer: FusedMoE, x: torch.Tensor) -> Steps[torch.Tensor]:
         for _ in range(self.depth):
-            x = yield from layer.steps(x, streams, shared_under)
+            x = yield from layer.steps(x)
         return x
 
     def gemms(self) -> list[torch.Tensor]:
@@ -295,9 +284,9 @@ class Case:
         inputs = zip(self.layers, self.xs, self.routes)
         if not split:
             return run_interleaved([self._communication_steps(layer, x, idx, w) for layer, x, (idx, w) in inputs])
-        return run_interleaved([self._communication_steps(layer, x_half, idx_half, w_half)
+        return run_interleaved([self._communication_steps(layer, *micro)
                                 for layer, x, (idx, w) in inputs
-                                for x_half, idx_half, w_half in zip(halves(x), halves(idx), halves(w))])
+                                for micro in zip(microbatches(x), microbatches(idx), microbatches(w))])
 
     def communication_beside_gemms(self, stream: torch.cuda.Stream) -> None:
         """The two micro-batches' communication on `stream` while the routed experts' GEMMs run on the

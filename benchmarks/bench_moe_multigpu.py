@@ -56,7 +56,6 @@ from bench_moe import (
     EpLayers,
     Shape,
     format_cell,
-    halves,
     print_cells,
     relative_difference,
     release_memory,
@@ -68,6 +67,7 @@ from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.layout import MAX_RANKS
 from ep_layer.moe import FusedMoE
 from ep_layer.moe.experts import RecvX
+from ep_layer.moe.layer import microbatches
 
 GRAPH_CALLS = 20  # layer calls per captured graph: spreads the ranks' start skew after the barrier thin
 WARMUP = 2  # eager calls before timing (the first compiles the Triton kernels)
@@ -175,14 +175,14 @@ def measure_rank(setup: EpLayers, tokens: int, seed: int, reps: Reps, cuda: bool
     """Every variant of one T on this rank; all ranks call this together."""
     case = Case(setup, tokens, seed)
     layer, x = case.layers[0], case.xs[0]
-    half_recv = [received(layer, h, setup.max_tokens) for h in halves(x)]
+    half_recv = [received(layer, h, setup.max_tokens) for h in microbatches(x)]
     streams = layer.comm_streams(x.device)  # as forward_two_microbatches runs it (None on CPU)
     variants = {
         "plain": case.plain,
         "overlap": lambda: case.overlap(streams),
         "comm": case.communication,
         "compute": compute_only(layer, [(x, *case.recv[0])]),
-        "compute_2mb": compute_only(layer, [(h, *r) for h, r in zip(halves(x), half_recv)]),
+        "compute_2mb": compute_only(layer, [(h, *r) for h, r in zip(microbatches(x), half_recv)]),
     }
     overlap_diff = relative_difference(case.overlap(streams), case.plain())
     eager = {name: eager_time(fn, reps.eager, cuda) for name, fn in variants.items()}

@@ -47,6 +47,7 @@ from ep_layer.moe import (
     route,
     run_two_microbatches,
 )
+from ep_layer.moe.layer import forward_two_microbatches
 from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_HOOKED, DISPATCH_SENT, ROUTED, Steps
 from ep_layer.moe.tiles import ROW_TILE
 from ep_layer.quant import per_token_cast_to_fp8
@@ -261,6 +262,23 @@ def test_two_microbatches_interleave_communication() -> None:
                    "dispatch hook B", "experts", "combine send B", "shared", "combine hook B"]
     # In this process torch may use several threads; still bit for bit.
     assert torch.equal(overlapped, layer(x))
+
+
+def test_forward_two_microbatches_of_several_layers_through_depth() -> None:
+    """The module-level overlapped forward (what bench_moe and the GPU graph tests run on emulated ranks): two
+    single-rank layers with their own inputs (odd and one token), each through two calls in a row, equal to
+    calling each layer twice, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = MoeConfig(max_tokens=8)
+    layers = []
+    for _ in range(2):
+        layer = cfg.layer(None, "bf16")
+        layer.load_weights(hf_weights(cfg, gen, "bf16").items())
+        layers.append(layer)
+    xs = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16) for n in (7, 1)]
+    got = forward_two_microbatches(layers, xs, None, depth=2)
+    for layer, x, out in zip(layers, xs, got, strict=True):
+        assert torch.equal(out, layer(layer(x)))
 
 
 def test_two_microbatch_schedule_of_emulated_ranks() -> None:

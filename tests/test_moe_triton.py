@@ -27,10 +27,9 @@ from ep_layer.moe import (
     FusedMoE,
     TorchExperts,
     run_interleaved,
-    run_two_microbatches,
     triton_experts,
 )
-from ep_layer.moe.layer import MICROBATCH_SHARED_UNDER
+from ep_layer.moe.layer import forward_two_microbatches
 from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
 
 pytestmark = [
@@ -387,12 +386,7 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
     def run(streams: CommStreams | None) -> list[torch.Tensor]:
         if schedule == "plain":
             return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
-        halves = [(x[:(len(x) + 1) // 2], x[(len(x) + 1) // 2:]) for x in xs]
-        split = list(zip(layers, halves))
-        first_under, second_under = MICROBATCH_SHARED_UNDER
-        first, second = run_two_microbatches([layer.steps(h[0], streams, first_under) for layer, h in split],
-                                             [layer.steps(h[1], streams, second_under) for layer, h in split])
-        return [torch.cat(pair) for pair in zip(first, second)]
+        return forward_two_microbatches(layers, xs, streams)
 
     graph, outs = capture_after_warmup(lambda: run(side_streams))  # compiles and warms up outside the graph
     for replay in range(3):

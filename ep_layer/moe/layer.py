@@ -12,7 +12,7 @@ half's compute.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -112,12 +112,7 @@ class FusedMoE(nn.Module):
         """forward with the batch split in two halves whose communication overlaps the other's compute;
         equal to `forward` (bit for bit on CPU). Each half holds at most max_tokens_per_rank tokens. On a GPU the
         communication runs on the layer's side streams (CommStreams), concurrently with the compute."""
-        half = (hidden_states.shape[0] + 1) // 2
-        streams = self.comm_streams(hidden_states.device)
-        first_under, second_under = MICROBATCH_SHARED_UNDER
-        (first,), (second,) = run_two_microbatches([self.steps(hidden_states[:half], streams, first_under)],
-                                                   [self.steps(hidden_states[half:], streams, second_under)])
-        return torch.cat([first, second])
+        return forward_two_microbatches([self], [hidden_states], self.comm_streams(hidden_states.device))[0]
 
     def comm_streams(self, device: torch.device) -> CommStreams | None:
         """This layer's side streams for communication on `device` (None on CPU)."""
@@ -216,6 +211,31 @@ class FusedMoE(nn.Module):
                 f"intermediate={self.intermediate}, n_group={r.n_group}, topk_group={r.topk_group}, "
                 f"quant={self.quant!r}, rank={self.rank}/{self.num_ranks}, "
                 f"max_tokens_per_rank={self.max_tokens_per_rank}")
+
+
+def microbatches(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two micro-batches of the overlapped forward: the first (larger) and the second half of the tokens."""
+    half = (hidden_states.shape[0] + 1) // 2
+    return hidden_states[:half], hidden_states[half:]
+
+
+def forward_two_microbatches(layers: Sequence[FusedMoE], inputs: Sequence[torch.Tensor],
+                             streams: CommStreams | None, depth: int = 1) -> list[torch.Tensor]:
+    """The overlapped forward of ranks that step together (each layer of `layers` on its input; emulated
+    ranks on one GPU, or a single rank): every input split into its two micro-batches, each micro-batch
+    through `depth` calls of its layer in a row (a model's MoE layers), the two interleaved by
+    run_two_microbatches with the communication on `streams` (None: the current stream); outputs in order."""
+    first_under, second_under = MICROBATCH_SHARED_UNDER
+
+    def chain(layer: FusedMoE, x: torch.Tensor, shared_under: str) -> Steps[torch.Tensor]:
+        for _ in range(depth):
+            x = yield from layer.steps(x, streams, shared_under)
+        return x
+
+    split = [(layer, microbatches(x)) for layer, x in zip(layers, inputs, strict=True)]
+    first, second = run_two_microbatches([chain(layer, halves[0], first_under) for layer, halves in split],
+                                         [chain(layer, halves[1], second_under) for layer, halves in split])
+    return [torch.cat(pair) for pair in zip(first, second)]
 
 
 def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_tokens_per_rank: int,
