@@ -243,7 +243,8 @@ class Case:
         self.xs = [torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16) for _ in self.layers]
         self.routes = [layer.route(x) for layer, x in zip(self.layers, self.xs)]
         num_local = setup.shape.num_experts // setup.ep
-        # Expert outputs for the communication-only variant: any bf16 values in combine's input layout.
+        # The communication-only variant's combine input (zero-copy, as FusedMoE's: the values it reads are
+        # whatever its buffer holds; only the shape of this tensor matters).
         self.y = torch.zeros(num_local, setup.ep * setup.max_tokens, h, dtype=torch.bfloat16, device=device)
         received = self.dispatch_all()
         self.recv = [(r[0], r[1]) for r in received]  # static inputs of the GEMM-only variant
@@ -306,7 +307,7 @@ class Case:
             yield DISPATCH_SENT
             dispatch_hook()
             combined, _, combine_hook = layer.buffer.low_latency_combine(self.y, topk_idx, topk_weights, handle,
-                                                                         return_recv_hook=True)
+                                                                         zero_copy=True, return_recv_hook=True)
             yield COMBINE_SENT
             combine_hook()
         return combined

@@ -87,7 +87,8 @@ void dispatch(const Common& common, int halves, long long ticket, int num_tokens
 }
 
 void combine(const Common& common, bool send, long long ticket, int num_tokens, int num_topk,
-             int blocks_per_expert, long long x, long long recv_count, long long combine_map, long long topk_idx,
+             int blocks_per_expert, long long x, long long x_row, long long recv_count, long long combine_map,
+             long long topk_idx,
              long long topk_weights, long long out, long long wait_stats, long long stream) {
   ep::CombineCall call{};
   call.c = common;
@@ -96,6 +97,7 @@ void combine(const Common& common, bool send, long long ticket, int num_tokens, 
   call.num_topk = num_topk;
   call.blocks_per_expert = blocks_per_expert;
   call.x = ptr<const __nv_bfloat16>(x);
+  call.x_row = x_row;
   call.recv_count = ptr<const int>(recv_count);
   call.combine_map = ptr<const int>(combine_map);
   call.topk_idx = ptr<const long long>(topk_idx);

@@ -1,8 +1,13 @@
 // Low-latency combine. Send half (expert rank): one warp per received row writes the expert output
 // into slot [token][k] of the source rank's buffer, then its flag (sequence number + where to read);
 // rows of this rank's own tokens are not copied at all, the flag points the receiver at them in
-// place. Receive half (source rank): one block per (token, channel chunk) waits for each of the
-// token's top-k flags in ascending k and accumulates w * y in float32, rounded once to bf16.
+// place, and neither are rows that already lie in this rank's buffer (zero-copy combine) when the
+// ranks share the GPU: the flag points the receiver at the row there, which it reads through its
+// mapping of this buffer. Receive half (source rank): one block per (token, channel chunk) waits for
+// each of the token's top-k flags in ascending k and accumulates w * y in float32, rounded once to bf16.
+//
+// A flag's reference: >= 0, a row of the receiver's own x; -1 - k, combine slot [token][k]; below
+// -kMaxTopk, row -ref - kMaxTopk - 1 of the sending rank's buffer (2H bytes a row).
 #include "ll_common.cuh"
 
 namespace ep {
@@ -50,6 +55,8 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
     int ref;
     if (source == c.rank) {
       ref = static_cast<int>(in_row);  // our own token: the receive half reads x in place
+    } else if (a.x_row >= 0) {
+      ref = -kMaxTopk - 1 - static_cast<int>(a.x_row + in_row);  // in our buffer: the receive half pulls it
     } else {
       copy_vectors(reinterpret_cast<int4*>(combine_slot(c, half, token, first_k)),
                    reinterpret_cast<const int4*>(a.x + in_row * c.hidden), row_vectors, lane, 32);
@@ -98,8 +105,13 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
         aborted = 1;
       } else {
         const int ref = static_cast<int>(flag >> 32);
-        row = ref >= 0 ? reinterpret_cast<const int4*>(a.x + static_cast<long long>(ref) * c.hidden)
-                       : reinterpret_cast<const int4*>(combine_slot(c, half, token, -ref - 1));
+        if (ref >= 0)
+          row = reinterpret_cast<const int4*>(a.x + static_cast<long long>(ref) * c.hidden);
+        else if (ref >= -kMaxTopk)
+          row = reinterpret_cast<const int4*>(combine_slot(c, half, token, -ref - 1));
+        else
+          row = reinterpret_cast<const int4*>(c.peer_bases[rank] + (-static_cast<long long>(ref) - kMaxTopk - 1) *
+                                                                       c.hidden * 2);
         if (a.wait_stats && blockIdx.y == 0)
           atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[rank]), waited);
       }

@@ -380,6 +380,7 @@ struct CombineCall {
   int num_tokens, num_topk;
   int blocks_per_expert;
   const __nv_bfloat16* x;        // [E_l, R*T, H] expert outputs
+  long long x_row;               // x's first row as a row of this rank's buffer (peers pull from it), or -1
   const int* recv_count;         // [E_l], from dispatch
   const int* combine_map;        // [E_l, R*T], from dispatch
   const long long* topk_idx;     // [N, K]

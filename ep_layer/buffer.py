@@ -302,10 +302,14 @@ class Buffer:
         return record
 
     def _combine_buffer(self, record: _DispatchRecord, handle: Handle, device: torch.device) -> torch.Tensor:
+        own = self._live().combine_buffer(record.slot, handle)
+        if own is not None:
+            return own
         _, _, t, hidden, e = handle
         shape = (e // self.group_size, self.group_size * t, hidden)
         buf = self._combine_buffers.get(record.slot)
         if buf is None or buf.shape != shape or buf.device != device:
-            buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            with torch.inference_mode(False):  # kept across calls: writable outside inference mode too
+                buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
             self._combine_buffers[record.slot] = buf
         return buf

@@ -10,6 +10,9 @@ be outstanding (double buffering); each half holds:
 - combine slots [token][top-k position]: one bf16 expert output each, plus an 8-byte arrival flag
   each (sequence number, and for a rank's own experts the row to read in place instead of data).
 A token is written once per destination rank and expanded to its experts' rows by the receiver.
+After the halves come two zero-copy combine buffers, bf16 [E_l, R*T, H] each, one per outstanding
+dispatch (Buffer.get_next_low_latency_combine_buffer): expert outputs written there are combined
+without a copy into the slots when the ranks share a GPU (the receivers read them where they are).
 """
 
 from __future__ import annotations
@@ -42,7 +45,20 @@ def half_bytes(max_tokens: int, hidden: int, num_ranks: int) -> tuple[int, int, 
     return dispatch, combine, flags, counts
 
 
+def zero_copy_offset(max_tokens: int, hidden: int, num_ranks: int) -> int:
+    """Where the two zero-copy combine buffers start: after the halves, on a row boundary (2H bytes, a
+    multiple of ALIGN for the backend's hidden sizes), so that the kernels can name a row by its index."""
+    end = CONTROL_BYTES + 2 * sum(half_bytes(max_tokens, hidden, num_ranks))
+    row = 2 * hidden
+    return (end + row - 1) // row * row
+
+
+def zero_copy_bytes(max_tokens: int, hidden: int, num_experts: int) -> int:
+    """Bytes of one zero-copy combine buffer, bf16 [E_l, R*T, H] (E_l * R = E)."""
+    return num_experts * max_tokens * 2 * hidden
+
+
 def low_latency_buffer_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Bytes one rank's buffer needs; experts do not enter (each token travels once per rank)."""
-    del num_experts
-    return CONTROL_BYTES + 2 * sum(half_bytes(max_tokens, hidden, num_ranks))
+    """Bytes one rank's buffer needs."""
+    return (zero_copy_offset(max_tokens, hidden, num_ranks)
+            + 2 * zero_copy_bytes(max_tokens, hidden, num_experts))

@@ -86,6 +86,12 @@ class Backend(ABC):
                 wait_stats: torch.Tensor | None) -> ReceiveHalf:
         """Launch the send half of combine; the returned callable writes the weighted sums to `out`."""
 
+    def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor | None:
+        """The bf16 [E_l, R*T, H] zero-copy combine buffer of dispatch slot `slot` (0 or 1), if this backend
+        keeps one where its combine can use it without a copy; None: Buffer keeps a plain tensor per slot."""
+        del slot, handle
+        return None
+
     @abstractmethod
     def latency_stats(self) -> dict[str, LatencyHistogram]:
         """Histograms of the "dispatch" and "combine" calls since the backend was made (may synchronize)."""

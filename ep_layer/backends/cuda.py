@@ -124,6 +124,7 @@ class CudaBackend(Backend):
         self._peer_bases = list(peer_bases)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
+        self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
                f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels' __constant__ table)",
                len(latency.BOUNDS_NS))
@@ -275,9 +276,9 @@ class CudaBackend(Backend):
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         ticket = torch.empty(1, dtype=torch.int32, device=self._device)
         args = (ticket.data_ptr(), topk_idx.shape[0], topk_idx.shape[1],
-                self._blocks_per_expert(e // self.num_ranks), x.data_ptr(), recv_count.data_ptr(),
-                combine_map.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(),
-                wait_stats.data_ptr() if wait_stats is not None else 0)
+                self._blocks_per_expert(e // self.num_ranks), x.data_ptr(), self._row_in_buffer(x),
+                recv_count.data_ptr(), combine_map.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
+                out.data_ptr(), wait_stats.data_ptr() if wait_stats is not None else 0)
         self._c.combine(common, True, *args, self._stream())
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
@@ -289,6 +290,25 @@ class CudaBackend(Backend):
             keep.release(stream)
 
         return receive
+
+    def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor:
+        """A view of zero-copy combine buffer `slot` in this rank's communication buffer (ep_layer.layout)."""
+        _, _, t, h, e = handle
+        key = (slot, t, h, e)
+        view = self._combine_views.get(key)
+        if view is None:
+            self._common(t, h, e, 0)  # checks the sizes and that the buffer holds them
+            start = layout.zero_copy_offset(t, h, self.num_ranks) + slot * layout.zero_copy_bytes(t, h, e)
+            shape = (e // self.num_ranks, self.num_ranks * t, h)
+            view = self._combine_views[key] = _device_tensor(self._base + start, shape, self._device)
+        return view
+
+    def _row_in_buffer(self, x: torch.Tensor) -> int:
+        """x's first row as a row of this rank's buffer (2H bytes a row) when peers sharing this GPU can read
+        it there (a zero-copy combine), else -1: the send half then copies the rows into the peers' slots."""
+        offset, row_bytes = x.data_ptr() - self._base, 2 * x.shape[-1]
+        inside = offset >= 0 and offset + x.numel() * 2 <= self.num_rdma_bytes and offset % row_bytes == 0
+        return offset // row_bytes if inside and not self._system_scope else -1
 
     # ------------------------------------------------------------------ housekeeping
     def _barrier(self) -> None:
@@ -311,5 +331,21 @@ class CudaBackend(Backend):
         for p in self._opened:
             self._c.ipc_close(p)
         self._opened.clear()
+        self._combine_views.clear()
         self._c.free_buffer(self._base)
         self._c.free_host_flag(self._host_flag)
+
+
+class _DeviceArray:
+    """bf16 device memory that torch.as_tensor can view without a copy (CUDA array interface, as int16)."""
+
+    def __init__(self, pointer: int, shape: tuple[int, ...]) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (pointer, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+def _device_tensor(pointer: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A bf16 tensor over memory this backend owns (alive until destroy); kept across calls, so made
+    outside inference mode (writable in and out of it)."""
+    with torch.inference_mode(False):
+        return torch.as_tensor(_DeviceArray(pointer, shape), device=device).view(torch.bfloat16)

@@ -30,9 +30,10 @@ class ExpertKernels(ABC):
     name: str
 
     @abstractmethod
-    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-        """bf16 [E, M, H]: row m of expert e is expert e's MLP of x[e, m] for m < recv_count[e];
-        later rows are unspecified (and should cost nothing).
+    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 [E, M, H] (`out` when given, e.g. a zero-copy combine buffer): row m of expert e is expert
+        e's MLP of x[e, m] for m < recv_count[e]; later rows are unspecified (and should cost nothing).
 
         x is bf16 [E, M, H], or (float8_e4m3fn [E, M, H], float32 scales [E, M, H/128]) with any
         strides (dispatch's scales are column-major)."""
@@ -100,13 +101,16 @@ class TorchExperts(ExpertKernels):
 
     name = "torch"
 
-    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         data, scales = split_recv_x(x, recv_count, weights)
         fp8 = weights.fp8
         if data.is_cuda:
             every = slice(None)
-            return swiglu_fp32(rows_fp32(data, scales), weights.gate_up_fp32(every), weights.down_fp32(every), fp8)
-        out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
+            y = swiglu_fp32(rows_fp32(data, scales), weights.gate_up_fp32(every), weights.down_fp32(every), fp8)
+            return y if out is None else out.copy_(y)
+        if out is None:
+            out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
         for e, count in enumerate(recv_count.tolist()):
             if count == 0:
                 continue

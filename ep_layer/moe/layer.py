@@ -150,10 +150,12 @@ class FusedMoE(nn.Module):
         yield DISPATCH_HOOKED
         shared = self.shared_expert(x) if shared_under == "dispatch" else None
         wait_received()
-        y = self.run_experts(recv_x, recv_count)
+        # Zero-copy combine: the down GEMM writes where the combine reads (on the cuda backend, peers on
+        # this GPU read the rows there: nothing is copied into their slots).
+        y = self.run_experts(recv_x, recv_count, self.buffer.get_next_low_latency_combine_buffer(handle))
         with send_on(combine_stream):
             combined, _, combine_hook = self.buffer.low_latency_combine(
-                y, topk_idx, topk_weights, handle, return_recv_hook=True,
+                y, topk_idx, topk_weights, handle, zero_copy=True, return_recv_hook=True,
                 combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
         yield COMBINE_SENT
         if shared_under == "combine":  # queued before the hook: on one stream too it runs while the rows travel
@@ -168,9 +170,9 @@ class FusedMoE(nn.Module):
         select = self._kernels_for(hidden_states.device).select_experts
         return route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing, select)
 
-    def run_experts(self, x: RecvX, recv_count: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on dispatch's output: bf16 [E_l, R*T, H] in dispatch's row order."""
-        return self._kernels_for(recv_count.device)(x, recv_count, self.experts)
+    def run_experts(self, x: RecvX, recv_count: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's experts on dispatch's output: bf16 [E_l, R*T, H] in dispatch's row order (into `out`)."""
+        return self._kernels_for(recv_count.device)(x, recv_count, self.experts, out)
 
     def shared_expert(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output bf16 [N, H] (None without shared experts), through the same

@@ -313,11 +313,13 @@ class TritonExperts(ExpertKernels):
 
     name = "triton"
 
-    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         data, scales = split_recv_x(x, recv_count, weights)
         e, m, h = data.shape
         i = weights.padded_intermediate
-        out = torch.empty(e, m, h, dtype=torch.bfloat16, device=data.device)
+        if out is None:
+            out = torch.empty(e, m, h, dtype=torch.bfloat16, device=data.device)
         if m == 0:
             return out
         act = torch.empty(e, m, i, dtype=torch.bfloat16, device=data.device)
