@@ -88,8 +88,7 @@ void dispatch(const Common& common, int halves, long long ticket, int num_tokens
 
 void combine(const Common& common, bool send, long long ticket, int num_tokens, int num_topk,
              int blocks_per_expert, long long x, long long x_row, long long recv_count, long long combine_map,
-             long long topk_idx,
-             long long topk_weights, long long out, long long wait_stats, long long stream) {
+             long long topk_idx, long long topk_weights, long long out, long long wait_stats, long long stream) {
   ep::CombineCall call{};
   call.c = common;
   call.c.ticket = ptr<unsigned>(ticket);
