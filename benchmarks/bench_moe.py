@@ -42,7 +42,7 @@ from ep_layer.emulation import emulated_buffers
 from ep_layer.layout import MAX_RANKS
 from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, triton_experts
 from ep_layer.moe.block_fp8 import num_blocks
-from ep_layer.moe.layer import forward_two_microbatches, microbatches
+from ep_layer.moe.layer import chain_steps, forward_two_microbatches, microbatches
 from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 
 PROJECTIONS = ("gate", "up", "down")
@@ -242,10 +242,6 @@ class Case:
         h = setup.shape.hidden
         self.xs = [torch.randn(tokens, h, device=device, generator=gen).to(torch.bfloat16) for _ in self.layers]
         self.routes = [layer.route(x) for layer, x in zip(self.layers, self.xs)]
-        num_local = setup.shape.num_experts // setup.ep
-        # The communication-only variant's combine input (zero-copy, as FusedMoE's: the values it reads are
-        # whatever its buffer holds; only the shape of this tensor matters).
-        self.y = torch.zeros(num_local, setup.ep * setup.max_tokens, h, dtype=torch.bfloat16, device=device)
         received = self.dispatch_all()
         self.recv = [(r[0], r[1]) for r in received]  # static inputs of the GEMM-only variant
         self.active_experts = sum(int((count > 0).sum()) for _, count in self.recv)
@@ -262,17 +258,12 @@ class Case:
         return [s[:3] for s in sent]
 
     def plain(self) -> list[torch.Tensor]:
-        return run_interleaved([self._layers(layer, x) for layer, x in zip(self.layers, self.xs)])
+        return run_interleaved([chain_steps(layer, x, self.depth) for layer, x in zip(self.layers, self.xs)])
 
     def overlap(self, streams: CommStreams | None) -> list[torch.Tensor]:
         """The two-micro-batch schedule (as FusedMoE.forward_two_microbatches runs it), its communication on
         `streams` (None: the current stream)."""
         return forward_two_microbatches(self.layers, self.xs, streams, self.depth)
-
-    def _layers(self, layer: FusedMoE, x: torch.Tensor) -> Steps[torch.Tensor]:
-        for _ in range(self.depth):
-            x = yield from layer.steps(x)
-        return x
 
     def gemms(self) -> list[torch.Tensor]:
         """The routed experts' GEMMs alone, on every rank's received tokens."""
@@ -306,7 +297,9 @@ class Case:
                 cumulative_local_expert_recv_stats=layer.expert_load, use_fp8=layer.fp8, return_recv_hook=True)
             yield DISPATCH_SENT
             dispatch_hook()
-            combined, _, combine_hook = layer.buffer.low_latency_combine(self.y, topk_idx, topk_weights, handle,
+            # Zero-copy, as FusedMoE's combine: it reads whatever expert outputs its buffer holds.
+            y = layer.buffer.get_next_low_latency_combine_buffer(handle)
+            combined, _, combine_hook = layer.buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
                                                                          zero_copy=True, return_recv_hook=True)
             yield COMBINE_SENT
             combine_hook()

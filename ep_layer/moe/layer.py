@@ -228,16 +228,19 @@ def forward_two_microbatches(layers: Sequence[FusedMoE], inputs: Sequence[torch.
     through `depth` calls of its layer in a row (a model's MoE layers), the two interleaved by
     run_two_microbatches with the communication on `streams` (None: the current stream); outputs in order."""
     first_under, second_under = MICROBATCH_SHARED_UNDER
-
-    def chain(layer: FusedMoE, x: torch.Tensor, shared_under: str) -> Steps[torch.Tensor]:
-        for _ in range(depth):
-            x = yield from layer.steps(x, streams, shared_under)
-        return x
-
     split = [(layer, microbatches(x)) for layer, x in zip(layers, inputs, strict=True)]
-    first, second = run_two_microbatches([chain(layer, halves[0], first_under) for layer, halves in split],
-                                         [chain(layer, halves[1], second_under) for layer, halves in split])
+    first, second = run_two_microbatches(
+        [chain_steps(layer, halves[0], depth, streams, first_under) for layer, halves in split],
+        [chain_steps(layer, halves[1], depth, streams, second_under) for layer, halves in split])
     return [torch.cat(pair) for pair in zip(first, second)]
+
+
+def chain_steps(layer: FusedMoE, hidden_states: torch.Tensor, depth: int, streams: CommStreams | None = None,
+                shared_under: str = "dispatch") -> Steps[torch.Tensor]:
+    """`depth` forwards of `layer` in a row as one generator of steps, each on the last one's output."""
+    for _ in range(depth):
+        hidden_states = yield from layer.steps(hidden_states, streams, shared_under)
+    return hidden_states
 
 
 def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_tokens_per_rank: int,
