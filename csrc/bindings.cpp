@@ -50,7 +50,7 @@ enum DispatchLaunch : int { kSendHalf = 1, kReceiveHalf = 2, kBothHalves = 3 };
 
 void dispatch(const Common& common, int halves, long long ticket, int num_tokens, int num_topk, bool use_fp8,
               bool round_scale, bool use_ue8m0, int chunks_per_slot, long long x, long long topk_idx,
-              long long recv_x, long long recv_scales, long long recv_count, long long src_info,
+              long long recv_x, long long recv_scales, long long recv_rows, long long recv_count, long long src_info,
               long long layout_range, long long combine_map, long long recv_stats, long long wait_stats,
               long long stream) {
   ep::DispatchCall call{};
@@ -66,6 +66,7 @@ void dispatch(const Common& common, int halves, long long ticket, int num_tokens
   call.topk_idx = ptr<const long long>(topk_idx);
   call.recv_x = ptr<void>(recv_x);
   call.recv_scales = ptr<void>(recv_scales);
+  call.recv_rows = ptr<long long>(recv_rows);
   call.recv_count = ptr<int>(recv_count);
   call.src_info = ptr<int>(src_info);
   call.layout_range = ptr<long long>(layout_range);

@@ -365,7 +365,9 @@ struct DispatchCall {
   int chunks_per_slot;           // receive-half work items per slot (channel chunks)
   const __nv_bfloat16* x;
   const long long* topk_idx;
-  void* recv_x;                  // bf16 or fp8 [E_l, R*T, H]
+  void* recv_x;                  // bf16 or fp8 [E_l, R*T, H], or null with recv_rows
+  long long* recv_rows;          // [E_l, R*T] or null: rows in place, each row's payload as a byte offset
+                                 // from this rank's buffer (nothing is copied into recv_x)
   void* recv_scales;             // float [E_l, G, R*T] or int [E_l, G/4, R*T] (column-major view)
   int* recv_count;               // [E_l]
   int* src_info;                 // [E_l, R*T]

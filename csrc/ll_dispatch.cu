@@ -13,7 +13,9 @@
 // then warps take (slot, channel chunk) items; each waits for its slot's flag and copies the token
 // straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of earlier source ranks,
 // from the counts, + the offset in the header): each payload is read once per destination, by one warp
-// per chunk.
+// per chunk. With rows in place (recv_rows) nothing is copied: each row gets the byte offset of the
+// payload it would have copied, which the GEMM reads where it lies (the slot stays untouched until the
+// dispatch two calls later, as recv_x's rows would); rank 0's own rows then point at its own slot.
 // Without a hook both halves run as one kernel whose blocks all fit on the GPU at once: each block
 // sends its tokens, then receives; one launch and no wait for the send kernel to drain.
 #include <algorithm>
@@ -58,6 +60,11 @@ __device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int own
                                                         int token) {
   return half_base(c, c.peer_bases[owner], seq) + c.layout.dispatch +
          (static_cast<long long>(sender) * c.max_tokens + token) * c.layout.slot;
+}
+
+// Where a slot's payload lies, as a byte offset from this rank's buffer (recv_rows; may be negative).
+__device__ __forceinline__ long long payload_offset(const Common& c, const unsigned char* slot) {
+  return slot + kHeaderBytes - c.local_base;
 }
 
 // A token's top-k expert ids, all loads in flight at once; -1 past num_topk and for ids outside [0, E)
@@ -273,11 +280,14 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   const unsigned slot_ranks = r.slot_ranks[j];
   if (slot_ranks == 0 && num_selfs == 0) return;
   unsigned payload_ranks = slot_ranks && pull_payloads(c) ? 1u << c.rank : slot_ranks;  // slots holding the payload
+  const bool in_place = a.recv_rows != nullptr;
+  if (in_place && num_selfs > 0) payload_ranks |= 1u << c.rank;  // rank 0's own rows read its own slot
+  const int self_copies = in_place ? 0 : num_selfs;
   if (!a.use_fp8) {
     for (; payload_ranks; payload_ranks &= payload_ranks - 1)
       share.store(reinterpret_cast<int4*>(dispatch_slot(c, __ffs(payload_ranks) - 1, c.rank, seq, t) + kHeaderBytes),
                   row_pairs);
-    for (int n = 0; n < num_selfs; ++n)
+    for (int n = 0; n < self_copies; ++n)
       share.store(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(r.selfs[j][n]) * hidden * 2),
                   row_pairs);
     return;
@@ -301,12 +311,12 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = in_group + 8 * h;
-    if (i >= num_selfs) continue;
+    if (i >= self_copies) continue;
     const int k = r.selfs[j][i];
     scale_at[h] = static_cast<long long>(r.local[j][k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows +
                   r.offset[j][k];
   }
-  for (int i = 0; i < num_selfs; ++i) {
+  for (int i = 0; i < self_copies; ++i) {
     auto* data = reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(r.selfs[j][i]) * hidden);
 #pragma unroll
     for (int p = 0; p < kPairs; ++p)
@@ -364,7 +374,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   unsigned ticket = 0;
   if (threadIdx.x == 0) {
     ticket = take_ticket(c, kDispatch);
-    if (c.num_ranks > 1) seq = ticket;
+    if (c.num_ranks > 1 || a.recv_rows != nullptr) seq = ticket;
   }
   __syncthreads();
   count_tokens(a, counted, ids, bins);
@@ -390,6 +400,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
                               routes.offset[j][k];
         a.src_info[row] = first + j;
         a.combine_map[row] = static_cast<int>(routes.kmask[j][k] << 13 | static_cast<unsigned>(first + j));
+        if (a.recv_rows) a.recv_rows[row] = payload_offset(c, dispatch_slot(c, c.rank, c.rank, seq, first + j));
       }
     }
     for (int j = 0; j < n; ++j) {
@@ -525,6 +536,17 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     if (lane < n) entry = __ldcg(&header->entries[lane]);
     const unsigned char* slot = pull_payloads(c) ? dispatch_slot(c, source, source, seq, token)
                                                  : reinterpret_cast<const unsigned char*>(header);
+    if (a.recv_rows != nullptr) {  // rows in place: lane j names entry j's row, nothing is copied
+      if (lane < n) {
+        const int expert = static_cast<int>(entry.x & 0xffffu);
+        const long long out_row = static_cast<long long>(expert) * num_rows + base[source * num_local + expert] +
+                                  static_cast<int>(entry.y);
+        a.src_info[out_row] = token;
+        a.combine_map[out_row] = static_cast<int>((entry.x >> 16) << 13 | static_cast<unsigned>(i));
+        a.recv_rows[out_row] = payload_offset(c, slot);
+      }
+      continue;
+    }
     const auto* payload = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     const bool scales_here = a.use_fp8 && chunk == chunks - 1;
     unsigned scale_value[kScaleWordsPerLane] = {};  // scale words lane, lane + 32, ...

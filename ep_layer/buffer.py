@@ -181,8 +181,14 @@ class Buffer:
                              cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
-        """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook)."""
+                             async_finish: bool = False, return_recv_hook: bool = False, *,
+                             rows_in_place: bool = False):
+        """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook).
+
+        rows_in_place (ours, not DeepEP's; see `supports_rows_in_place`): recv_x is a `RowsInPlace` that
+        names where each received row lies in the communication buffer, instead of a packed copy of the
+        rows (one pass over HBM fewer, for GEMMs that read rows where they lie: ep_layer.moe's Triton
+        kernels). Float32 scales only (not with use_ue8m0)."""
         backend = self._live()
         expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
         device = self._device(x)
@@ -201,11 +207,17 @@ class Buffer:
             check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64,
                          (self.group_size,), device)
         self._check_modes(async_finish, return_recv_hook)
+        if rows_in_place:
+            expect(backend.supports_rows_in_place, "rows_in_place", f"False for the {backend.name} backend "
+                   "(only the cuda backend leaves rows in place)", rows_in_place)
+            expect(not use_ue8m0, "rows_in_place", "False with use_ue8m0 (rows in place keep float32 scales)",
+                   rows_in_place)
         spec = DispatchSpec(t, hidden, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
 
         def send() -> tuple[DispatchResult, Hook]:
             result = backend.dispatch(x, topk_idx, spec, cumulative_local_expert_recv_stats,
-                                      dispatch_wait_recv_cost_stats, hook=return_recv_hook)
+                                      dispatch_wait_recv_cost_stats, hook=return_recv_hook,
+                                      rows_in_place=bool(rows_in_place))
             self._remember(result.handle, result.private)
             return result, result.receive
 
@@ -255,6 +267,11 @@ class Buffer:
         self._live()
         record = self._record(handle)
         return self._combine_buffer(record, handle, handle[0].device)
+
+    @property
+    def supports_rows_in_place(self) -> bool:
+        """Whether `low_latency_dispatch(..., rows_in_place=True)` works here (the cuda backend)."""
+        return self._live().supports_rows_in_place
 
     # ------------------------------------------------------------------ shared plumbing
     @staticmethod

@@ -16,7 +16,7 @@ import pytest
 import torch
 from cuda_graphs import capture_after_warmup
 
-from ep_layer import Buffer, EPTimeoutError, native
+from ep_layer import Buffer, EPTimeoutError, RowsInPlace, native
 from ep_layer.emulation import each_rank
 from ep_layer.latency import OPS, LatencyHistogram, bucket_of
 
@@ -98,6 +98,29 @@ def check_dispatch(rank: int, num_ranks: int, max_tokens: int, out: tuple, xs: l
         assert recv_x[1].stride(1) == 1, f"{where}: scales must be column-major"
 
 
+def packed_from_rows_in_place(recv_x, recv_count: torch.Tensor):
+    """Dispatch's packed recv_x from RowsInPlace, each row read where its offset says it lies (other
+    recv_x pass through): the oracles above then check the rows in place as they check a packed copy."""
+    from ep_layer.backends.cuda import _device_tensor
+
+    if not isinstance(recv_x, RowsInPlace):
+        return recv_x
+    num_local, rows = recv_x.offsets.shape
+    h = recv_x.hidden
+    row_bytes = h + h // 128 * 4 if recv_x.fp8 else 2 * h
+    packed = torch.zeros(num_local, rows, row_bytes, dtype=torch.uint8, device="cuda")
+    start = recv_x.base.data_ptr()
+    for l, (count, offsets) in enumerate(zip(recv_count.tolist(), recv_x.offsets.tolist())):
+        assert all(o % 16 == 0 for o in offsets[:count]), "rows in place: offsets must be 16-byte aligned"
+        for m, offset in enumerate(offsets[:count]):
+            packed[l, m] = _device_tensor(start + offset, (row_bytes,), packed.device, torch.uint8)
+    if not recv_x.fp8:
+        return packed.view(torch.bfloat16)
+    scales = torch.empty(num_local, h // 128, rows, device="cuda").transpose(1, 2)  # column-major, as dispatch's
+    scales.copy_(packed[..., h:].contiguous().view(torch.float32))
+    return packed[..., :h].contiguous().view(torch.float8_e4m3fn), scales
+
+
 def expected_combine(rank: int, num_local: int, idx: torch.Tensor, weights: torch.Tensor,
                      ys: list[torch.Tensor], rows: dict[int, list[tuple[int, int]]]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,13 +158,14 @@ def emulated(num_ranks: int, max_tokens: int, hidden: int, num_experts: int, tim
     return emulated_buffers(num_ranks, size, timeout_s, gpu_share=num_ranks if side_by_side else 1)
 
 
-def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None, streams=None):
+def run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=None, streams=None, rows_in_place=False):
     """Every rank's send half first, then every hook: one stream is enough for emulated ranks."""
     use_fp8, round_scale, use_ue8m0 = MODES[mode]
     stats = stats or [None] * len(buffers)
     sent = each_rank([lambda b=b, x=x, i=i, s=s: b.low_latency_dispatch(
         x, i, max_tokens, num_experts, s, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-        return_recv_hook=True) for b, x, i, s in zip(buffers, xs, idxs, stats)], streams)
+        return_recv_hook=True, rows_in_place=rows_in_place) for b, x, i, s in zip(buffers, xs, idxs, stats)],
+        streams)
     each_rank([s[4] for s in sent], streams)
     return [s[:3] for s in sent]
 
@@ -154,8 +178,9 @@ def run_combine(buffers, ys, idxs, weights, handles, streams=None, **kw):
 
 
 def check_round_trip(num_ranks: int, max_tokens: int, hidden: int, num_local: int, topk: int, mode: str,
-                     concurrent: bool, seed: int) -> None:
-    """Two dispatches (both buffer halves) and a combine of emulated ranks against the oracles."""
+                     concurrent: bool, seed: int, rows_in_place: bool = False) -> None:
+    """Two dispatches (both buffer halves) and a combine of emulated ranks against the oracles; the first
+    dispatch's rows are checked again after the second (two results may be outstanding)."""
     from ep_layer.emulation import RankStreams
 
     rng = np.random.default_rng(seed)
@@ -165,15 +190,23 @@ def check_round_trip(num_ranks: int, max_tokens: int, hidden: int, num_local: in
     stats = [torch.zeros(num_local, dtype=torch.int32, device="cuda") for _ in buffers]
     streams = RankStreams(num_ranks) if concurrent else None
     rows = expected_rows(idxs, num_experts)
+    rounds = []
     for _ in range(2):  # consecutive calls use the two halves of the buffers
         stats_before = [s.clone() for s in stats]
-        outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=stats, streams=streams)
+        outs = run_dispatch(buffers, xs, idxs, max_tokens, num_experts, mode, stats=stats, streams=streams,
+                            rows_in_place=rows_in_place)
         torch.cuda.synchronize()
         for b in buffers:
             b.check()
         for r, o in enumerate(outs):
-            check_dispatch(r, num_ranks, max_tokens, o, xs, rows, mode, seed)
+            assert isinstance(o[0], RowsInPlace) == rows_in_place, f"seed={seed}: recv_x {type(o[0]).__name__}"
+            check_dispatch(r, num_ranks, max_tokens, (packed_from_rows_in_place(o[0], o[1]), *o[1:]), xs, rows,
+                           mode, seed)
             assert torch.equal(stats[r] - stats_before[r], o[1]), f"seed={seed}: recv stats"
+        rounds.append(outs)
+    for r, o in enumerate(rounds[0]):
+        check_dispatch(r, num_ranks, max_tokens, (packed_from_rows_in_place(o[0], o[1]), *o[1:]), xs, rows, mode,
+                       f"{seed} (first dispatch, after the second)")
 
     ys = [torch.randn(num_local, num_ranks * max_tokens, hidden, device="cuda").to(torch.bfloat16)
           for _ in buffers]
@@ -201,6 +234,31 @@ def test_emulated_dispatch_combine(num_ranks: int, mode: str, concurrent: bool, 
     check_round_trip(num_ranks, max_tokens, hidden, num_local, topk, mode, concurrent, seed)
 
 
+@pytest.mark.parametrize("num_ranks", [1, 2, 8])
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8-pow2"])
+@pytest.mark.parametrize("concurrent", [False, True], ids=["one-stream", "rank-streams"])
+def test_emulated_rows_in_place(num_ranks: int, mode: str, concurrent: bool, seed: int) -> None:
+    """rows_in_place=True: the rows its offsets name, read where they lie (peers' slots for ranks on one
+    GPU, rank 0's own slots for its own tokens), are exactly the rows a packed dispatch gives; the
+    handle and stats are the same, and the combine after it works."""
+    rng = np.random.default_rng(seed)
+    max_tokens = int(rng.integers(1, 40))
+    hidden = int(rng.choice([512, 7168]))
+    num_local = int(rng.integers(1, 9))
+    topk = int(rng.integers(1, min(9, num_ranks * num_local) + 1))
+    check_round_trip(num_ranks, max_tokens, hidden, num_local, topk, mode, concurrent, seed, rows_in_place=True)
+
+
+def test_rows_in_place_with_ue8m0_is_refused() -> None:
+    (buffer,) = emulated(1, 8, 512, 4)
+    x = torch.zeros(2, 512, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
+    assert buffer.supports_rows_in_place
+    with pytest.raises(ValueError, match="rows_in_place"):
+        buffer.low_latency_dispatch(x, idx, 8, 4, use_fp8=True, round_scale=True, use_ue8m0=True, rows_in_place=True)
+    buffer.destroy()
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp8"])
 def test_emulated_send_blocks_with_many_tokens(mode: str, seed: int) -> None:
     """Eight ranks on one GPU get a send block per 1/8 of the GPU's resident blocks, so at these T each
@@ -226,13 +284,15 @@ def test_dispatch_without_hook_runs_one_kernel(max_tokens: int, hidden: int, num
     for mode, (use_fp8, round_scale, use_ue8m0) in MODES.items():
         if use_ue8m0 and hidden % 512:
             continue
-        for hook in (False, True, False):
+        for hook, in_place in ((False, False), (True, False), (False, not use_ue8m0), (True, not use_ue8m0)):
             out = buffer.low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts, use_fp8=use_fp8,
-                                              round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+                                              round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook,
+                                              rows_in_place=in_place)
             if hook:
                 out[4]()
             buffer.check()
-            check_dispatch(0, 1, max_tokens, out[:3], xs, rows, mode, f"{seed} hook={hook}")
+            check_dispatch(0, 1, max_tokens, (packed_from_rows_in_place(out[0], out[1]), *out[1:3]), xs, rows, mode,
+                           f"{seed} hook={hook} in_place={in_place}")
 
     def call():
         return buffer.low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts, use_fp8=False)
@@ -672,12 +732,13 @@ def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int) -> None:
     for mode, (use_fp8, round_scale, use_ue8m0) in MODES.items():
         kw = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
         want = ref.low_latency_dispatch(x, idx, max_tokens, num_experts, **kw)
-        for hook_mode in (False, True):
+        for hook_mode, in_place in ((False, False), (True, False), (True, not use_ue8m0)):
             got = cuda.low_latency_dispatch(x.cuda(), idx.cuda(), max_tokens, num_experts,
-                                            return_recv_hook=hook_mode, **kw)
+                                            return_recv_hook=hook_mode, rows_in_place=in_place, **kw)
             if hook_mode:
                 got[4]()
             cuda.check()
+            got = (packed_from_rows_in_place(got[0], got[1]), *got[1:])
             counts = want[1].tolist()
             assert got[1].cpu().tolist() == counts, f"seed={seed} {mode}"
             for l, c in enumerate(counts):
@@ -697,7 +758,7 @@ def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int) -> None:
         cuda.check()
         assert torch.equal(got_out.cpu(), want_out), f"seed={seed} {mode} rank {rank}: combine vs reference"
     stats = cuda.latency_stats()  # every call of every mode counted once, on this rank's own histograms
-    assert (stats["dispatch"].count, stats["combine"].count) == (2 * len(MODES), len(MODES)), f"seed={seed}"
+    assert (stats["dispatch"].count, stats["combine"].count) == (3 * len(MODES), len(MODES)), f"seed={seed}"
     assert all(0 < stats[op].sum_s < 60 for op in OPS), f"seed={seed}: {stats}"
     cuda.destroy()
 

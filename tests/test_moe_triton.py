@@ -257,6 +257,40 @@ def test_triton_experts_match_torch(fp8: bool, hidden: int, inter: int, rows: in
         assert_close(got[e, :n], want[e, :n], TOL[fp8], f"{what} expert {e} ({n} rows)")
 
 
+@pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_triton_experts_read_rows_in_place(fp8: bool, seed: int) -> None:
+    """The expert kernels on dispatch's rows in place (each row read where it arrived) equal them on the
+    packed copy of the same dispatch, bit for bit: two emulated ranks, experts with several row tiles."""
+    from ep_layer.emulation import each_rank, emulated_buffers
+
+    gen = torch.Generator().manual_seed(seed)
+    ranks, num_experts, topk, max_tokens, hidden, inter = 2, 6, 2, 128, 512, 256
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ranks, num_experts)
+    buffers = emulated_buffers(ranks, size)
+    xs = [torch.randn(n, hidden, generator=gen).to(torch.bfloat16).cuda() for n in (max_tokens, 77)]
+    idxs = [torch.stack([torch.randperm(num_experts, generator=gen)[:topk] for _ in range(len(x))]).cuda() for x in xs]
+    store = expert_store(gen, num_experts // ranks, hidden, inter, fp8, "cuda")
+    kernels = triton_experts.TritonExperts()
+
+    def dispatch(in_place: bool) -> list[tuple]:
+        sent = each_rank([lambda b=b, x=x, i=i: b.low_latency_dispatch(
+            x, i, max_tokens, num_experts, use_fp8=fp8, return_recv_hook=True, rows_in_place=in_place)
+            for b, x, i in zip(buffers, xs, idxs)])
+        each_rank([s[4] for s in sent])
+        return sent
+
+    packed, in_place = dispatch(False), dispatch(True)  # two results outstanding: both stay valid
+    for r, (p, q) in enumerate(zip(packed, in_place)):
+        assert torch.equal(p[1], q[1]), f"seed={seed} rank {r}: recv_count"
+        assert max(p[1].tolist()) > triton_experts.BLOCK_M, "the case should have experts of several row tiles"
+        want, got = kernels(p[0], p[1], store), kernels(q[0], q[1], store)
+        for e, n in enumerate(p[1].tolist()):
+            assert torch.equal(got[e, :n], want[e, :n]), f"seed={seed} rank {r} expert {e}: in place != packed"
+    for b in buffers:
+        b.destroy()
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_rows_past_recv_count_are_not_written(fp8: bool, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
@@ -400,6 +434,11 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
         for r, (got, want, x) in enumerate(zip(outs, eager, tokens)):
             assert torch.equal(got, want), f"seed={seed} replay {replay} rank {r}: {schedule} replay != eager"
             assert_layer_close(got, reference(x), quant, f"seed={seed} replay {replay} rank {r}")
+    for layer in layers:  # the experts read a packed copy of the rows instead of the rows in place
+        assert layer.read_rows_in_place and layer.buffer.supports_rows_in_place
+        layer.read_rows_in_place = False
+    for r, (got, want) in enumerate(zip(outs, run(None))):
+        assert torch.equal(got, want), f"seed={seed} rank {r}: rows in place != a packed copy ({schedule})"
     for layer in layers:
         layer.buffer.destroy()
 

@@ -215,6 +215,7 @@ def dispatch_mutations(a: dict[str, Any]) -> list[tuple[str, dict[str, Any], tup
          ("use_ue8m0", "round_scale")),
         ("ue8m0 without fp8", {"use_fp8": False, "round_scale": True, "use_ue8m0": True}, ("use_ue8m0", "use_fp8")),
         ("fp8 H=100", {"x": torch.zeros(n, 100, dtype=torch.bfloat16), "use_fp8": True}, ("x", "hidden")),
+        ("rows in place on the reference backend", {"rows_in_place": True}, ("rows_in_place",)),
     ]
     out += [(f"T={v!r}", {"num_max_dispatch_tokens_per_rank": v}, ("num_max_dispatch_tokens_per_rank",))
             for v in BAD_SCALARS]
@@ -303,7 +304,7 @@ def test_from_backend_argument(backend: Any) -> None:
 
 
 def test_every_public_name_is_covered() -> None:
-    assert sorted(ep_layer.__all__) == ["Buffer", "EPTimeoutError", "EventOverlap"]
+    assert sorted(ep_layer.__all__) == ["Buffer", "EPTimeoutError", "EventOverlap", "RowsInPlace"]
     public = sorted(n for n in dir(Buffer) if not n.startswith("_") and callable(getattr(Buffer, n)))
     assert public == ["check", "clean_low_latency_buffer", "destroy", "from_backend",
                       "get_low_latency_rdma_size_hint", "get_next_low_latency_combine_buffer",

@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 
 from .. import native
-from .base import Backend, DispatchResult, DispatchSpec, Handle
+from .base import Backend, DispatchResult, DispatchSpec, Handle, RecvX, RowsInPlace
 from .reference import ReferenceBackend
 
 BACKENDS = ("auto", "cuda", "reference")
 
-__all__ = ["BACKENDS", "Backend", "DispatchResult", "DispatchSpec", "Handle", "create_backend"]
+__all__ = ["BACKENDS", "Backend", "DispatchResult", "DispatchSpec", "Handle", "RecvX", "RowsInPlace", "create_backend"]
 
 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,

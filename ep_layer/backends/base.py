@@ -15,8 +15,25 @@ from ..quant import FP8_GROUP, UE8M0_PACK
 
 # (src_info int32 [E_l, R*T], layout_range int64 [E_l, R], T, H, E), as DeepEP's handle.
 Handle = tuple[torch.Tensor, torch.Tensor, int, int, int]
-RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 ReceiveHalf = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class RowsInPlace:
+    """Dispatch's received rows left where they arrived in the communication buffer
+    (`low_latency_dispatch(..., rows_in_place=True)`), for kernels that read each row where it lies
+    instead of from a packed copy: row m of local expert l (m < recv_count[l]) is the payload at byte
+    offset `offsets[l, m]` from `base`'s first byte (in this rank's buffer, or, for ranks sharing a GPU,
+    in a peer's mapped one). A payload is H e4m3 bytes followed by H/128 float32 scales (`fp8`), or H
+    bf16 values. Like a zero-copy combine buffer, the rows stay valid until the dispatch two calls later."""
+
+    base: torch.Tensor  # uint8 [16] at the start of this rank's communication buffer
+    offsets: torch.Tensor  # int64 [E_l, R*T]; 16-byte aligned; rows at or past recv_count unspecified
+    hidden: int
+    fp8: bool
+
+
+RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
 
 
 @dataclass(frozen=True)
@@ -73,12 +90,15 @@ class Backend(ABC):
     def device(self) -> torch.device | None:
         """Where every tensor must live; None = any device, the same for all tensors of a call."""
 
+    supports_rows_in_place = False  # dispatch(..., rows_in_place=True) returns RowsInPlace
+
     @abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool) -> DispatchResult:
+                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
         """Launch the send half; the result's `receive` launches the receive half. With `hook=False` the
-        caller runs `receive` right after, so a backend may do both halves at once here."""
+        caller runs `receive` right after, so a backend may do both halves at once here.
+        `rows_in_place` (only where `supports_rows_in_place`): recv_x is a RowsInPlace, not a copy."""
 
     @abstractmethod
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

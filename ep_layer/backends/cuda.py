@@ -24,7 +24,7 @@ from ..checks import expect
 from ..errors import EPTimeoutError
 from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP
-from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace, empty_recv_x
 
 MAX_HIDDEN = 16384
 _OPS = ("low_latency_dispatch", "low_latency_combine")  # by the kernels' Op; latency.OPS is in the same order
@@ -95,6 +95,7 @@ class _KeptForHook:
 
 class CudaBackend(Backend):
     name = "cuda"
+    supports_rows_in_place = True
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  num_rdma_bytes: int, timeout_s: float, *, peer_bases: list[int] | None = None,
@@ -125,6 +126,7 @@ class CudaBackend(Backend):
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._buffer_start = _device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
                f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels' __constant__ table)",
                len(latency.BOUNDS_NS))
@@ -228,7 +230,7 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool) -> DispatchResult:
+                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
         self._raise_recorded()
         t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
         flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
@@ -240,11 +242,19 @@ class CudaBackend(Backend):
         ticket, recv_count, src_info, combine_map = ints.split([1, num_local, num_local * rows, num_local * rows])
         src_info, combine_map = src_info.view(num_local, rows), combine_map.view(num_local, rows)
         layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=dev)
-        recv_x = empty_recv_x(spec, num_local, rows, dev)
-        data_ptr, scales_ptr = (recv_x[0].data_ptr(), recv_x[1].data_ptr()) if spec.use_fp8 else (recv_x.data_ptr(), 0)
+        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
+        if rows_in_place:  # the receive half names each row's payload; nothing to split into chunks
+            offsets = torch.empty(num_local, rows, dtype=torch.int64, device=dev)
+            recv_x = RowsInPlace(self._buffer_start, offsets, h, spec.use_fp8)
+            data_ptr, scales_ptr, rows_ptr, chunks = 0, 0, offsets.data_ptr(), 1
+        else:
+            recv_x = empty_recv_x(spec, num_local, rows, dev)
+            data_ptr, scales_ptr = ((recv_x[0].data_ptr(), recv_x[1].data_ptr()) if spec.use_fp8
+                                    else (recv_x.data_ptr(), 0))
+            rows_ptr, chunks = 0, self._chunks_per_slot(rows)
         args = (ticket.data_ptr(), x.shape[0], topk_idx.shape[1], spec.use_fp8, spec.round_scale,
-                spec.use_ue8m0, self._chunks_per_slot(rows), x.data_ptr(), topk_idx.data_ptr(),
-                data_ptr, scales_ptr, recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                spec.use_ue8m0, chunks, x.data_ptr(), topk_idx.data_ptr(), data_ptr, scales_ptr, rows_ptr,
+                recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
                 combine_map.data_ptr(), recv_stats.data_ptr() if recv_stats is not None else 0,
                 wait_stats.data_ptr() if wait_stats is not None else 0)
         handle: Handle = (src_info, layout_range, t, h, e)
@@ -255,7 +265,8 @@ class CudaBackend(Backend):
         # Everything the receive half writes stays alive until it has been launched, even if the caller
         # drops recv_x first: the allocator would hand its memory to the next tensor of this stream, which
         # the hook's kernel would then overwrite.
-        keep = _KeptForHook(self._stream(), ticket, recv_x, recv_count, src_info, layout_range, combine_map,
+        written = recv_x.offsets if isinstance(recv_x, RowsInPlace) else recv_x
+        keep = _KeptForHook(self._stream(), ticket, written, recv_count, src_info, layout_range, combine_map,
                             recv_stats, wait_stats)
 
         def receive() -> None:
@@ -337,15 +348,17 @@ class CudaBackend(Backend):
 
 
 class _DeviceArray:
-    """bf16 device memory that torch.as_tensor can view without a copy (CUDA array interface, as int16)."""
+    """Device memory that torch.as_tensor can view without a copy (CUDA array interface, as bytes)."""
 
     def __init__(self, pointer: int, shape: tuple[int, ...]) -> None:
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (pointer, False),
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "|u1", "data": (pointer, False),
                                          "strides": None, "version": 3, "stream": None}
 
 
-def _device_tensor(pointer: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A bf16 tensor over memory this backend owns (alive until destroy); kept across calls, so made
+def _device_tensor(pointer: int, shape: tuple[int, ...], device: torch.device,
+                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A `dtype` tensor over memory this backend owns (alive until destroy); kept across calls, so made
     outside inference mode (writable in and out of it)."""
     with torch.inference_mode(False):
-        return torch.as_tensor(_DeviceArray(pointer, shape), device=device).view(torch.bfloat16)
+        data = torch.as_tensor(_DeviceArray(pointer, (*shape[:-1], shape[-1] * dtype.itemsize)), device=device)
+        return data.view(dtype)

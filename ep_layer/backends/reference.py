@@ -101,8 +101,8 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool) -> DispatchResult:
-        del hook  # the receive half is where the exchange happens either way
+                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
+        del hook, rows_in_place  # the receive half is where the exchange happens either way; rows are copied
         start = time.perf_counter_ns()
         result = self._dispatch(x, topk_idx, spec, recv_stats, wait_stats)
         return dataclasses.replace(result, receive=self._timed("dispatch", start, result.receive))

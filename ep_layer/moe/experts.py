@@ -14,12 +14,12 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from ..backends.base import RecvX, RowsInPlace
 from ..quant import FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
 from .routing import RoutingConfig, noaux_tc_route
 from .tiles import map_row_tiles
 from .weights import ExpertWeights
 
-RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # bf16, or (fp8 data, float32 scales)
 EXPERT_KERNELS = ("auto", "torch", "triton")
 
 
@@ -36,7 +36,10 @@ class ExpertKernels(ABC):
         e's MLP of x[e, m] for m < recv_count[e]; later rows are unspecified (and should cost nothing).
 
         x is bf16 [E, M, H], or (float8_e4m3fn [E, M, H], float32 scales [E, M, H/128]) with any
-        strides (dispatch's scales are column-major)."""
+        strides (dispatch's scales are column-major), or dispatch's RowsInPlace where the implementation
+        reads rows where they lie (`reads_rows_in_place`)."""
+
+    reads_rows_in_place = False
 
     def select_experts(self, logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
                        config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,9 +54,31 @@ class ExpertKernels(ABC):
         return data.view(e, m, h), scales.view(e, m, h // FP8_GROUP)
 
 
+def check_recv_count(recv_count: torch.Tensor, num_experts: int, device: torch.device) -> None:
+    if recv_count.shape != (num_experts,) or recv_count.dtype != torch.int32 or recv_count.device != device:
+        raise ValueError(f"recv_count: expected int32 [{num_experts}] on {device}, got {recv_count.dtype} "
+                         f"{list(recv_count.shape)} on {recv_count.device}")
+
+
+def check_rows_in_place(x: RowsInPlace, recv_count: torch.Tensor, weights: ExpertWeights) -> tuple[int, int]:
+    """Check dispatch's rows in place against the weights and the module's quantisation; return (E, M)."""
+    e, h = weights.num_experts, weights.hidden
+    offsets = x.offsets
+    if offsets.dim() != 2 or offsets.shape[0] != e or offsets.dtype != torch.int64:
+        raise ValueError(f"x: expected row offsets int64 [{e}, rows], got {offsets.dtype} {list(offsets.shape)}")
+    if x.hidden != h or x.fp8 != weights.fp8:
+        raise ValueError(f"x: expected rows of {h} {'FP8' if weights.fp8 else 'bf16'} values, got rows of "
+                         f"{x.hidden} {'FP8' if x.fp8 else 'bf16'} values")
+    check_recv_count(recv_count, e, offsets.device)
+    return e, offsets.shape[1]
+
+
 def split_recv_x(x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Check x against the weights and the module's quantisation; return (data, scales or None)."""
+    if isinstance(x, RowsInPlace):
+        raise ValueError("x: rows in place (low_latency_dispatch(rows_in_place=True)) need expert kernels that "
+                         "read them where they lie (the triton ones)")
     data, scales = x if isinstance(x, tuple) else (x, None)
     e, h = weights.num_experts, weights.hidden
     if data.dim() != 3 or data.shape[0] != e or data.shape[2] != h:
@@ -70,9 +95,7 @@ def split_recv_x(x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights
         raise ValueError(f"x: expected float8_e4m3fn data with float32 scales [{e}, rows, {h // FP8_GROUP}] "
                          f"(per-token, per-128 scales; UE8M0 is not supported here), got {data.dtype} data "
                          f"and {scales.dtype} scales {list(scales.shape)}")
-    if recv_count.shape != (e,) or recv_count.dtype != torch.int32 or recv_count.device != data.device:
-        raise ValueError(f"recv_count: expected int32 [{e}] on {data.device}, got {recv_count.dtype} "
-                         f"{list(recv_count.shape)} on {recv_count.device}")
+    check_recv_count(recv_count, e, data.device)
     return data, scales
 
 

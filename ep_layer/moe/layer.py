@@ -94,6 +94,9 @@ class FusedMoE(nn.Module):
         self.expert_kernels = expert_kernels
         self._kernels: dict[torch.device, ExpertKernels] = {}
         self._comm_streams: dict[torch.device, CommStreams] = {}
+        # Where the backend and the expert kernels allow it, the GEMMs read the dispatched rows where they
+        # arrived (Buffer.low_latency_dispatch(rows_in_place=True)): no packed copy of them. False: a copy.
+        self.read_rows_in_place = True
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -137,12 +140,14 @@ class FusedMoE(nn.Module):
         topk_idx, topk_weights = self.route(x)
         yield ROUTED
         dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
+        in_place = (self.read_rows_in_place and self.buffer.supports_rows_in_place
+                    and self._kernels_for(x.device).reads_rows_in_place)
         with send_on(dispatch_stream):
             recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(
                 x, topk_idx, self.max_tokens_per_rank, self.num_experts,
                 cumulative_local_expert_recv_stats=self.expert_load,
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
-                return_recv_hook=True)
+                return_recv_hook=True, rows_in_place=in_place)
         yield DISPATCH_SENT
         # On one stream the hook runs after the shared expert (between the send and the hook); on a side
         # stream it is queued right behind its send, under the shared expert, and only waited for here.

@@ -19,10 +19,11 @@ import functools
 
 import torch
 
+from ..backends.base import RowsInPlace
 from ..quant import FP8_GROUP
 from . import triton_routing
 from .block_fp8 import WEIGHT_BLOCK
-from .experts import ExpertKernels, RecvX, split_recv_x
+from .experts import ExpertKernels, RecvX, check_rows_in_place, split_recv_x
 from .routing import RoutingConfig
 from .weights import ExpertWeights
 
@@ -71,14 +72,15 @@ if triton is not None:
 
     @triton.jit
     def _masked_gemm_kernel(
-            a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr,
+            a_ptr, a_scale_ptr, a_rows_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr,
             E, N, K, UP_OFFSET,
             stride_ae, stride_am, stride_ak,
             stride_se, stride_sm, stride_sk,
+            stride_re,
             stride_be, stride_bn, stride_bk,
             stride_te, stride_tn, stride_tk,
             stride_oe, stride_om, stride_on,
-            FP8: tl.constexpr, GATED: tl.constexpr, E_PAD: tl.constexpr,
+            FP8: tl.constexpr, GATED: tl.constexpr, ROWS_IN_PLACE: tl.constexpr, E_PAD: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[e, m, n] = sum_k a[e, m, k] * b[e, n, k] for m < count[e] (bf16 out, float32 accumulation).
 
@@ -89,6 +91,8 @@ if triton is not None:
         GATED: b holds gate rows [0, N) and up rows [UP_OFFSET, UP_OFFSET + N); out = SiLU(gate) * up.
         FP8: a_scale [e, m, k / 128] per token and 128 channels, b_scale [e, n / 128, k / 128] per block;
         BLOCK_K is 128 and BLOCK_N divides 128, so each tile step uses one scale of each kind.
+        ROWS_IN_PLACE: row m of expert e is where dispatch left it (ep_layer.RowsInPlace): at byte offset
+        a_rows[e, m] from a_ptr (and a_scale_ptr, the same address), its K values, then (FP8) its scales.
         """
         experts = tl.arange(0, E_PAD)
         counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
@@ -107,7 +111,18 @@ if triton is not None:
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
             expert = index.to(tl.int64)
-            a_ptrs = a_ptr + expert * stride_ae + rows[:, None] * stride_am + ks[None, :] * stride_ak
+            if ROWS_IN_PLACE:
+                at = tl.load(a_rows_ptr + expert * stride_re + rows, mask=row_ok, other=0)  # 16-byte aligned
+                if FP8:
+                    a_row = tl.multiple_of(at, 16)
+                    s_row = (at + K) // 4  # float32 scales right after the row's K bytes
+                else:
+                    a_row = tl.multiple_of(at // 2, 8)
+                    s_row = a_row  # no scales
+            else:
+                a_row = expert * stride_ae + rows * stride_am
+                s_row = expert * stride_se + rows * stride_sm
+            a_ptrs = a_ptr + a_row[:, None] + ks[None, :] * stride_ak
             b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -119,8 +134,7 @@ if triton is not None:
                     b_up = tl.load(b_ptrs + UP_OFFSET * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 if FP8:
                     block = k0 // BLOCK_K
-                    a_s = tl.load(a_scale_ptr + expert * stride_se + rows * stride_sm + block * stride_sk,
-                                  mask=row_ok, other=0.0)
+                    a_s = tl.load(a_scale_ptr + s_row + block * stride_sk, mask=row_ok, other=0.0)
                     t_ptr = b_scale_ptr + expert * stride_te + block * stride_tk
                     b_s = tl.load(t_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_tn)
                     acc += tl.dot(a, b) * (a_s[:, None] * b_s)
@@ -239,31 +253,38 @@ def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.T
     return q, s
 
 
-def masked_grouped_gemm(a: torch.Tensor, a_scales: torch.Tensor | None, b: torch.Tensor,
+def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | None, b: torch.Tensor,
                         b_scales: torch.Tensor | None, recv_count: torch.Tensor, out: torch.Tensor,
                         up_offset: int = 0, gated: bool = False, block_n: int | None = None) -> torch.Tensor:
-    """Launch the kernel: a [E, M, K] (bf16, or fp8 with a_scales [E, M, K/128]), b [E, rows, K] (with
-    b_scales [E, rows/128, K/128] for FP8) into out bf16 [E, M, N]; rows >= recv_count[e] untouched.
+    """Launch the kernel: a [E, M, K] (bf16, or fp8 with a_scales [E, M, K/128]; or dispatch's rows in
+    place, whose FP8 scales lie beside them: a_scales None), b [E, rows, K] (with b_scales [E, rows/128,
+    K/128] for FP8) into out bf16 [E, M, N]; rows >= recv_count[e] untouched.
     block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N)."""
     if triton is None:
         raise RuntimeError(unavailable_reason())
-    e, _, k = a.shape
+    e, _, k = b.shape
     n = out.shape[2]
-    fp8 = a_scales is not None
+    in_place = isinstance(a, RowsInPlace)
+    fp8 = a.fp8 if in_place else a_scales is not None
     block_n = block_n or (BLOCK_N_GATED if gated else BLOCK_N)
     block_k = WEIGHT_BLOCK if fp8 else BLOCK_K_BF16
     if fp8 and (b_scales is None or WEIGHT_BLOCK % block_n or up_offset % WEIGHT_BLOCK):
         raise ValueError("masked_grouped_gemm: FP8 needs block scales for b, column tiles that divide 128 "
                          "and an up offset on a 128-row block")
-    a_s = a_scales if a_scales is not None else a  # never read without FP8
+    if in_place:  # one base address: the rows' offsets say where each row and its scales lie
+        a_rows = a.offsets
+        a, a_s = a.base.view(torch.float8_e4m3fn if fp8 else torch.bfloat16), a.base.view(torch.float32)
+        a_st, a_ss, r_s = (0, 0, 1), (0, 0, 1), a_rows.stride(0)
+    else:
+        a_rows, a_s = a, a_scales if a_scales is not None else a  # neither read
+        a_st, a_ss, r_s = a.stride(), a_scales.stride() if a_scales is not None else (0, 0, 0), 0
     b_s = b_scales if b_scales is not None else b
-    a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
-    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sm_count(a.device),)](
-        a, a_s, b, b_s, out, recv_count, e, n, k, up_offset,
-        *a.stride(), *a_ss, *b.stride(), *b_ss, *out.stride(),
-        FP8=fp8, GATED=gated, E_PAD=triton.next_power_of_2(e), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=GEMM_MAX_REGISTERS)
+    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sm_count(out.device),)](
+        a, a_s, a_rows, b, b_s, out, recv_count, e, n, k, up_offset,
+        *a_st, *a_ss, r_s, *b.stride(), *b_ss, *out.stride(),
+        FP8=fp8, GATED=gated, ROWS_IN_PLACE=in_place, E_PAD=triton.next_power_of_2(e), BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=GEMM_MAX_REGISTERS)
     return out
 
 
@@ -312,18 +333,22 @@ class TritonExperts(ExpertKernels):
     the intermediate activation between them for FP8 weights. No host sync."""
 
     name = "triton"
+    reads_rows_in_place = True
 
     def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        data, scales = split_recv_x(x, recv_count, weights)
-        e, m, h = data.shape
-        i = weights.padded_intermediate
+        if isinstance(x, RowsInPlace):
+            (e, m), (a, a_scales), device = check_rows_in_place(x, recv_count, weights), (x, None), recv_count.device
+        else:
+            a, a_scales = split_recv_x(x, recv_count, weights)
+            (e, m, _), device = a.shape, a.device
+        h, i = weights.hidden, weights.padded_intermediate
         if out is None:
-            out = torch.empty(e, m, h, dtype=torch.bfloat16, device=data.device)
+            out = torch.empty(e, m, h, dtype=torch.bfloat16, device=device)
         if m == 0:
             return out
-        act = torch.empty(e, m, i, dtype=torch.bfloat16, device=data.device)
-        masked_grouped_gemm(data, scales, weights.gate_up, weights.gate_up_scale, recv_count, act,
+        act = torch.empty(e, m, i, dtype=torch.bfloat16, device=device)
+        masked_grouped_gemm(a, a_scales, weights.gate_up, weights.gate_up_scale, recv_count, act,
                             up_offset=i, gated=True)
         act_scales = None
         if weights.fp8:  # only received rows are cast; the down GEMM never reads the others
