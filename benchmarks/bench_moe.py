@@ -249,7 +249,9 @@ class Case:
         self.routed_experts = int((routed >= 0).sum())
 
     def dispatch_all(self) -> list[tuple]:
-        """Every rank's dispatch send, then every receive: (recv_x, recv_count, handle) per rank."""
+        """Every rank's dispatch send, then every receive: (recv_x, recv_count, handle) per rank. The rows
+        are a packed copy (the GEMM-only variant's inputs must outlive later dispatches); the expert GEMMs'
+        time is their weights', whether they read the rows there or in place."""
         sent = [layer.buffer.low_latency_dispatch(x, idx, self.setup.max_tokens, layer.num_experts,
                                                   use_fp8=layer.fp8, return_recv_hook=True)
                 for layer, x, (idx, _) in zip(self.layers, self.xs, self.routes)]
@@ -294,7 +296,8 @@ class Case:
         for _ in range(self.depth):
             _, _, handle, _, dispatch_hook = layer.buffer.low_latency_dispatch(
                 x, topk_idx, self.setup.max_tokens, layer.num_experts,
-                cumulative_local_expert_recv_stats=layer.expert_load, use_fp8=layer.fp8, return_recv_hook=True)
+                cumulative_local_expert_recv_stats=layer.expert_load, use_fp8=layer.fp8, return_recv_hook=True,
+                rows_in_place=layer.rows_in_place(x.device))  # as the layer's dispatch
             yield DISPATCH_SENT
             dispatch_hook()
             # Zero-copy, as FusedMoE's combine: it reads whatever expert outputs its buffer holds.

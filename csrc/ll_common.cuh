@@ -12,7 +12,10 @@ namespace ep {
 
 constexpr int kMaxTopk = 16;
 constexpr int kMaxRanks = 8;
-constexpr int kHeaderBytes = 16 + 8 * kMaxTopk;
+// The header (flag, pad, kMaxTopk entries: 144 bytes) padded to whole 128-byte lines, so that a payload
+// starts on a line: a GEMM reading rows in place then reads whole lines (a slot's size is unchanged:
+// the payload, 2H bytes for H a multiple of 128, rounds the slot up to a line anyway).
+constexpr int kHeaderBytes = 256;
 constexpr int kMaxExperts = 1024;
 constexpr int kFp8Group = 128;
 constexpr float kFp8Max = 448.f;
@@ -80,6 +83,7 @@ struct DispatchHeader {
   unsigned long long flag;  // (num_entries << 32) | seq
   unsigned long long pad;
   uint2 entries[kMaxTopk];
+  unsigned char line_pad[kHeaderBytes - 16 - 8 * kMaxTopk];
 };
 static_assert(sizeof(DispatchHeader) == kHeaderBytes, "header layout");
 

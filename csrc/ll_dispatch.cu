@@ -13,9 +13,10 @@
 // then warps take (slot, channel chunk) items; each waits for its slot's flag and copies the token
 // straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of earlier source ranks,
 // from the counts, + the offset in the header): each payload is read once per destination, by one warp
-// per chunk. With rows in place (recv_rows) nothing is copied: each row gets the byte offset of the
-// payload it would have copied, which the GEMM reads where it lies (the slot stays untouched until the
-// dispatch two calls later, as recv_x's rows would); rank 0's own rows then point at its own slot.
+// per chunk. With rows in place (recv_rows) the rows' data is not copied: each row gets the byte offset
+// of the payload it would have copied, which the GEMM reads where it lies (the slot stays untouched until
+// the dispatch two calls later, as recv_x's rows would), and only the FP8 scales are written out (a GEMM
+// wants a tile's scales side by side); rank 0's own rows then point at its own slot.
 // Without a hook both halves run as one kernel whose blocks all fit on the GPU at once: each block
 // sends its tokens, then receives; one launch and no wait for the send kernel to drain.
 #include <algorithm>
@@ -282,7 +283,7 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   unsigned payload_ranks = slot_ranks && pull_payloads(c) ? 1u << c.rank : slot_ranks;  // slots holding the payload
   const bool in_place = a.recv_rows != nullptr;
   if (in_place && num_selfs > 0) payload_ranks |= 1u << c.rank;  // rank 0's own rows read its own slot
-  const int self_copies = in_place ? 0 : num_selfs;
+  const int self_copies = in_place ? 0 : num_selfs;  // rows here that get the data (in place: scales only)
   if (!a.use_fp8) {
     for (; payload_ranks; payload_ranks &= payload_ranks - 1)
       share.store(reinterpret_cast<int4*>(dispatch_slot(c, __ffs(payload_ranks) - 1, c.rank, seq, t) + kHeaderBytes),
@@ -311,7 +312,7 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int i = in_group + 8 * h;
-    if (i >= self_copies) continue;
+    if (i >= num_selfs) continue;
     const int k = r.selfs[j][i];
     scale_at[h] = static_cast<long long>(r.local[j][k]) * (a.use_ue8m0 ? groups / 4 : groups) * num_rows +
                   r.offset[j][k];
@@ -536,17 +537,6 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     if (lane < n) entry = __ldcg(&header->entries[lane]);
     const unsigned char* slot = pull_payloads(c) ? dispatch_slot(c, source, source, seq, token)
                                                  : reinterpret_cast<const unsigned char*>(header);
-    if (a.recv_rows != nullptr) {  // rows in place: lane j names entry j's row, nothing is copied
-      if (lane < n) {
-        const int expert = static_cast<int>(entry.x & 0xffffu);
-        const long long out_row = static_cast<long long>(expert) * num_rows + base[source * num_local + expert] +
-                                  static_cast<int>(entry.y);
-        a.src_info[out_row] = token;
-        a.combine_map[out_row] = static_cast<int>((entry.x >> 16) << 13 | static_cast<unsigned>(i));
-        a.recv_rows[out_row] = payload_offset(c, slot);
-      }
-      continue;
-    }
     const auto* payload = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     const bool scales_here = a.use_fp8 && chunk == chunks - 1;
     unsigned scale_value[kScaleWordsPerLane] = {};  // scale words lane, lane + 32, ...
@@ -567,7 +557,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     const int first = chunk * per_chunk, last = min(vectors, first + per_chunk);
     int expert = 0, row = 0;
     bool placed = false;
-    for (int v0 = first; v0 < last; v0 += 32 * kCopyBatch) {  // warp-uniform trip count: shuffles below
+    for (int v0 = first; v0 < last && a.recv_rows == nullptr; v0 += 32 * kCopyBatch) {  // warp-uniform trip count
       const int v = v0 + lane;
       int4 r[kCopyBatch];
 #pragma unroll
@@ -595,6 +585,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
       const long long out_row = static_cast<long long>(expert) * num_rows + row;
       a.src_info[out_row] = i % num_tokens;
       a.combine_map[out_row] = static_cast<int>((entry.x >> 16) << 13 | static_cast<unsigned>(i));
+      if (a.recv_rows) a.recv_rows[out_row] = payload_offset(c, slot);
     }
     if (!scales_here) continue;
     // Scales, column-major [E_l, G, R*T] (or UE8M0: four exponents per int).

@@ -99,26 +99,25 @@ def check_dispatch(rank: int, num_ranks: int, max_tokens: int, out: tuple, xs: l
 
 
 def packed_from_rows_in_place(recv_x, recv_count: torch.Tensor):
-    """Dispatch's packed recv_x from RowsInPlace, each row read where its offset says it lies (other
-    recv_x pass through): the oracles above then check the rows in place as they check a packed copy."""
+    """Dispatch's packed recv_x from RowsInPlace, each row's data read where its offset says it lies, the
+    scales as they are (other recv_x pass through): the oracles above then check the rows in place as
+    they check a packed copy."""
     from ep_layer.backends.cuda import _device_tensor
 
     if not isinstance(recv_x, RowsInPlace):
         return recv_x
     num_local, rows = recv_x.offsets.shape
     h = recv_x.hidden
-    row_bytes = h + h // 128 * 4 if recv_x.fp8 else 2 * h
+    row_bytes = h if recv_x.scales is not None else 2 * h
     packed = torch.zeros(num_local, rows, row_bytes, dtype=torch.uint8, device="cuda")
     start = recv_x.base.data_ptr()
     for l, (count, offsets) in enumerate(zip(recv_count.tolist(), recv_x.offsets.tolist())):
-        assert all(o % 16 == 0 for o in offsets[:count]), "rows in place: offsets must be 16-byte aligned"
+        assert all(o % 128 == 0 for o in offsets[:count]), "rows in place: rows must start on 128-byte lines"
         for m, offset in enumerate(offsets[:count]):
             packed[l, m] = _device_tensor(start + offset, (row_bytes,), packed.device, torch.uint8)
-    if not recv_x.fp8:
+    if recv_x.scales is None:
         return packed.view(torch.bfloat16)
-    scales = torch.empty(num_local, h // 128, rows, device="cuda").transpose(1, 2)  # column-major, as dispatch's
-    scales.copy_(packed[..., h:].contiguous().view(torch.float32))
-    return packed[..., :h].contiguous().view(torch.float8_e4m3fn), scales
+    return packed.view(torch.float8_e4m3fn), recv_x.scales
 
 
 def expected_combine(rank: int, num_local: int, idx: torch.Tensor, weights: torch.Tensor,

@@ -22,15 +22,16 @@ ReceiveHalf = Callable[[], None]
 class RowsInPlace:
     """Dispatch's received rows left where they arrived in the communication buffer
     (`low_latency_dispatch(..., rows_in_place=True)`), for kernels that read each row where it lies
-    instead of from a packed copy: row m of local expert l (m < recv_count[l]) is the payload at byte
-    offset `offsets[l, m]` from `base`'s first byte (in this rank's buffer, or, for ranks sharing a GPU,
-    in a peer's mapped one). A payload is H e4m3 bytes followed by H/128 float32 scales (`fp8`), or H
-    bf16 values. Like a zero-copy combine buffer, the rows stay valid until the dispatch two calls later."""
+    instead of from a packed copy: row m of local expert l (m < recv_count[l]) is the H values (e4m3, or
+    bf16 without FP8) at byte offset `offsets[l, m]` from `base`'s first byte (in this rank's buffer, or,
+    for ranks sharing a GPU, in a peer's mapped one). The FP8 scales are packed as a copy's are (a GEMM
+    reads a tile's scales side by side): float32 [E_l, R*T, H/128], column-major. Like a zero-copy
+    combine buffer, the rows stay valid until the dispatch two calls later."""
 
     base: torch.Tensor  # uint8 [16] at the start of this rank's communication buffer
-    offsets: torch.Tensor  # int64 [E_l, R*T]; 16-byte aligned; rows at or past recv_count unspecified
+    offsets: torch.Tensor  # int64 [E_l, R*T]; on 128-byte lines; rows at or past recv_count unspecified
+    scales: torch.Tensor | None  # FP8 only
     hidden: int
-    fp8: bool
 
 
 RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace

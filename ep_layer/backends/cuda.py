@@ -83,8 +83,8 @@ class _KeptForHook:
 
     def __init__(self, send_stream: int, *tensors: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
         self._send_stream = send_stream
-        self._tensors = [t for item in tensors if item is not None
-                         for t in (item if isinstance(item, tuple) else (item,))]
+        self._tensors = [t for item in tensors for t in (item if isinstance(item, tuple) else (item,))
+                         if t is not None]
 
     def release(self, hook_stream: int) -> None:
         if hook_stream != self._send_stream:
@@ -243,10 +243,12 @@ class CudaBackend(Backend):
         src_info, combine_map = src_info.view(num_local, rows), combine_map.view(num_local, rows)
         layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=dev)
         recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
-        if rows_in_place:  # the receive half names each row's payload; nothing to split into chunks
+        if rows_in_place:  # the receive half names each row's data and packs the scales; no chunks
             offsets = torch.empty(num_local, rows, dtype=torch.int64, device=dev)
-            recv_x = RowsInPlace(self._buffer_start, offsets, h, spec.use_fp8)
-            data_ptr, scales_ptr, rows_ptr, chunks = 0, 0, offsets.data_ptr(), 1
+            scales = empty_recv_x(spec, num_local, rows, dev)[1] if spec.use_fp8 else None
+            recv_x = RowsInPlace(self._buffer_start, offsets, scales, h)
+            data_ptr, scales_ptr = 0, scales.data_ptr() if scales is not None else 0
+            rows_ptr, chunks = offsets.data_ptr(), 1
         else:
             recv_x = empty_recv_x(spec, num_local, rows, dev)
             data_ptr, scales_ptr = ((recv_x[0].data_ptr(), recv_x[1].data_ptr()) if spec.use_fp8
@@ -265,7 +267,7 @@ class CudaBackend(Backend):
         # Everything the receive half writes stays alive until it has been launched, even if the caller
         # drops recv_x first: the allocator would hand its memory to the next tensor of this stream, which
         # the hook's kernel would then overwrite.
-        written = recv_x.offsets if isinstance(recv_x, RowsInPlace) else recv_x
+        written = (recv_x.offsets, recv_x.scales) if isinstance(recv_x, RowsInPlace) else recv_x
         keep = _KeptForHook(self._stream(), ticket, written, recv_count, src_info, layout_range, combine_map,
                             recv_stats, wait_stats)
 

@@ -66,9 +66,13 @@ def check_rows_in_place(x: RowsInPlace, recv_count: torch.Tensor, weights: Exper
     offsets = x.offsets
     if offsets.dim() != 2 or offsets.shape[0] != e or offsets.dtype != torch.int64:
         raise ValueError(f"x: expected row offsets int64 [{e}, rows], got {offsets.dtype} {list(offsets.shape)}")
-    if x.hidden != h or x.fp8 != weights.fp8:
+    fp8 = x.scales is not None
+    if x.hidden != h or fp8 != weights.fp8:
         raise ValueError(f"x: expected rows of {h} {'FP8' if weights.fp8 else 'bf16'} values, got rows of "
-                         f"{x.hidden} {'FP8' if x.fp8 else 'bf16'} values")
+                         f"{x.hidden} {'FP8' if fp8 else 'bf16'} values")
+    if fp8 and (x.scales.dtype != torch.float32 or x.scales.shape != (*offsets.shape, h // FP8_GROUP)):
+        raise ValueError(f"x: expected float32 scales [{e}, {offsets.shape[1]}, {h // FP8_GROUP}] with the rows "
+                         f"in place, got {x.scales.dtype} {list(x.scales.shape)}")
     check_recv_count(recv_count, e, offsets.device)
     return e, offsets.shape[1]
 

@@ -140,14 +140,12 @@ class FusedMoE(nn.Module):
         topk_idx, topk_weights = self.route(x)
         yield ROUTED
         dispatch_stream, combine_stream = (streams.dispatch, streams.combine) if streams else (None, None)
-        in_place = (self.read_rows_in_place and self.buffer.supports_rows_in_place
-                    and self._kernels_for(x.device).reads_rows_in_place)
         with send_on(dispatch_stream):
             recv_x, recv_count, handle, _, dispatch_hook = self.buffer.low_latency_dispatch(
                 x, topk_idx, self.max_tokens_per_rank, self.num_experts,
                 cumulative_local_expert_recv_stats=self.expert_load,
                 dispatch_wait_recv_cost_stats=self.dispatch_wait_recv_cost_stats, use_fp8=self.fp8,
-                return_recv_hook=True, rows_in_place=in_place)
+                return_recv_hook=True, rows_in_place=self.rows_in_place(x.device))
         yield DISPATCH_SENT
         # On one stream the hook runs after the shared expert (between the send and the hook); on a side
         # stream it is queued right behind its send, under the shared expert, and only waited for here.
@@ -174,6 +172,12 @@ class FusedMoE(nn.Module):
         """(topk_idx int64 [N, K], topk_weights float32 [N, K]) by DeepSeek-V3's noaux_tc routing."""
         select = self._kernels_for(hidden_states.device).select_experts
         return route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing, select)
+
+    def rows_in_place(self, device: torch.device) -> bool:
+        """Whether this layer's dispatch on `device` leaves the rows in place for its expert kernels
+        (read_rows_in_place, where the backend and the kernels can)."""
+        return (self.read_rows_in_place and self.buffer.supports_rows_in_place
+                and self._kernels_for(device).reads_rows_in_place)
 
     def run_experts(self, x: RecvX, recv_count: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's experts on dispatch's output: bf16 [E_l, R*T, H] in dispatch's row order (into `out`)."""

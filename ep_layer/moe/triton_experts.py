@@ -91,8 +91,8 @@ if triton is not None:
         GATED: b holds gate rows [0, N) and up rows [UP_OFFSET, UP_OFFSET + N); out = SiLU(gate) * up.
         FP8: a_scale [e, m, k / 128] per token and 128 channels, b_scale [e, n / 128, k / 128] per block;
         BLOCK_K is 128 and BLOCK_N divides 128, so each tile step uses one scale of each kind.
-        ROWS_IN_PLACE: row m of expert e is where dispatch left it (ep_layer.RowsInPlace): at byte offset
-        a_rows[e, m] from a_ptr (and a_scale_ptr, the same address), its K values, then (FP8) its scales.
+        ROWS_IN_PLACE: row m of expert e is where dispatch left it (ep_layer.RowsInPlace): its K values at
+        byte offset a_rows[e, m] from a_ptr (the scales are packed as without it).
         """
         experts = tl.arange(0, E_PAD)
         counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
@@ -112,16 +112,10 @@ if triton is not None:
             col_ok = cols < N
             expert = index.to(tl.int64)
             if ROWS_IN_PLACE:
-                at = tl.load(a_rows_ptr + expert * stride_re + rows, mask=row_ok, other=0)  # 16-byte aligned
-                if FP8:
-                    a_row = tl.multiple_of(at, 16)
-                    s_row = (at + K) // 4  # float32 scales right after the row's K bytes
-                else:
-                    a_row = tl.multiple_of(at // 2, 8)
-                    s_row = a_row  # no scales
+                at = tl.load(a_rows_ptr + expert * stride_re + rows, mask=row_ok, other=0)  # on 128-byte lines
+                a_row = tl.multiple_of(at, 16) if FP8 else tl.multiple_of(at // 2, 8)
             else:
                 a_row = expert * stride_ae + rows * stride_am
-                s_row = expert * stride_se + rows * stride_sm
             a_ptrs = a_ptr + a_row[:, None] + ks[None, :] * stride_ak
             b_ptrs = b_ptr + expert * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -134,7 +128,8 @@ if triton is not None:
                     b_up = tl.load(b_ptrs + UP_OFFSET * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 if FP8:
                     block = k0 // BLOCK_K
-                    a_s = tl.load(a_scale_ptr + s_row + block * stride_sk, mask=row_ok, other=0.0)
+                    a_s = tl.load(a_scale_ptr + expert * stride_se + rows * stride_sm + block * stride_sk,
+                                  mask=row_ok, other=0.0)
                     t_ptr = b_scale_ptr + expert * stride_te + block * stride_tk
                     b_s = tl.load(t_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_tn)
                     acc += tl.dot(a, b) * (a_s[:, None] * b_s)
@@ -257,27 +252,29 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
                         b_scales: torch.Tensor | None, recv_count: torch.Tensor, out: torch.Tensor,
                         up_offset: int = 0, gated: bool = False, block_n: int | None = None) -> torch.Tensor:
     """Launch the kernel: a [E, M, K] (bf16, or fp8 with a_scales [E, M, K/128]; or dispatch's rows in
-    place, whose FP8 scales lie beside them: a_scales None), b [E, rows, K] (with b_scales [E, rows/128,
-    K/128] for FP8) into out bf16 [E, M, N]; rows >= recv_count[e] untouched.
+    place, with their scales: a_scales None), b [E, rows, K] (with b_scales [E, rows/128, K/128] for FP8)
+    into out bf16 [E, M, N]; rows >= recv_count[e] untouched.
     block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N)."""
     if triton is None:
         raise RuntimeError(unavailable_reason())
     e, _, k = b.shape
     n = out.shape[2]
     in_place = isinstance(a, RowsInPlace)
-    fp8 = a.fp8 if in_place else a_scales is not None
+    if in_place:
+        a_scales = a.scales
+    fp8 = a_scales is not None
     block_n = block_n or (BLOCK_N_GATED if gated else BLOCK_N)
     block_k = WEIGHT_BLOCK if fp8 else BLOCK_K_BF16
     if fp8 and (b_scales is None or WEIGHT_BLOCK % block_n or up_offset % WEIGHT_BLOCK):
         raise ValueError("masked_grouped_gemm: FP8 needs block scales for b, column tiles that divide 128 "
                          "and an up offset on a 128-row block")
-    if in_place:  # one base address: the rows' offsets say where each row and its scales lie
-        a_rows = a.offsets
-        a, a_s = a.base.view(torch.float8_e4m3fn if fp8 else torch.bfloat16), a.base.view(torch.float32)
-        a_st, a_ss, r_s = (0, 0, 1), (0, 0, 1), a_rows.stride(0)
+    if in_place:  # one base address: the rows' offsets say where each row lies
+        a_rows, r_s = a.offsets, a.offsets.stride(0)
+        a, a_st = a.base.view(torch.float8_e4m3fn if fp8 else torch.bfloat16), (0, 0, 1)
     else:
-        a_rows, a_s = a, a_scales if a_scales is not None else a  # neither read
-        a_st, a_ss, r_s = a.stride(), a_scales.stride() if a_scales is not None else (0, 0, 0), 0
+        a_rows, r_s, a_st = a, 0, a.stride()  # a_rows not read
+    a_s = a_scales if a_scales is not None else a  # never read without FP8
+    a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
     b_s = b_scales if b_scales is not None else b
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
     _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sm_count(out.device),)](
