@@ -19,6 +19,8 @@ Tolerances (|ours - ref| <= tol * (|ref| + rms(ref)) per element, rms over the r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -34,7 +36,7 @@ from moe_helpers import (
     random_tokens,
 )
 
-from ep_layer import Buffer
+from ep_layer import Buffer, RowsInPlace
 from ep_layer.moe import (
     ExpertWeights,
     FusedMoE,
@@ -47,6 +49,7 @@ from ep_layer.moe import (
     route,
     run_two_microbatches,
 )
+from ep_layer.moe.experts import check_rows_in_place
 from ep_layer.moe.layer import forward_two_microbatches
 from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_HOOKED, DISPATCH_SENT, ROUTED, Steps
 from ep_layer.moe.tiles import ROW_TILE
@@ -459,3 +462,23 @@ def test_bad_inputs_and_arguments() -> None:
             FusedMoE(8, 2, 256, 64, None, **(base | kwargs))
     with pytest.raises(ValueError, match="multiple of 128"):
         FusedMoE(8, 2, 200, 64, None, **(base | {"quant": "fp8-block"}))
+    assert not layer.rows_in_place(torch.device("cpu"))  # the reference backend copies the rows
+
+
+def test_rows_in_place_are_checked_against_the_weights() -> None:
+    """Dispatch's rows in place (the cuda backend's) go only to expert kernels that read them there, and
+    are checked against the experts' shapes and quantisation (the checks themselves need no GPU)."""
+    e, m, h = 4, 8, 256
+    store = ExpertWeights(e, h, 64, True, "cpu")
+    count = torch.zeros(e, dtype=torch.int32)
+    good = RowsInPlace(torch.zeros(16, dtype=torch.uint8), torch.zeros(e, m, dtype=torch.int64),
+                       torch.zeros(e, m, h // 128), h)
+    assert check_rows_in_place(good, count, store) == (e, m)
+    with pytest.raises(ValueError, match=r"^x: .*triton"):
+        TorchExperts()(good, count, store)
+    for bad in (replace(good, offsets=good.offsets.int()), replace(good, offsets=good.offsets[:3]),
+                replace(good, hidden=128), replace(good, scales=None), replace(good, scales=good.scales[..., :1])):
+        with pytest.raises(ValueError, match=r"^x: "):
+            check_rows_in_place(bad, count, store)
+    with pytest.raises(ValueError, match=r"^recv_count: "):
+        check_rows_in_place(good, count[:3], store)

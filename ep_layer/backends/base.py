@@ -18,7 +18,7 @@ Handle = tuple[torch.Tensor, torch.Tensor, int, int, int]
 ReceiveHalf = Callable[[], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compare fields, not the objects
 class RowsInPlace:
     """Dispatch's received rows left where they arrived in the communication buffer
     (`low_latency_dispatch(..., rows_in_place=True)`), for kernels that read each row where it lies
