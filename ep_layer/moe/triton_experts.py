@@ -334,8 +334,9 @@ class TritonExperts(ExpertKernels):
 
     def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(x, RowsInPlace):
-            (e, m), (a, a_scales), device = check_rows_in_place(x, recv_count, weights), (x, None), recv_count.device
+        if isinstance(x, RowsInPlace):  # the GEMM reads the rows where dispatch left them
+            e, m = check_rows_in_place(x, recv_count, weights)
+            a, a_scales, device = x, None, recv_count.device
         else:
             a, a_scales = split_recv_x(x, recv_count, weights)
             (e, m, _), device = a.shape, a.device
