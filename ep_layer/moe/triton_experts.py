@@ -47,14 +47,14 @@ SUM_BLOCK = 1024  # outputs per program of the split-K parts' sum
 BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
-CAST_ROWS = 32  # rows per program of the intermediate's FP8 cast
+CAST_ROWS = 32  # rows per item of the FP8 cast (of the intermediate, and of dense layers' inputs)
+CAST_PROGRAMS_PER_SM = 4  # the cast's fixed grid
 # The expert GEMM's fixed grid: two programs per SM, each held to 224 registers per thread (it takes ~250
 # unbounded). Two fill an SM but for 8K registers, where the combine's receive blocks still fit; a third
 # program per SM would wait for one of the two. Measured on an H200 at DeepSeek-V3's shapes: the GEMMs 2-3 %
 # faster than unbounded, 5 % faster than one program per tile; at 192 registers they spill and run 9 % slower.
 GEMM_PROGRAMS_PER_SM = 2
 GEMM_MAX_REGISTERS = 224
-ROW_TILES_PER_PROGRAM = 4  # row tiles one program covers in a full buffer (empty ones cost nothing)
 
 
 def available() -> bool:
@@ -202,18 +202,24 @@ if triton is not None:
 
 
     @triton.jit
-    def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, M, I, GROUPS, BLOCK_ROWS: tl.constexpr,
-                          GROUP: tl.constexpr):
-        """FP8 cast of one [BLOCK_ROWS, 128] tile of x [E, M, I] (the design's rule, IEEE float32
-        divisions): scale = max(amax, 1e-4) / 448 per row and group, q = e4m3(x / scale), saturated.
-        Programs loop over row tiles below recv_count, so only received rows cost anything."""
-        expert = tl.program_id(0).to(tl.int64)
-        group = tl.program_id(2)
-        count = tl.load(count_ptr + expert)
-        cols = group * GROUP + tl.arange(0, GROUP)
-        for m0 in range(tl.program_id(1) * BLOCK_ROWS, count, tl.num_programs(1) * BLOCK_ROWS):
-            rows = m0 + tl.arange(0, BLOCK_ROWS)
-            ok = rows < count
+    def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, E, M, I, GROUPS, E_PAD: tl.constexpr,
+                          BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr):
+        """FP8 cast of x [E, M, I] by [BLOCK_ROWS, 128] tiles (the design's rule, IEEE float32 divisions):
+        scale = max(amax, 1e-4) / 448 per row and group, q = e4m3(x / scale), saturated. A fixed grid
+        shares out the (row tile, group) items of the received rows only, numbered expert by expert (as
+        the GEMM's), so no program exists for rows that were not received."""
+        experts = tl.arange(0, E_PAD)
+        counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
+        tiles = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS
+        ends = tl.cumsum(tiles, 0)  # row tiles of experts 0..e
+        for item in range(tl.program_id(0), tl.sum(tiles) * GROUPS, tl.num_programs(0)):
+            tile, group = item // GROUPS, item % GROUPS
+            index = tl.sum((ends <= tile).to(tl.int32))  # the expert that `tile` belongs to
+            mine = experts == index
+            rows = (tile - tl.sum(tl.where(mine, ends - tiles, 0))) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            ok = rows < tl.sum(tl.where(mine, counts, 0))
+            expert = index.to(tl.int64)
+            cols = group * GROUP + tl.arange(0, GROUP)
             offs = expert * M * I + rows[:, None] * I + cols[None, :]
             x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
@@ -230,21 +236,16 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def row_programs(rows: int, tile: int) -> int:
-    """Programs of the FP8 cast along the rows of each expert: each loops over up to ROW_TILES_PER_PROGRAM
-    tiles when the expert's rows fill the buffer, over one or none at decode, where most experts get no rows."""
-    return max(1, triton.cdiv(rows, tile * ROW_TILES_PER_PROGRAM))
-
-
 def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token-per-128 FP8 cast of x [E, M, I] for rows below recv_count only (others untouched):
     (e4m3 [E, M, I], float32 scales [E, M, I/128])."""
     e, m, i = x.shape
     q = torch.empty(e, m, i, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(e, m, i // FP8_GROUP, dtype=torch.float32, device=x.device)
-    grid = (e, row_programs(m, CAST_ROWS), i // FP8_GROUP)
-    _cast_rows_kernel[grid](x, q, s, recv_count, m, i, i // FP8_GROUP, BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP,
-                            num_warps=NUM_WARPS)
+    groups = i // FP8_GROUP
+    programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * triton.cdiv(m, CAST_ROWS) * groups)
+    _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=triton.next_power_of_2(e),
+                                           BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP, num_warps=NUM_WARPS)
     return q, s
 
 
