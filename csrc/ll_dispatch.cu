@@ -345,8 +345,9 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
 // while this one is stored, then releases all their slots at once: a token's chain of dependent steps
 // (loads, routing, row offsets, cast, stores, flags) is long, so a block with several tokens overlaps
 // them rather than running the chain once per token (ranks sharing a GPU give each rank few blocks).
-// Rank 0's entries on itself go straight to their rows of recv_x: its rows come first in every expert,
-// so it places them without any other rank's counts. Every other destination, a higher rank's own
+// Rank 0's entries on itself go straight to their rows of recv_x (with rows in place, the payload goes to
+// its own slot and the rows name it): its rows come first in every expert, so it places them without
+// any other rank's counts. Every other destination, a higher rank's own
 // included, gets the token in a slot: a send never waits for a peer (a send whose blocks spin on a peer
 // that has no SM left would stall until the timeout). An SM stores about 32 bytes per clock, so the
 // stores are what a token costs: they are 16 bytes per lane, and a row's scales go out in one
@@ -360,8 +361,8 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   __shared__ PassRoutes routes;
   // All loads first, in flight together: the first token's row, the first pass's expert ids, and the
   // ids of the earlier tokens (one per thread) for the row offsets. Thread 0 takes the ticket and keeps
-  // it in a register: the data path needs the sequence number only for slots, so with one rank nothing
-  // waits for the atomic.
+  // it in a register: the data path needs the sequence number only for slots, so with one rank (and its
+  // rows copied, not left in place) nothing waits for the atomic.
   RowShare<kPairs> share = RowShare<kPairs>::load(a, begin, row_pairs);
   const auto own_id = [&](int t) {
     return lane < a.num_topk && t < min(end, a.num_tokens) ? a.topk_idx[static_cast<long long>(t) * a.num_topk + lane]

@@ -9,7 +9,8 @@ be outstanding (double buffering); each half holds:
   arrival flag), from which the receiver places the rows;
 - combine slots [token][top-k position]: one bf16 expert output each, plus an 8-byte arrival flag
   each (sequence number, and for a rank's own experts the row to read in place instead of data).
-A token is written once per destination rank and expanded to its experts' rows by the receiver.
+A token is written once per destination rank and expanded to its experts' rows by the receiver (or,
+with rows in place, read from its slot by the expert GEMM: the slot's payload starts on a 128-byte line).
 After the halves come two zero-copy combine buffers, bf16 [E_l, R*T, H] each, one per outstanding
 dispatch (Buffer.get_next_low_latency_combine_buffer): expert outputs written there are combined
 without a copy into the slots when the ranks share a GPU (the receivers read them where they are).
