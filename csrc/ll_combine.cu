@@ -3,8 +3,10 @@
 // rows of this rank's own tokens are not copied at all, the flag points the receiver at them in
 // place, and neither are rows that already lie in this rank's buffer (zero-copy combine) when the
 // ranks share the GPU: the flag points the receiver at the row there, which it reads through its
-// mapping of this buffer. Receive half (source rank): one block per (token, channel chunk) waits for
-// each of the token's top-k flags in ascending k and accumulates w * y in float32, rounded once to bf16.
+// mapping of this buffer. When no row is copied (one rank, or zero-copy on a shared GPU) the send half
+// only writes flags, a thread per row, in blocks small enough to run beside the expert GEMM's programs
+// on the same SM. Receive half (source rank): one block per (token, channel chunk) waits for each of
+// the token's top-k flags in ascending k and accumulates w * y in float32, rounded once to bf16.
 //
 // A flag's reference: >= 0, a row of the receiver's own x; -1 - k, combine slot [token][k]; below
 // -kMaxTopk, row -ref - kMaxTopk - 1 of the sending rank's buffer (2H bytes a row).
@@ -13,8 +15,11 @@
 namespace ep {
 namespace {
 
-constexpr int kSendThreads = 256;
-constexpr int kSendWarps = kSendThreads / 32;
+constexpr int kSendThreads = 256;  // rows copied: a warp per row
+// Flags only: a thread per row. 128 threads of at most 64 registers (8K) fit beside the expert GEMM's two
+// programs of an SM (moe/triton_experts.py), so the send starts at once instead of holding up the GEMM's
+// programs while it waits for an SM to drain.
+constexpr int kFlagThreads = 128;
 constexpr int kRecvThreads = 128;
 constexpr int kMapTokenBits = 13;  // combine_map: (k mask << 13) | (source rank * T + token)
 
@@ -26,7 +31,11 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
   return half + c.layout.combine + (static_cast<long long>(token) * kMaxTopk + k) * c.hidden * 2;
 }
 
-__global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid_constant__ CombineCall a) {
+// kCopies: rows of other ranks' tokens are copied into their slots (a warp per row); else every row is
+// read where it lies and only its flags go out (a thread per row).
+template <bool kCopies>
+__global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
+    combine_send_kernel(const __grid_constant__ CombineCall a) {
   const unsigned long long start = globaltimer();
   const Common& c = a.c;
   const int expert = blockIdx.x, num_rows = c.num_ranks * c.max_tokens;
@@ -42,9 +51,9 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
     say_hello(c, kCombine, seq);
     if (threadIdx.x == 0) *c.ticket = seq;
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row_vectors = c.hidden / 8;
-  for (int row = blockIdx.y * kSendWarps + warp; row < count; row += gridDim.y * kSendWarps) {
+  constexpr int kWorkers = kCopies ? kSendThreads / 32 : kFlagThreads;  // rows per block and pass
+  const int worker = kCopies ? threadIdx.x / 32 : threadIdx.x, lane = kCopies ? threadIdx.x % 32 : 0;
+  for (int row = blockIdx.y * kWorkers + worker; row < count; row += gridDim.y * kWorkers) {
     const long long in_row = static_cast<long long>(expert) * num_rows + row;
     const unsigned map = static_cast<unsigned>(a.combine_map[in_row]);
     const int i = static_cast<int>(map & ((1u << kMapTokenBits) - 1));
@@ -55,14 +64,14 @@ __global__ void __launch_bounds__(kSendThreads) combine_send_kernel(const __grid
     int ref;
     if (source == c.rank) {
       ref = static_cast<int>(in_row);  // our own token: the receive half reads x in place
-    } else if (a.x_row >= 0) {
+    } else if (!kCopies) {
       ref = -kMaxTopk - 1 - static_cast<int>(a.x_row + in_row);  // in our buffer: the receive half pulls it
     } else {
       copy_vectors(reinterpret_cast<int4*>(combine_slot(c, half, token, first_k)),
-                   reinterpret_cast<const int4*>(a.x + in_row * c.hidden), row_vectors, lane, 32);
+                   reinterpret_cast<const int4*>(a.x + in_row * c.hidden), c.hidden / 8, lane, 32);
       ref = -(first_k + 1);  // data in slot [token][first_k]
     }
-    __syncwarp();
+    if constexpr (kCopies) __syncwarp();
     if (lane == 0) {
       const unsigned long long flag = (static_cast<unsigned long long>(static_cast<unsigned>(ref)) << 32) | seq;
       for (unsigned m = kmask; m; m &= m - 1) st_release(c, combine_flag(c, half, token, __ffs(m) - 1), flag);
@@ -123,10 +132,11 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
 
   // Ascending k, float32, one rounding at the end: the summation order the design fixes.
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const unsigned long long read_once = evict_first_policy();
 #pragma unroll
   for (int k = 0; k < kMaxTopk; ++k) {
     if (k >= a.num_topk || rows[k] == nullptr) continue;
-    const int4 v = ld_peer_written(rows[k] + vec);
+    const int4 v = ld_peer_written(rows[k] + vec, read_once);
     const auto* y = reinterpret_cast<const __nv_bfloat16*>(&v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(weights[k], __bfloat162float(y[j])));
@@ -150,7 +160,10 @@ __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(const __grid
 
 void combine_send(const CombineCall& call, cudaStream_t stream) {
   const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
-  combine_send_kernel<<<grid, kSendThreads, 0, stream>>>(call);
+  if (call.x_row >= 0 || call.c.num_ranks == 1)  // no row to copy
+    combine_send_kernel<false><<<grid, kFlagThreads, 0, stream>>>(call);
+  else
+    combine_send_kernel<true><<<grid, kSendThreads, 0, stream>>>(call);
 }
 
 cudaError_t set_combine_latency_bounds(const unsigned long long* ns, int n) {

@@ -344,6 +344,23 @@ __device__ __forceinline__ int4 ld_peer_written(const void* p) {
   return __ldcg(reinterpret_cast<const int4*>(p));
 }
 
+// An L2 policy for data read once: its lines go first when L2 needs room.
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+// ld_peer_written under an L2 policy (evict_first_policy: a stream read once should not push out of L2
+// what kernels running beside it reuse, such as the expert GEMM's rows and weight tiles).
+__device__ __forceinline__ int4 ld_peer_written(const void* p, unsigned long long policy) {
+  int4 v;
+  asm volatile("ld.global.cg.L2::cache_hint.v4.s32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(policy));
+  return v;
+}
+
 // Copies n 16-byte vectors, thread `first` of `stride` threads taking every stride-th one, with
 // kCopyBatch loads in flight per thread: a copy loop that waits on each load is latency-bound.
 constexpr int kCopyBatch = 8;
