@@ -257,6 +257,23 @@ def test_triton_experts_match_torch(fp8: bool, hidden: int, inter: int, rows: in
         assert_close(got[e, :n], want[e, :n], TOL[fp8], f"{what} expert {e} ({n} rows)")
 
 
+@pytest.mark.parametrize(("hidden", "inter", "rows"),
+                         [(256, 192, 1), (512, 256, 16), (512, 256, 17), (256, 192, 130), (7168, 2048, 64)])
+def test_triton_dense_mlp_matches_torch(hidden: int, inter: int, rows: int, seed: int) -> None:
+    """The shared experts' MLP (TritonExperts.dense_mlp: FP8 through the split-K GEMM and its gated sum;
+    16-row and 64-row tiles, an intermediate padded to 128) against float64, as the routed experts are."""
+    gen = torch.Generator().manual_seed(seed)
+    store, weights = expert_weights(gen, 1, hidden, inter, True, "cuda")
+    x = (torch.randn(rows, hidden, generator=gen) * 2).to(torch.bfloat16).cuda()
+    got = triton_experts.TritonExperts().dense_mlp(x, store)
+    want = TorchExperts().dense_mlp(x.cpu(), copy.deepcopy(store).cpu())
+    assert got.shape == (rows, hidden) and got.dtype == torch.bfloat16
+    data, scales = per_token_cast_to_fp8(x)
+    check_fp8_experts(got[None], want[None], (data[None], scales[None]), [rows], weights,
+                      f"seed={seed} hidden={hidden} inter={inter} rows={rows}")
+    assert triton_experts.TritonExperts().dense_mlp(x[:0], store).shape == (0, hidden)
+
+
 @pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_experts_read_rows_in_place(fp8: bool, seed: int) -> None:
@@ -444,10 +461,12 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 576, 7168), (16, 640, 1536), (37, 1536, 512), (130, 256, 384)])
+                         [(1, 576, 7168), (16, 640, 1536), (37, 1536, 512), (130, 256, 384),
+                          (64, 4352, 256)])
 def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_features: int, seed: int) -> None:
     """A dense FP8 linear (serving's attention/MLP projections; N need not be a multiple of 128)
-    against float64 math on the same FP8 activations and dequantised weights."""
+    against float64 math on the same FP8 activations and dequantised weights: split-K with 16- and 64-row
+    tiles, and the masked GEMM where its tiles fill the GPU (64 rows x 4352 columns)."""
     from ep_layer.moe import block_dequant
     from ep_layer.moe.block_fp8 import num_blocks
 

@@ -46,6 +46,15 @@ class ExpertKernels(ABC):
         """routing.noaux_tc_route: (topk_idx int64 [N, K], topk_weights float32 [N, K]) from float32 logits."""
         return noaux_tc_route(logits, e_score_correction_bias, config)
 
+    def dense_mlp(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """The MLP of `weights`' one expert on every row of x bf16 [N, H] (the shared experts), with the
+        activations cast to FP8 first for FP8 weights, as the routed experts get them: bf16 [N, H]."""
+        count = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        rows: RecvX = x.unsqueeze(0)
+        if weights.fp8:
+            rows = self.cast_to_fp8(rows, count)
+        return self(rows, count, weights)[0]
+
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 x [E, M, H] cast per token and 128 channels by ep_layer.quant's rule (rows from
         recv_count[e] on may be left unspecified): (float8_e4m3fn [E, M, H], float32 [E, M, H/128])."""

@@ -184,16 +184,11 @@ class FusedMoE(nn.Module):
         return self._kernels_for(recv_count.device)(x, recv_count, self.experts, out)
 
     def shared_expert(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The shared experts' output bf16 [N, H] (None without shared experts), through the same
-        kernels as the routed experts: one expert that received all N tokens."""
+        """The shared experts' output bf16 [N, H] (None without shared experts): one expert's MLP on all N
+        tokens (ExpertKernels.dense_mlp)."""
         if self.shared_experts is None:
             return None
-        kernels = self._kernels_for(hidden_states.device)
-        count = torch.full((1,), hidden_states.shape[0], dtype=torch.int32, device=hidden_states.device)
-        x: RecvX = hidden_states.unsqueeze(0)
-        if self.fp8:
-            x = kernels.cast_to_fp8(x, count)
-        return kernels(x, count, self.shared_experts)[0]
+        return self._kernels_for(hidden_states.device).dense_mlp(hidden_states, self.shared_experts)
 
     # ------------------------------------------------------------------ helpers
     def _check_input(self, hidden_states: torch.Tensor) -> torch.Tensor:

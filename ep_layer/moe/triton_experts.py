@@ -152,13 +152,14 @@ if triton is not None:
     def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
                            stride_am, stride_sm, stride_bn, stride_tn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Split-K FP8 GEMM for a few rows: program (n, s) sums the 128-deep blocks s, s + SPLIT, ...
-        of out[:, n tile] = a [M, K] . b [N, K]^T, each block scaled as in _masked_gemm_kernel, into
-        part[s] (float32 [SPLIT, M, N]; _sum_parts_kernel adds them in order: deterministic).
-        (Casting a here instead costs more than the cast's launch: every column tile would cast it.)"""
+        """Split-K FP8 GEMM for a decode step's rows: program (n, s, m) sums the 128-deep blocks s, s +
+        SPLIT, ... of out[m tile, n tile] = a [M, K] . b [N, K]^T, each block scaled as in
+        _masked_gemm_kernel, into part[s] (float32 [SPLIT, M, N]; _sum_parts_kernel adds them in order:
+        deterministic). (Casting a here instead costs more than the cast's launch: every column tile would
+        cast it.)"""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        rows = tl.arange(0, BLOCK_M)
+        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < M
@@ -176,13 +177,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _sum_parts_kernel(part_ptr, out_ptr, SIZE, SPLIT, BLOCK: tl.constexpr):
-        """out = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32)."""
+    def _sum_parts_kernel(part_ptr, out_ptr, M, N, SPLIT, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        """out [M, N] = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32).
+        GATED: parts are [SPLIT, M, 2N], gate columns [0, N) and up columns [N, 2N), and out = SiLU(gate) *
+        up as _masked_gemm_kernel computes it."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < SIZE
+        ok = offs < M * N
+        width = 2 * N if GATED else N
+        at = (offs // N) * width + offs % N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in range(SPLIT):
-            acc += tl.load(part_ptr + s * SIZE + offs, mask=ok, other=0.0)
+            acc += tl.load(part_ptr + s * M * width + at, mask=ok, other=0.0)
+            if GATED:
+                acc_up += tl.load(part_ptr + s * M * width + at + N, mask=ok, other=0.0)
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=ok)
 
 
@@ -298,32 +308,48 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return out[0]
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)
     data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
-    if m <= SPLITK_MAX_ROWS:
-        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0])
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs
-    # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200).
-    block_n = BLOCK_N_FEW_ROWS if m <= BLOCK_M else None
+    # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200). Where
+    # even those tiles are fewer than the SMs, K is split as well.
+    block_n = BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
+    if m <= SPLITK_MAX_ROWS or triton.cdiv(weight.shape[0], block_n) * triton.cdiv(m, BLOCK_M) < sm_count(x.device):
+        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0])
     return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out, block_n=block_n)[0]
 
 
 def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
-                       weight_scale_inv: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The split-K path of fp8_block_linear, into out bf16 [M, N]: a GEMV-like shape (a decode step's
-    rows) has too few column tiles to fill the GPU, so the 128-deep blocks of K are spread over programs
-    as well; a second launch adds the parts and rounds to bf16."""
+                       weight_scale_inv: torch.Tensor, out: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """The split-K path of fp8_block_linear, into out bf16 [M, N]: a decode step's few rows give too few
+    tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well; a second launch
+    adds the parts and rounds to bf16. gated: weight [2N, K] holds gate rows then up rows, and out gets
+    SiLU(gate) * up."""
     m, k = data.shape
     n = weight.shape[0]
     k_blocks = k // FP8_GROUP
-    column_tiles = triton.cdiv(n, SPLITK_BLOCK_N)
-    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), column_tiles)))
+    block_m = SPLITK_MAX_ROWS if m <= SPLITK_MAX_ROWS else BLOCK_M
+    tiles = triton.cdiv(n, SPLITK_BLOCK_N) * triton.cdiv(m, block_m)
+    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), tiles)))
     parts = torch.empty(split, m, n, dtype=torch.float32, device=data.device)
-    _fp8_splitk_kernel[(column_tiles, split)](
+    _fp8_splitk_kernel[(triton.cdiv(n, SPLITK_BLOCK_N), split, triton.cdiv(m, block_m))](
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=SPLITK_MAX_ROWS, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
-    _sum_parts_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](parts, out, m * n, split, BLOCK=SUM_BLOCK,
-                                                         num_warps=NUM_WARPS)
+        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
+    _sum_parts_kernel[(triton.cdiv(out.numel(), SUM_BLOCK),)](parts, out, m, out.shape[1], split, GATED=gated,
+                                                              BLOCK=SUM_BLOCK, num_warps=NUM_WARPS)
     return out
+
+
+def fp8_dense_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    """One FP8 expert's MLP on every row of x bf16 [M, H] (the shared experts), through the split-K GEMM:
+    at decode sizes its one expert has too few tiles to fill the GPU otherwise. bf16 [M, H]."""
+    m, i = x.shape[0], weights.padded_intermediate
+    count = torch.full((1,), m, dtype=torch.int32, device=x.device)
+    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
+    act = torch.empty(m, i, dtype=torch.bfloat16, device=x.device)
+    _fp8_splitk_linear(data[0], scales[0], weights.gate_up[0], weights.gate_up_scale[0], act, gated=True)
+    data, scales = cast_rows_to_fp8(act[None], count)
+    out = torch.empty(m, weights.hidden, dtype=torch.bfloat16, device=x.device)
+    return _fp8_splitk_linear(data[0], scales[0], weights.down[0], weights.down_scale[0], out)
 
 
 class TritonExperts(ExpertKernels):
@@ -357,6 +383,11 @@ class TritonExperts(ExpertKernels):
     def select_experts(self, logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
                        config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_routing.noaux_tc_route(logits, e_score_correction_bias, config)  # one launch, not a dozen
+
+    def dense_mlp(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        if weights.fp8 and x.shape[0] > 0:
+            return fp8_dense_mlp(x, weights)  # split-K: one expert's tiles alone leave most SMs idle
+        return super().dense_mlp(x, weights)
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cast_rows_to_fp8(x.contiguous(), recv_count)  # one launch (the PyTorch cast takes eight)
