@@ -258,10 +258,12 @@ def test_triton_experts_match_torch(fp8: bool, hidden: int, inter: int, rows: in
 
 
 @pytest.mark.parametrize(("hidden", "inter", "rows"),
-                         [(256, 192, 1), (512, 256, 16), (512, 256, 17), (256, 192, 130), (7168, 2048, 64)])
+                         [(256, 192, 1), (512, 256, 16), (512, 256, 17), (256, 192, 130), (7168, 2048, 64),
+                          (256, 192, 2200)])
 def test_triton_dense_mlp_matches_torch(hidden: int, inter: int, rows: int, seed: int) -> None:
     """The shared experts' MLP (TritonExperts.dense_mlp: FP8 through the split-K GEMM and its gated sum;
-    16-row and 64-row tiles, an intermediate padded to 128) against float64, as the routed experts are."""
+    16-row and 64-row tiles, an intermediate padded to 128; at 2200 rows the masked GEMM, whose tiles then
+    fill the GPU) against float64, as the routed experts are."""
     gen = torch.Generator().manual_seed(seed)
     store, weights = expert_weights(gen, 1, hidden, inter, True, "cuda")
     x = (torch.randn(rows, hidden, generator=gen) * 2).to(torch.bfloat16).cuda()
