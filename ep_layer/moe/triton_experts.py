@@ -361,7 +361,8 @@ def fp8_dense_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
 
 class TritonExperts(ExpertKernels):
     """The expert MLP in two kernel launches (gate_up with SiLU * up, then down), plus the FP8 cast of
-    the intermediate activation between them for FP8 weights. No host sync."""
+    the intermediate activation between them for FP8 weights. No host sync. The shared experts' MLP
+    (dense_mlp) takes the split-K GEMM at decode sizes."""
 
     name = "triton"
     reads_rows_in_place = True
