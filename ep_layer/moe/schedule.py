@@ -56,11 +56,12 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
     """The two-micro-batch schedule: `first` and `second` hold each micro-batch's generators (one per
     emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
     has just sent keeps the turn to queue that op's hook. Both halves route before the first dispatch
-    send: beside communication the router's many small kernels lost about as much time as it hid (H200,
-    emulated EP). On a side stream a hook runs right after its send, not behind the other micro-batch's
-    send: the first half's dispatch travels while its shared expert computes, its combine under the
-    second half's experts, and the second half's combine under the second half's shared expert
-    (FusedMoE.steps with shared_under="combine"). Each micro-batch may chain several layers (`yield from`)."""
+    send: routing the second half under the first one's dispatch made the overlapped layer slower (H200,
+    emulated EP; measured with the many-kernel router and again with the one-kernel one). On a side
+    stream a hook runs right after its send, not behind the other micro-batch's send: the first half's
+    dispatch travels while its shared expert computes, its combine under the second half's experts, and
+    the second half's combine under the second half's shared expert (FusedMoE.steps with
+    shared_under="combine"). Each micro-batch may chain several layers (`yield from`)."""
     groups = [list(first), list(second)]
     results: list[list[Result | None]] = [[None] * len(g) for g in groups]
     pending = [list(range(len(g))) for g in groups]
