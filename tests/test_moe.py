@@ -51,7 +51,15 @@ from ep_layer.moe import (
 )
 from ep_layer.moe.experts import check_rows_in_place
 from ep_layer.moe.layer import forward_two_microbatches
-from ep_layer.moe.schedule import COMBINE_HOOKED, COMBINE_SENT, DISPATCH_HOOKED, DISPATCH_SENT, ROUTED, Steps
+from ep_layer.moe.schedule import (
+    COMBINE_HOOKED,
+    COMBINE_SENT,
+    DISPATCH_HOOKED,
+    DISPATCH_SENT,
+    ROUTED,
+    SHARED_QUEUED,
+    Steps,
+)
 from ep_layer.moe.tiles import ROW_TILE
 from ep_layer.quant import per_token_cast_to_fp8
 
@@ -287,26 +295,34 @@ def test_forward_two_microbatches_of_several_layers_through_depth() -> None:
 def test_two_microbatch_schedule_of_emulated_ranks() -> None:
     """run_two_microbatches with two ranks per micro-batch, through two layers: both micro-batches route
     before either sends a dispatch; every rank's send of a call comes before any hook of it (ranks sharing
-    a stream never wait for a send queued behind them), and each of micro-batch A's hooks comes before B's
-    send of that op (on a side stream it runs right after A's send instead of behind B's)."""
+    a stream never wait for a send queued behind them), each of micro-batch A's hooks comes before B's
+    send of that op (on a side stream it runs right after A's send instead of behind B's), and every
+    rank's shared expert comes before any rank's next compute (A: its experts, B: its combine hook)."""
     log: list[str] = []
 
-    def layer(name: str) -> Steps[str]:
+    def layer(name: str, shared_under: str) -> Steps[str]:
         log.append(f"{name} route")
         yield ROUTED
         log.append(f"{name} dispatch send")
         yield DISPATCH_SENT
         log.append(f"{name} dispatch hook")
         yield DISPATCH_HOOKED
+        if shared_under == "dispatch":
+            log.append(f"{name} shared")
+            yield SHARED_QUEUED
         log.append(f"{name} combine send")
         yield COMBINE_SENT
+        if shared_under == "combine":
+            log.append(f"{name} shared")
+            yield SHARED_QUEUED
         log.append(f"{name} combine hook")
         yield COMBINE_HOOKED
         return name
 
     def two_layers(mb: str, rank: int) -> Steps[str]:
-        yield from layer(f"{mb}{rank}.1")
-        return (yield from layer(f"{mb}{rank}.2"))
+        shared_under = "dispatch" if mb == "A" else "combine"
+        yield from layer(f"{mb}{rank}.1", shared_under)
+        return (yield from layer(f"{mb}{rank}.2", shared_under))
 
     first, second = run_two_microbatches([two_layers("A", r) for r in range(2)],
                                          [two_layers("B", r) for r in range(2)])
@@ -318,9 +334,10 @@ def test_two_microbatch_schedule_of_emulated_ranks() -> None:
     want = []
     for depth in (1, 2):
         want += turn("A", depth, "route") + turn("B", depth, "route")
-        for op in ("dispatch", "combine"):
-            for mb in "AB":
-                want += turn(mb, depth, f"{op} send") + turn(mb, depth, f"{op} hook")
+        want += turn("A", depth, "dispatch send") + turn("A", depth, "dispatch hook")
+        want += turn("B", depth, "dispatch send") + turn("B", depth, "dispatch hook")
+        want += turn("A", depth, "shared") + turn("A", depth, "combine send") + turn("A", depth, "combine hook")
+        want += turn("B", depth, "combine send") + turn("B", depth, "shared") + turn("B", depth, "combine hook")
     assert log == want
 
 

@@ -31,6 +31,7 @@ from .schedule import (
     DISPATCH_HOOKED,
     DISPATCH_SENT,
     ROUTED,
+    SHARED_QUEUED,
     CommStreams,
     Steps,
     run_hook,
@@ -128,9 +129,10 @@ class FusedMoE(nn.Module):
 
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None,
               shared_under: str = "dispatch") -> Steps[torch.Tensor]:
-        """One micro-batch's forward as a generator that yields after routing, after each send and after
-        each hook is queued, and returns the output (see ep_layer.moe.schedule). With `streams` the
-        dispatch and combine kernels run on those side streams (layers of emulated ranks on one GPU share one).
+        """One micro-batch's forward as a generator that yields after routing, after each send, after the
+        shared expert and after each hook is queued, and returns the output (see ep_layer.moe.schedule).
+        With `streams` the dispatch and combine kernels run on those side streams (layers of emulated ranks
+        on one GPU share one).
         shared_under: the communication the shared expert runs under, "dispatch" or "combine" (the
         overlapped schedule's second micro-batch: its dispatch already runs under the first one's experts,
         and its combine would otherwise have nothing to run under)."""
@@ -151,7 +153,9 @@ class FusedMoE(nn.Module):
         # stream it is queued right behind its send, under the shared expert, and only waited for here.
         wait_received = dispatch_hook if dispatch_stream is None else run_hook(dispatch_hook, dispatch_stream)
         yield DISPATCH_HOOKED
-        shared = self.shared_expert(x) if shared_under == "dispatch" else None
+        if shared_under == "dispatch":
+            shared = self.shared_expert(x)
+            yield SHARED_QUEUED
         wait_received()
         # Zero-copy combine: the down GEMM writes where the combine reads (on the cuda backend, peers on
         # this GPU read the rows there: nothing is copied into their slots).
@@ -163,6 +167,7 @@ class FusedMoE(nn.Module):
         yield COMBINE_SENT
         if shared_under == "combine":  # queued before the hook: on one stream too it runs while the rows travel
             shared = self.shared_expert(x)
+            yield SHARED_QUEUED
         wait_combined = run_hook(combine_hook, combine_stream)
         yield COMBINE_HOOKED
         wait_combined()

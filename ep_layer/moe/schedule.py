@@ -1,11 +1,14 @@
 """Running a layer's forward written as steps: a generator that yields once its routing is queued (ROUTED),
-right after each send half (DISPATCH_SENT, COMBINE_SENT) and after each hook is queued on a side stream
-(DISPATCH_HOOKED, COMBINE_HOOKED), before anything waits for it.
+right after each send half (DISPATCH_SENT, COMBINE_SENT), once its shared expert is queued (SHARED_QUEUED)
+and after each hook is queued on a side stream (DISPATCH_HOOKED, COMBINE_HOOKED), before anything waits
+for it.
 
 Between a send and its hook the caller may run anything: the other micro-batch's compute, or, with
 emulated ranks on one GPU, the other ranks' sends (every rank's send of an op must be queued before
-any hook of it). Running one generator to its end is the plain forward; `run_interleaved` steps
-several in turn (emulated ranks); `run_two_microbatches` is the overlapped schedule.
+any hook of it) and shared experts (ranks on their own GPUs run theirs at the same time, so the
+communication travels under all of them; queued rank after rank with the compute behind it, it would
+travel under the first rank's alone). Running one generator to its end is the plain forward;
+`run_interleaved` steps several in turn (emulated ranks); `run_two_microbatches` is the overlapped schedule.
 
 On one CUDA stream the overlapped schedule only reorders work. With `CommStreams` the communication
 kernels run on side streams, concurrently with the compute on the current stream.
@@ -24,8 +27,11 @@ Result = TypeVar("Result")
 ROUTED = "routed"
 DISPATCH_SENT, DISPATCH_HOOKED = "dispatch sent", "dispatch hooked"
 COMBINE_SENT, COMBINE_HOOKED = "combine sent", "combine hooked"
-SENT = (DISPATCH_SENT, COMBINE_SENT)
-Steps = Generator[str, None, Result]  # yields one of the five marks above
+SHARED_QUEUED = "shared expert queued"
+# After these marks a micro-batch of run_two_microbatches keeps the turn: what follows belongs with them
+# (a send's hook; the compute after the shared expert).
+KEEPS_TURN = (DISPATCH_SENT, COMBINE_SENT, SHARED_QUEUED)
+Steps = Generator[str, None, Result]  # yields one of the six marks above
 
 
 def run_to_end(steps: Steps[Result]) -> Result:
@@ -55,7 +61,8 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
                          ) -> tuple[list[Result], list[Result]]:
     """The two-micro-batch schedule: `first` and `second` hold each micro-batch's generators (one per
     emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
-    has just sent keeps the turn to queue that op's hook. Both halves route before the first dispatch
+    has just sent keeps the turn to queue that op's hook, and one that has just queued its shared expert
+    keeps it to go on with its compute. Both halves route before the first dispatch
     send: routing the second half under the first one's dispatch made the overlapped layer slower (H200,
     emulated EP; measured with the many-kernel router and again with the one-kernel one). On a side
     stream a hook runs right after its send, not behind the other micro-batch's send: the first half's
@@ -74,7 +81,7 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
             except StopIteration as stop:
                 results[turn][i] = stop.value
                 pending[turn].remove(i)
-        if len(marks) != 1 or marks.pop() not in SENT or not pending[turn]:
+        if len(marks) != 1 or marks.pop() not in KEEPS_TURN or not pending[turn]:
             turn ^= 1
     return results[0], results[1]  # type: ignore[return-value]
 
