@@ -297,7 +297,7 @@ def test_two_microbatch_schedule_of_emulated_ranks() -> None:
     before either sends a dispatch; every rank's send of a call comes before any hook of it (ranks sharing
     a stream never wait for a send queued behind them), each of micro-batch A's hooks comes before B's
     send of that op (on a side stream it runs right after A's send instead of behind B's), and every
-    rank's shared expert comes before any rank's next compute (A: its experts, B: its combine hook)."""
+    rank's shared expert comes before any rank's next step (A: its experts, B: its combine hook)."""
     log: list[str] = []
 
     def layer(name: str, shared_under: str) -> Steps[str]:
