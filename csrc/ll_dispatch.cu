@@ -584,7 +584,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     }
     if (chunk == 0 && lane < n) {
       const long long out_row = static_cast<long long>(expert) * num_rows + row;
-      a.src_info[out_row] = i % num_tokens;
+      a.src_info[out_row] = token;
       a.combine_map[out_row] = static_cast<int>((entry.x >> 16) << 13 | static_cast<unsigned>(i));
       if (a.recv_rows) a.recv_rows[out_row] = payload_offset(c, slot);
     }
