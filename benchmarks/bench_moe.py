@@ -6,9 +6,10 @@ EP = 1 is one real rank; larger EP sizes are emulated on one GPU (ep_layer.emula
 rank, each with its own experts (E / EP of them: the weights total the same ~11 GB at every EP size)
 and its own T tokens, driven in step. A time covers the work of all EP ranks together.
 
-The two-micro-batch schedule runs its communication on side streams (ep_layer.moe.CommStreams, shared
-by the emulated ranks) under the other half's compute, and again with everything on one stream, where
-nothing overlaps. The difference, over the time of the halves' communication alone, is the share of
+Both schedules run their communication on side streams (ep_layer.moe.CommStreams, shared by the
+emulated ranks), as FusedMoE runs them on a GPU: the plain one's dispatch beside the shared expert, the
+two-micro-batch one's under the other half's compute. The latter runs again with everything on one
+stream, where nothing overlaps. The difference, over the time of the halves' communication alone, is the share of
 the communication that the overlap hides (`hid%`); `hid_max%` is the share the GPU hides when the same
 communication runs beside the routed experts' GEMMs alone with no dependency at all (the schedule also
 has the gate, routing and shared expert to run it under, so it can hide more). The split itself costs
@@ -259,8 +260,10 @@ class Case:
             s[4]()
         return [s[:3] for s in sent]
 
-    def plain(self) -> list[torch.Tensor]:
-        return run_interleaved([chain_steps(layer, x, self.depth) for layer, x in zip(self.layers, self.xs)])
+    def plain(self, streams: CommStreams | None) -> list[torch.Tensor]:
+        """The plain forward (as FusedMoE.forward runs it), its communication on `streams` (None: the
+        current stream)."""
+        return run_interleaved([chain_steps(layer, x, self.depth, streams) for layer, x in zip(self.layers, self.xs)])
 
     def overlap(self, streams: CommStreams | None) -> list[torch.Tensor]:
         """The two-micro-batch schedule (as FusedMoE.forward_two_microbatches runs it), its communication on
@@ -359,12 +362,12 @@ def format_cell(v: object) -> str:
 
 def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
     streams = CommStreams.new()
-    plain_out = case.plain()
+    plain_out = case.plain(streams)
     overlap_out = case.overlap(streams)
     overlap_diff = relative_difference(overlap_out, plain_out)
-    eager = time_eager(case.plain, reps.eager)
+    eager = time_eager(lambda: case.plain(streams), reps.eager)
     overlap_eager = time_eager(lambda: case.overlap(streams), reps.eager)
-    graph = time_graph(case.plain, reps.graph)
+    graph = time_graph(lambda: case.plain(streams), reps.graph)
     overlap_times, one_stream_times = time_graphs_in_turn([lambda: case.overlap(streams), lambda: case.overlap(None)],
                                                           2 * reps.graph)
     hidden = statistics.median(one - side for one, side in zip(one_stream_times, overlap_times))

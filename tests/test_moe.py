@@ -466,9 +466,12 @@ def test_load_weights_places_tensors() -> None:
 def test_bad_inputs_and_arguments() -> None:
     layer, weights = _layer()
     layer.load_weights(weights.items())
-    for bad in (torch.randn(3, 256), torch.randn(3, 128).to(torch.bfloat16), torch.randn(9, 256).to(torch.bfloat16)):
+    for bad in (torch.randn(3, 256), torch.randn(3, 128).to(torch.bfloat16), torch.randn(9, 256).to(torch.bfloat16),
+                [[0.0] * 256]):
         with pytest.raises(ValueError, match="hidden_states"):
             layer(bad)
+        with pytest.raises(ValueError, match="hidden_states"):
+            layer.forward_two_microbatches(bad)
     with pytest.raises(ValueError, match="shared_under"):
         next(layer.steps(torch.randn(2, 256).to(torch.bfloat16), shared_under="gate"))
     buffer = Buffer(None, low_latency_mode=True, backend="reference")

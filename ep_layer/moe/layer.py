@@ -5,9 +5,9 @@ One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route; s
 then the shared expert while the tokens travel, the dispatch hook, the expert GEMMs and the combine
 send; then the combine hook. Running the steps to the end is the plain forward; interleaving two
 micro-batches' steps is the overlapped one, with bit-identical results on CPU. Its second micro-batch runs
-the shared expert while its combine travels instead: nothing else is left to compute then. On a GPU the
-overlapped one queues the communication on side streams (CommStreams), so that it runs under the other
-half's compute.
+the shared expert while its combine travels instead: nothing else is left to compute then. On a GPU both
+queue the communication on side streams (CommStreams): the plain forward's dispatch runs beside the
+shared expert, the overlapped one's communication under the other half's compute.
 """
 
 from __future__ import annotations
@@ -109,14 +109,19 @@ class FusedMoE(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """bf16 [N, H] -> bf16 [N, H], N <= max_tokens_per_rank (N may be 0; all ranks call together)."""
-        return run_to_end(self.steps(hidden_states))
+        """bf16 [N, H] -> bf16 [N, H], N <= max_tokens_per_rank (N may be 0; all ranks call together).
+        On a GPU the dispatch and combine run on the layer's side streams (CommStreams), so the shared
+        expert computes while the dispatch kernels run; on one stream it would wait for the send kernel,
+        which moves the rows itself (CUDA IPC, and ranks sharing a GPU)."""
+        x = self._check_input(hidden_states)
+        return run_to_end(self.steps(x, self.comm_streams(x.device)))
 
     def forward_two_microbatches(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """forward with the batch split in two halves whose communication overlaps the other's compute;
         equal to `forward` (bit for bit on CPU). Each half holds at most max_tokens_per_rank tokens. On a GPU the
         communication runs on the layer's side streams (CommStreams), concurrently with the compute."""
-        return forward_two_microbatches([self], [hidden_states], self.comm_streams(hidden_states.device))[0]
+        x = self._check_input(hidden_states)
+        return forward_two_microbatches([self], [x], self.comm_streams(x.device))[0]
 
     def comm_streams(self, device: torch.device) -> CommStreams | None:
         """This layer's side streams for communication on `device` (None on CPU)."""
