@@ -9,8 +9,8 @@ and its own T tokens, driven in step. A time covers the work of all EP ranks tog
 Both schedules run their communication on side streams (ep_layer.moe.CommStreams, shared by the
 emulated ranks), as FusedMoE runs them on a GPU: the plain one's dispatch beside the shared expert, the
 two-micro-batch one's under the other half's compute. The latter runs again with everything on one
-stream, where nothing overlaps. The difference, over the time of the halves' communication alone, is the share of
-the communication that the overlap hides (`hid%`); `hid_max%` is the share the GPU hides when the same
+stream, where nothing overlaps. The difference, over the time of the halves' communication alone, is
+the share of the communication that the overlap hides (`hid%`); `hid_max%` is the share the GPU hides when the same
 communication runs beside the routed experts' GEMMs alone with no dependency at all (the schedule also
 has the gate, routing and shared expert to run it under, so it can hide more). The split itself costs
 time at decode sizes (each half reads every active expert's weights again); plain vs ovl shows that cost.

@@ -1,7 +1,7 @@
 """Fused MoE layer with real expert parallelism, one process per GPU: how much of the dispatch/combine
 time the two-micro-batch overlap hides when the other ranks really run at the same time.
 
-bench_moe.py emulates EP on one GPU in one stream, where no transfer is ever in flight. Here each of
+bench_moe.py emulates EP on one GPU, the ranks' work time-multiplexed on it. Here each of
 EP ranks is a process on its own GPU holding E / EP experts (random FP8 block weights, DeepSeek-V3
 shapes) and a cuda-backend Buffer whose peers are mapped through CUDA IPC; every rank routes its own
 random T tokens (noaux_tc on random router weights, as bench_moe.py does). Per T and per rank:
