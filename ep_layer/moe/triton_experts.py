@@ -306,8 +306,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = torch.empty(1, m, weight.shape[0], dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out[0]
-    count = torch.full((1,), m, dtype=torch.int32, device=x.device)
-    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
+    count, data, scales = _cast_dense(x)
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs
     # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200). Where
     # even those tiles are fewer than the SMs, K is split as well.
@@ -315,6 +314,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if m <= SPLITK_MAX_ROWS or _fewer_tiles_than_sms(m, weight.shape[0], block_n, x.device):
         return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0])
     return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out, block_n=block_n)[0]
+
+
+def _cast_dense(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x bf16 [M, K] as one expert's M received rows, cast to FP8 by cast_rows_to_fp8:
+    (recv_count int32 [1], e4m3 [1, M, K], float32 scales [1, M, K/128])."""
+    count = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
+    return count, data, scales
 
 
 def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
@@ -350,10 +357,8 @@ def fp8_dense_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     SiLU(gate) * up applied in its parts' sum (at decode sizes one expert's tiles leave most SMs idle
     otherwise; H200, H = 7168, I = 2048: 45 -> 24 us at 1 row, 53 -> 44 us at 128), then down as a dense
     FP8 linear (fp8_block_linear picks its GEMM). bf16 [M, H]."""
-    m = x.shape[0]
-    count = torch.full((1,), m, dtype=torch.int32, device=x.device)
-    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
-    act = torch.empty(m, weights.padded_intermediate, dtype=torch.bfloat16, device=x.device)
+    _, data, scales = _cast_dense(x)
+    act = torch.empty(x.shape[0], weights.padded_intermediate, dtype=torch.bfloat16, device=x.device)
     _fp8_splitk_linear(data[0], scales[0], weights.gate_up[0], weights.gate_up_scale[0], act, gated=True)
     return fp8_block_linear(act, weights.down[0], weights.down_scale[0])
 
