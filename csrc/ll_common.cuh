@@ -94,7 +94,8 @@ struct Layout {          // byte offsets, from ep_layer/layout.py
   long long slot;        // bytes of one dispatch slot
   long long combine;     // offset of the combine slots inside a half
   long long flags;       // offset of the combine flags inside a half
-  long long counts;      // offset of the per-source expert counts inside a half: u64 [R][E_l], (count << 32) | seq
+  long long counts;      // offset of the per-source expert counts inside a half: u64 [R][E_l],
+                         // (sender's tokens << 48) | (count << 32) | seq
 };
 
 struct Common {

@@ -1,8 +1,9 @@
 // Low-latency dispatch.
 // Send half: block 0 publishes this rank's per-expert token counts to every destination (each count
-// tagged with the sequence number, so a count is its own arrival flag); the token blocks (one per token
-// up to this rank's share of the GPU, then several tokens each) cast each token (FP8 optional) once and
-// give each destination rank it has experts on a slot: a header listing those experts, the token's
+// tagged with the sequence number, so a count is its own arrival flag, and with the number of tokens
+// this rank sends in this call); the token blocks (one per token up to this rank's share of the GPU, then
+// several tokens each) cast each token (FP8 optional) once and give every destination a slot per token:
+// a header listing the experts it has there, the token's
 // top-k positions and its row offset among this rank's tokens for each expert, then the payload
 // (pushed into the destination's slot, or, for ranks sharing the GPU, left in the sender's own slot
 // for the destination to pull); the header's flag (sequence number and number of entries) is stored
@@ -10,13 +11,15 @@
 // token block needs (rows, expert ids, the earlier tokens' ids for the row offsets) are issued ahead;
 // the sequence ticket is only waited for where a slot needs it.
 // Receive half: each block polls the counts (and the peers' hellos, for the spec check) in parallel;
-// then warps take (slot, channel chunk) items; each waits for its slot's flag and copies the token
-// straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of earlier source ranks,
-// from the counts, + the offset in the header): each payload is read once per destination, by one warp
-// per chunk. With rows in place (recv_rows) the rows' data is not copied: each row gets the byte offset
-// of the payload it would have copied, which the GEMM reads where it lies (the slot stays untouched until
-// the dispatch two calls later, as recv_x's rows would), and only the FP8 scales are written out (a GEMM
-// wants a tile's scales side by side); rank 0's own rows then point at its own slot.
+// then warps take (slot, channel chunk) items of the slots the sources filled (their tokens of this
+// call, not all max_tokens: a decode step's few tokens cost few slots); each waits for its slot's flag
+// and copies the token straight to its rows of the GEMM-ready [E_l, R*T, H] layout (row = rows of
+// earlier source ranks, from the counts, + the offset in the header): each payload is read once per
+// destination, by one warp per chunk. With rows in place (recv_rows) the rows' data is not copied: each
+// row gets the byte offset of the payload it would have copied, which the GEMM reads where it lies (the
+// slot stays untouched until the dispatch two calls later, as recv_x's rows would), and only the FP8
+// scales are written out (a GEMM wants a tile's scales side by side); rank 0's own rows then point at
+// its own slot.
 // Without a hook both halves run as one kernel whose blocks all fit on the GPU at once: each block
 // sends its tokens, then receives; one launch and no wait for the send kernel to drain.
 #include <algorithm>
@@ -35,6 +38,11 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kCountsPerThread = kMaxExperts / kThreads;
 constexpr int kScaleWordsPerLane = 16384 / kFp8Group / 32;  // float32 scales of a row, H <= 16384
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
+
+// A count word: (tokens << kTokensShift) | (count << 32) | seq, the source's tokens of the call and its
+// tokens for one expert (both at most MAX_TOKENS_PER_RANK = 1024, checked in Python, so 16 bits each).
+constexpr int kTokensShift = 48;
+constexpr unsigned kCountMask = 0xffffu;
 
 // DESIGN.md's FP8 rule in IEEE float32: scale = max(amax, 1e-4) / 448, optionally rounded up to a
 // power of two (exact: bump the exponent unless the mantissa is already zero).
@@ -114,7 +122,8 @@ __device__ void publish_counts(const DispatchCall& a, unsigned long long start, 
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) {
     const int dest = e / num_local;
     auto* counts = reinterpret_cast<unsigned long long*>(half_base(c, c.peer_bases[dest], seq) + c.layout.counts);
-    const unsigned long long word = static_cast<unsigned long long>(bins[e]) << 32 | seq;
+    const unsigned long long word = static_cast<unsigned long long>(a.num_tokens) << kTokensShift |
+                                    static_cast<unsigned long long>(bins[e]) << 32 | seq;
     *reinterpret_cast<volatile unsigned long long*>(counts + c.rank * num_local + e % num_local) = word;
   }
   say_hello(c, kDispatch, seq);
@@ -196,10 +205,10 @@ __device__ __forceinline__ void cast_fp8(const RowShare<kPairs>& row, int row_pa
   }
 }
 
-// The count in a tagged count word from `source`, given a first load of it (`got`); polls on while it
-// is missing. Also watches the source's hello: a rank that disagrees on T, H or E writes its counts
-// elsewhere, and its hello is what tells. Returns -1 after recording a timeout or mismatch, or when
-// another thread of the block sets `*stop`.
+// The high half of a tagged count word from `source` ((tokens << 16) | count), given a first load of it
+// (`got`); polls on while it is missing. Also watches the source's hello: a rank that disagrees on T, H
+// or E writes its counts elsewhere, and its hello is what tells. Returns -1 after recording a timeout or
+// mismatch, or when another thread of the block sets `*stop`.
 __device__ int wait_for_count(const Common& c, unsigned seq, const unsigned long long* word, int source,
                               unsigned long long got, const volatile int* stop) {
   if (static_cast<unsigned>(got) == seq) return static_cast<int>(got >> 32);
@@ -356,8 +365,8 @@ template <int kPairs>
 __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, unsigned& seq) {
   const Common& c = a.c;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row_pairs = c.hidden / 16;
-  const int per_block = (c.max_tokens + token_blocks - 1) / token_blocks;
-  const int begin = (blockIdx.x - 1) * per_block, end = min(begin + per_block, c.max_tokens);
+  const int per_block = (a.num_tokens + token_blocks - 1) / token_blocks;
+  const int begin = (blockIdx.x - 1) * per_block, end = min(begin + per_block, a.num_tokens);
   __shared__ PassRoutes routes;
   // All loads first, in flight together: the first token's row, the first pass's expert ids, and the
   // ids of the earlier tokens (one per thread) for the row offsets. Thread 0 takes the ticket and keeps
@@ -365,11 +374,10 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   // rows copied, not left in place) nothing waits for the atomic.
   RowShare<kPairs> share = RowShare<kPairs>::load(a, begin, row_pairs);
   const auto own_id = [&](int t) {
-    return lane < a.num_topk && t < min(end, a.num_tokens) ? a.topk_idx[static_cast<long long>(t) * a.num_topk + lane]
-                                                           : -1ll;
+    return lane < a.num_topk && t < end ? a.topk_idx[static_cast<long long>(t) * a.num_topk + lane] : -1ll;
   };
   long long own = own_id(begin + warp);
-  const int counted = begin < min(end, a.num_tokens) ? begin : 0;  // no offsets needed without a real token
+  const int counted = begin < end ? begin : 0;  // no offsets needed without a token
   int ids[kMaxTopk];
   if (static_cast<int>(threadIdx.x) < counted) load_ids(a, threadIdx.x, ids);
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
@@ -412,7 +420,8 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
       share = next;
     }
     if (c.num_ranks > 1) __syncthreads();  // every payload store of the pass, before the flags below
-    // Every other rank gets a header for every token slot (no entries if no expert there), flag last.
+    // Every other rank gets a header for each of this call's tokens (no entries if no expert there), flag
+    // last: the receive waits for the slots of the tokens the counts announced, not for all max_tokens.
     const int j = threadIdx.x / kMaxRanks, r = threadIdx.x % kMaxRanks;
     if (j < n && r < c.num_ranks && !(r == 0 && c.rank == 0)) {
       auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, c.rank, seq, first + j));
@@ -433,10 +442,13 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   if (threadIdx.x == 0) seq = ticket;
 }
 
-// Polls this block's copy of the counts: counts[s][l] = tokens of source s for local expert l. Threads
-// r < R also check rank r's hello (spec check). All loads go out at once; a thread polls again only for
-// what has not arrived. Returns false (with the reason recorded) if a rank disagrees or times out.
-__device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts) {
+// Polls this block's copy of the counts: counts[s][l] = tokens of source s for local expert l, and
+// tokens[s] = the tokens source s sent in this call (its filled slots). Threads r < R also check rank r's
+// hello (spec check). All loads go out at once; a thread polls again only for what has not arrived.
+// Block 0 adds the wait for each source's counts to the wait stats (a rank that sends no token is timed
+// too). Returns false (with the reason recorded) if a rank disagrees or times out.
+__device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts, int* tokens) {
+  const unsigned long long begin = globaltimer();
   const Common& c = a.c;
   const int words = c.num_ranks * (c.num_experts / c.num_ranks);
   const unsigned long long* tagged = tagged_counts(c, seq);
@@ -455,15 +467,21 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts)
   for (int j = 0; j < kCountsPerThread; ++j) {
     const int w = threadIdx.x + j * kThreads;
     if (w >= words) continue;
-    counts[w] = wait_for_count(c, seq, tagged + w, w / num_local, got[j], &failed);
-    if (counts[w] < 0) failed = 1;
+    const int high = wait_for_count(c, seq, tagged + w, w / num_local, got[j], &failed);
+    if (high < 0) failed = 1;
+    counts[w] = high & kCountMask;
+    if (w % num_local != 0) continue;
+    tokens[w / num_local] = high >> 16;
+    if (a.wait_stats && blockIdx.x == 0 && high >= 0 && static_cast<unsigned>(got[j]) != seq)
+      atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[w / num_local]), globaltimer() - begin);
   }
   __syncthreads();
   return failed == 0;
 }
 
-// Work items of the receive half: (slot, channel chunk) of the slots, rank 0's own excepted (rank 0's
-// own tokens went straight to their rows). The launcher sizes the grid from it too.
+// Work items of the receive half at most: (slot, channel chunk) of every source's max_tokens slots, rank
+// 0's own excepted (rank 0's own tokens went straight to their rows). The launcher sizes the grid from
+// it; the sources' counts then say how many of the slots they filled.
 __host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
   return (a.c.num_ranks - (a.c.rank == 0)) * a.c.max_tokens * a.chunks_per_slot;
 }
@@ -478,15 +496,21 @@ __host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
 // before the other blocks would claim).
 __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_claim) {
   const Common& c = a.c;
-  const int num_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * num_tokens;
-  const int num_local = c.num_experts / num_ranks;
-  const int items = receive_items(a), warps = gridDim.x * kWarps;
-  const bool claimed = may_claim && items > warps;
+  const int max_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * max_tokens;
+  const int num_local = c.num_experts / num_ranks, num_sources = num_ranks - (c.rank == 0);
+  const int warps = gridDim.x * kWarps, chunks = a.chunks_per_slot;
   const bool writes_layout = blockIdx.x == 0;
-  if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= items) return;  // no slot to copy here
+  if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= receive_items(a)) return;  // no slot here
   __shared__ int counts[kMaxExperts];  // [s][l]
   __shared__ int base[kMaxExperts];    // [s][l]: rows of local expert l that come from sources before s
-  if (!receive_counts(a, seq, counts)) return;
+  __shared__ int tokens[kMaxRanks];    // [s]: the slots source s filled
+  __shared__ int items_before[kMaxRanks + 1];  // [o]: items of the sources before the o-th one
+  if (!receive_counts(a, seq, counts, tokens)) return;
+  if (threadIdx.x == 0) {
+    items_before[0] = 0;
+    for (int o = 0; o < num_sources; ++o)
+      items_before[o + 1] = items_before[o] + tokens[o + (c.rank == 0)] * chunks;
+  }
   for (int l = threadIdx.x; l < num_local; l += kThreads) {
     int rows = 0;
     for (int s = 0; s < num_ranks; ++s) {
@@ -504,7 +528,8 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
 
   const int hidden = c.hidden, groups = hidden / kFp8Group, lane = threadIdx.x % 32;
   const int row_bytes = a.use_fp8 ? hidden : hidden * 2, vectors = row_bytes / 16;
-  const int chunks = a.chunks_per_slot, per_chunk = (vectors + chunks - 1) / chunks;
+  const int per_chunk = (vectors + chunks - 1) / chunks, items = items_before[num_sources];
+  const bool claimed = may_claim && items > warps;
   const int scale_words = a.use_ue8m0 ? groups / 4 : groups;
   unsigned* claims = &reinterpret_cast<Control*>(c.local_base)->receive_claims[seq & 1u];
   const auto claim = [&](int after) {
@@ -516,8 +541,10 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   int item = claim(-1);
   for (int next; item < items; item = next) {
     next = claim(item);  // in flight while this item is copied
-    const int other = item / chunks / num_tokens, chunk = item % chunks;
-    const int source = other + (c.rank == 0), token = item / chunks % num_tokens, i = source * num_tokens + token;
+    int other = 0;  // the item's source, counting from rank 0's first one (a short scan of at most 8)
+    while (item >= items_before[other + 1]) ++other;
+    const int chunk = (item - items_before[other]) % chunks, token = (item - items_before[other]) / chunks;
+    const int source = other + (c.rank == 0), i = source * max_tokens + token;
     const auto* header = reinterpret_cast<const DispatchHeader*>(dispatch_slot(c, c.rank, source, seq, token));
     unsigned long long waited = 0, flag = 0;
     if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
@@ -669,7 +696,7 @@ int resident_blocks(void (*kernel)(DispatchCall)) {
 // steps instead of running them in waves.
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = kernel_for<kSendPhase>(call);
-  const int token_blocks = std::max(1, std::min(call.c.max_tokens, resident_blocks(kernel) / call.c.gpu_share - 1));
+  const int token_blocks = std::max(1, std::min(call.num_tokens, resident_blocks(kernel) / call.c.gpu_share - 1));
   kernel<<<token_blocks + 1, kThreads, 0, stream>>>(call);
 }
 
@@ -689,7 +716,7 @@ void dispatch_fused(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = kernel_for<kSendPhase | kRecvPhase>(call);
   const int resident = resident_blocks(kernel);
   if (resident < 2) throw std::runtime_error("ep_layer._C: the GPU cannot hold two blocks of the dispatch kernel");
-  const int wanted = std::max(call.c.max_tokens + 1, receive_blocks(call));
+  const int wanted = std::max(call.num_tokens + 1, receive_blocks(call));
   kernel<<<std::min(wanted, resident), kThreads, 0, stream>>>(call);
 }
 

@@ -23,7 +23,7 @@ MAX_RANKS = 8  # ranks of one node that map each other's buffers
 MAX_EXPERTS = 1024
 # flag, pad + (expert | k mask, row offset) per entry, padded to 128-byte lines: payloads start on a line
 DISPATCH_HEADER_BYTES = 256
-COUNT_BYTES = 8  # (count << 32) | sequence number
+COUNT_BYTES = 8  # (sender's tokens << 48) | (count << 32) | sequence number
 COMBINE_FLAG_BYTES = 8
 CONTROL_BYTES = 4096  # sequence counters, peers' arrival words, the error record, call timestamps
 ALIGN = 128

@@ -467,6 +467,38 @@ def test_graph_replay(seed: int) -> None:
         b.destroy()
 
 
+def test_dispatch_wait_stats_time_a_late_rank_that_sends_no_token(seed: int) -> None:
+    """The receive waits only for the slots a source filled, so a source with no tokens gives it no slot
+    to wait for: its lateness must still reach dispatch_wait_recv_cost_stats (the wait for its counts)."""
+    rng = np.random.default_rng(seed)
+    max_tokens, hidden, num_experts, topk = 8, 1024, 4, 2
+    buffers = emulated(2, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, 1, max_tokens, hidden, num_experts, topk)
+    xs.append(torch.empty(0, hidden, dtype=torch.bfloat16, device="cuda"))
+    idxs.append(torch.empty(0, topk, dtype=torch.int64, device="cuda"))
+    waits = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in buffers]
+    late = torch.cuda.Stream()
+    sent = [buffers[0].low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts,
+                                            dispatch_wait_recv_cost_stats=waits[0], return_recv_hook=True)]
+    late.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(late):
+        torch.cuda._sleep(GAP_CYCLES)  # rank 1 sends ~2 ms after rank 0's receive starts waiting for it
+        sent.append(buffers[1].low_latency_dispatch(xs[1], idxs[1], max_tokens, num_experts,
+                                                    dispatch_wait_recv_cost_stats=waits[1], return_recv_hook=True))
+    sent[0][4]()
+    with torch.cuda.stream(late):
+        sent[1][4]()
+    torch.cuda.synchronize()
+    for b in buffers:
+        b.check()
+    rows = expected_rows(idxs, num_experts)
+    for r in range(2):
+        check_dispatch(r, 2, max_tokens, sent[r][:3], xs, rows, "fp8", f"{seed} late rank")
+    assert waits[0][1].item() > 500_000, f"rank 0 waited {waits[0].tolist()} ns for ranks 0, 1"
+    for b in buffers:
+        b.destroy()
+
+
 def test_emulated_timeout_names_missing_rank() -> None:
     buffers = emulated(2, 8, 512, 4, timeout_s=1.0)
     x = torch.randn(8, 512, device="cuda").to(torch.bfloat16)
