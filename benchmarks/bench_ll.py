@@ -11,6 +11,7 @@ too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's ke
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
+    python benchmarks/bench_ll.py --ep 8 --tokens 1 32 --max-tokens 256   # a decode batch below the buffer's maximum
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ def host_time(fn, calls: int = 50) -> float:
 class Case:
     """All ranks' inputs for one (EP, T, E) point, and closures for each phase."""
 
-    def __init__(self, ep: int, tokens: int, hidden: int, experts: int, topk: int, seed: int,
+    def __init__(self, ep: int, tokens: int, max_tokens: int, hidden: int, experts: int, topk: int, seed: int,
                  serial_ranks: bool) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        self.ep, self.tokens, self.hidden, self.experts = ep, tokens, hidden, experts
-        self.size = Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ep, experts)
+        self.ep, self.tokens, self.max_tokens, self.hidden, self.experts = ep, tokens, max_tokens, hidden, experts
+        self.size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ep, experts)
         self.buffers = emulated_buffers(ep, self.size, gpu_share=1 if serial_ranks else ep)
         self.streams = RankStreams(ep) if ep > 1 and not serial_ranks else None
         self.xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ep)]
@@ -105,12 +106,12 @@ class Case:
         self.pairs = sum(int((i >= 0).sum()) for i in self.idxs)
         self.handles: list = []
         num_local = experts // ep
-        self.ys = [torch.randn(num_local, ep * tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        self.ys = [torch.randn(num_local, ep * max_tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
                    for _ in range(ep)]
 
     def dispatch_send(self):
         return each_rank([
-            lambda b=b, x=x, i=i: b.low_latency_dispatch(x, i, self.tokens, self.experts, use_fp8=True,
+            lambda b=b, x=x, i=i: b.low_latency_dispatch(x, i, self.max_tokens, self.experts, use_fp8=True,
                                                          return_recv_hook=True)
             for b, x, i in zip(self.buffers, self.xs, self.idxs)], self.streams)
 
@@ -123,7 +124,7 @@ class Case:
         """As a caller without hooks would: one call per rank (emulated ranks need the hooks)."""
         if self.ep > 1:
             return self.dispatch_hooked()
-        return [self.buffers[0].low_latency_dispatch(self.xs[0], self.idxs[0], self.tokens, self.experts,
+        return [self.buffers[0].low_latency_dispatch(self.xs[0], self.idxs[0], self.max_tokens, self.experts,
                                                      use_fp8=True)]
 
     def refresh_handles(self) -> None:
@@ -175,13 +176,18 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the reference backend (EP=1, eager)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="the buffers' num_max_dispatch_tokens_per_rank (default: each T); a decode batch is "
+                             "often below it")
     parser.add_argument("--serial-ranks", action="store_true",
                         help="run the emulated ranks' kernels one after another on one stream")
     args = parser.parse_args()
+    if args.max_tokens is not None and max(args.tokens) > args.max_tokens:
+        parser.error(f"--tokens: expected at most --max-tokens={args.max_tokens}, got {args.tokens}")
 
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
-          f"H={args.hidden} K={args.topk}")
+          f"H={args.hidden} K={args.topk} max_tokens={args.max_tokens or 'T'}")
     size = Buffer.get_low_latency_rdma_size_hint(128, args.hidden, 8, 256)
     print(f"# buffer per rank at T=128, E=256, 8 ranks: {size / 2**30:.3f} GiB "
           f"(DeepEP {DEEPEP_BUFFER_GIB} GiB, ratio {size / 2**30 / DEEPEP_BUFFER_GIB:.2f})")
@@ -192,8 +198,8 @@ def main() -> None:
     for ep in args.ep:
         for experts in args.experts:
             for tokens in args.tokens:
-                case = Case(ep, tokens, args.hidden, experts, args.topk, seed=ep * 1000 + tokens,
-                            serial_ranks=args.serial_ranks)
+                case = Case(ep, tokens, args.max_tokens or tokens, args.hidden, experts, args.topk,
+                            seed=ep * 1000 + tokens, serial_ranks=args.serial_ranks)
                 disp_bytes = case.pairs * dispatch_bytes_per_pair(args.hidden)
                 comb_bytes = case.pairs * 2 * args.hidden
                 disp = time_graph(case.dispatch)

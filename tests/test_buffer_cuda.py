@@ -476,7 +476,8 @@ def test_dispatch_wait_stats_time_a_late_rank_that_sends_no_token(seed: int) -> 
     xs, idxs = make_inputs(rng, 1, max_tokens, hidden, num_experts, topk)
     xs.append(torch.empty(0, hidden, dtype=torch.bfloat16, device="cuda"))
     idxs.append(torch.empty(0, topk, dtype=torch.int64, device="cuda"))
-    waits = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in buffers]
+    run_dispatch(buffers, xs, idxs, max_tokens, num_experts, "fp8")  # loads the kernels: a lazy load would wait
+    waits = [torch.zeros(2, dtype=torch.int64, device="cuda") for _ in buffers]  # for the sleep below to end
     late = torch.cuda.Stream()
     sent = [buffers[0].low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts,
                                             dispatch_wait_recv_cost_stats=waits[0], return_recv_hook=True)]
