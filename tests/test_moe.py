@@ -59,6 +59,7 @@ from ep_layer.moe.schedule import (
     ROUTED,
     SHARED_QUEUED,
     Steps,
+    run_to_end,
 )
 from ep_layer.moe.tiles import ROW_TILE
 from ep_layer.quant import per_token_cast_to_fp8
@@ -374,6 +375,38 @@ def test_torch_experts_on_ragged_rows(fp8: bool, seed: int) -> None:
         bound = TOL_FP8_RMS if fp8 else 2.0 ** -7  # bf16: two roundings of 2**-9 each, and margin
         assert err <= bound, f"seed={seed} expert {e} ({n} rows): relative error {err:.4f}"
         assert not got.isnan().any(), f"seed={seed} expert {e}: garbage rows leaked"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_shared_mlp_in_two_halves_is_the_routed_mlp(fp8: bool, seed: int) -> None:
+    """dense_gate_up then dense_down (the shared expert split around the combine) equal, bit for bit, the
+    routed experts' MLP on the same rows cast as dispatch casts them; 0, 1 and several tiles of rows. And
+    the layer gives the same output whichever exchange its shared expert runs under."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = 256, 192
+    cfg = MoeConfig(num_experts=1, hidden=hidden, intermediate=inter, n_group=1, topk_group=1)
+    weights = hf_weights(cfg, gen, "fp8" if fp8 else "bf16")
+    store = ExpertWeights(1, hidden, inter, fp8)
+    for p in ("gate", "up", "down"):
+        store.weight_slot(0, p).copy_(weights[f"experts.0.{p}_proj.weight"])
+        if fp8:
+            store.scale_slot(0, p).copy_(weights[f"experts.0.{p}_proj.weight_scale_inv"])
+    kernels = TorchExperts()
+    for rows in (0, 1, 2 * ROW_TILE + 3):
+        x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+        count = torch.tensor([rows], dtype=torch.int32)
+        routed = kernels(kernels.cast_to_fp8(x[None], count) if fp8 else x[None], count, store)[0]
+        act = kernels.dense_gate_up(x, store)
+        assert act.shape == (rows, store.padded_intermediate) and act.dtype == torch.bfloat16
+        assert torch.equal(kernels.dense_down(act, store), routed), f"seed={seed} rows={rows}"
+        assert torch.equal(kernels.dense_mlp(x, store), routed), f"seed={seed} rows={rows}"
+
+    layer, weights = _layer("fp8-block" if fp8 else "bf16")
+    layer.load_weights(weights.items())
+    x = torch.randn(7, 256, generator=gen).to(torch.bfloat16)
+    outs = [run_to_end(layer.steps(x, shared_under=under)) for under in ("both", "dispatch", "combine")]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), f"seed={seed}"
+    assert torch.equal(layer(x), outs[0])
 
 
 def test_expert_kernel_selection() -> None:

@@ -47,13 +47,20 @@ class ExpertKernels(ABC):
         return noaux_tc_route(logits, e_score_correction_bias, config)
 
     def dense_mlp(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-        """The MLP of `weights`' one expert on every row of x bf16 [N, H] (the shared experts), with the
-        activations cast to FP8 first for FP8 weights, as the routed experts get them: bf16 [N, H]."""
-        count = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-        rows: RecvX = x.unsqueeze(0)
-        if weights.fp8:
-            rows = self.cast_to_fp8(rows, count)
-        return self(rows, count, weights)[0]
+        """The MLP of `weights`' one expert on every row of x bf16 [N, H] (the shared experts), computed
+        as the routed experts' is: bf16 [N, H]. In two halves, so that a caller can run something between
+        them (FusedMoE runs the second while the combine travels)."""
+        return self.dense_down(self.dense_gate_up(x, weights), weights)
+
+    @abstractmethod
+    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """The first half of dense_mlp: SiLU(gate) * up of x bf16 [N, H] (cast to FP8 first for FP8
+        weights, as the routed experts' rows are), bf16 [N, I] (I padded as the weights are)."""
+
+    @abstractmethod
+    def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        """The second half of dense_mlp: the down projection of dense_gate_up's output (cast to FP8
+        first for FP8 weights), bf16 [N, H]."""
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 x [E, M, H] cast per token and 128 channels by ep_layer.quant's rule (rows from
@@ -115,8 +122,17 @@ def split_recv_x(x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights
 def swiglu_fp32(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, fp8: bool) -> torch.Tensor:
     """bf16 [..., M, H] = down(SiLU(gate) * up) of float32 rows x [..., M, H] with float32 weights
     gate_up [..., 2I, H] and down [..., H, I], per the module contract."""
+    return down_proj(gate_up_act(x, gate_up), down, fp8)
+
+
+def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """swiglu_fp32's first half: SiLU(gate) * up rounded to bf16, [..., M, I]."""
     gate, up = torch.matmul(x, gate_up.transpose(-1, -2)).chunk(2, dim=-1)
-    act = (F.silu(gate) * up).to(torch.bfloat16)
+    return (F.silu(gate) * up).to(torch.bfloat16)
+
+
+def down_proj(act: torch.Tensor, down: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """swiglu_fp32's second half: the down projection of bf16 act [..., M, I] (FP8-cast first), bf16."""
     if fp8:
         flat = act.reshape(-1, act.shape[-1])
         a = per_token_cast_back(*per_token_cast_to_fp8(flat)).view(act.shape)
@@ -158,6 +174,16 @@ class TorchExperts(ExpertKernels):
             received = (data[e, :count],) if scales is None else (data[e, :count], scales[e, :count])
             out[e, :count] = map_row_tiles(tile, *received)
         return out
+
+    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        count = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        received = [r[0] for r in self.cast_to_fp8(x[None], count)] if weights.fp8 else [x]
+        gate_up = weights.gate_up_fp32(0)
+        return map_row_tiles(lambda data, scales=None: gate_up_act(rows_fp32(data, scales), gate_up), *received)
+
+    def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        down = weights.down_fp32(0)
+        return map_row_tiles(lambda rows: down_proj(rows, down, weights.fp8), act)
 
 
 def make_expert_kernels(name: str, device: torch.device) -> ExpertKernels:

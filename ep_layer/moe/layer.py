@@ -2,12 +2,13 @@
 on top of `ep_layer.Buffer`'s low-latency dispatch and combine (DESIGN.md section 4).
 
 One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route; send the dispatch;
-then the shared expert while the tokens travel, the dispatch hook, the expert GEMMs and the combine
-send; then the combine hook. Running the steps to the end is the plain forward; interleaving two
-micro-batches' steps is the overlapped one, with bit-identical results on CPU. Its second micro-batch runs
-the shared expert while its combine travels instead: nothing else is left to compute then. On a GPU both
-queue the communication on side streams (CommStreams): the plain forward's dispatch runs beside the
-shared expert, the overlapped one's communication under the other half's compute.
+then the shared expert's gate_up projection while the tokens travel, the dispatch hook, the expert GEMMs
+and the combine send; then the shared expert's down projection while the rows travel back, and the
+combine hook. Running the steps to the end is the plain forward; interleaving two micro-batches' steps is
+the overlapped one, with bit-identical results on CPU. There the first micro-batch runs its whole shared
+expert under its dispatch and the second under its combine, the exchanges that nothing else overlaps. On
+a GPU both forwards queue the communication on side streams (CommStreams): the plain forward's
+exchanges run beside the shared expert, the overlapped one's under the other half's compute.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from .schedule import (
 from .weights import ExpertWeights
 
 QUANT_MODES = ("bf16", "fp8-block")
-SHARED_UNDER = ("dispatch", "combine")
+SHARED_UNDER = ("both", "dispatch", "combine")
 # Where each micro-batch of the overlapped forward runs its shared expert (`steps`' shared_under): the
 # second one's dispatch already runs under the first one's experts, and its combine has nothing else to run under.
+# A first micro-batch whose second is empty (one token) runs it under both, as the plain forward does: then
+# nothing else overlaps its combine either (H200, emulated EP = 8: 37 us faster at T = 1).
 MICROBATCH_SHARED_UNDER = ("dispatch", "combine")
 
 
@@ -111,8 +114,9 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """bf16 [N, H] -> bf16 [N, H], N <= max_tokens_per_rank (N may be 0; all ranks call together).
         On a GPU the dispatch and combine run on the layer's side streams (CommStreams), so the shared
-        expert computes while the dispatch kernels run; on one stream it would wait for the send kernel,
-        which moves the rows itself (CUDA IPC, and ranks sharing a GPU)."""
+        expert computes while they run (its gate_up projection under the dispatch, its down projection
+        under the combine); on one stream it would wait for the send kernel, which moves the rows itself
+        (CUDA IPC, and ranks sharing a GPU)."""
         x = self._check_input(hidden_states)
         return run_to_end(self.steps(x, self.comm_streams(x.device)))
 
@@ -133,14 +137,16 @@ class FusedMoE(nn.Module):
         return streams
 
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None,
-              shared_under: str = "dispatch") -> Steps[torch.Tensor]:
+              shared_under: str = "both") -> Steps[torch.Tensor]:
         """One micro-batch's forward as a generator that yields after routing, after each send, after the
         shared expert and after each hook is queued, and returns the output (see ep_layer.moe.schedule).
         With `streams` the dispatch and combine kernels run on those side streams (layers of emulated ranks
         on one GPU share one).
-        shared_under: the communication the shared expert runs under, "dispatch" or "combine" (the
-        overlapped schedule's second micro-batch: its dispatch already runs under the first one's experts,
-        and its combine would otherwise have nothing to run under)."""
+        shared_under: the communication the shared expert runs under: "both" (its gate_up projection under
+        the dispatch, its down projection under the combine: the plain forward, where both exchanges wait
+        for it), "dispatch" or "combine" (the overlapped schedule's first and second micro-batch: the
+        second one's dispatch already runs under the first one's experts, and its combine would
+        otherwise have nothing to run under)."""
         if shared_under not in SHARED_UNDER:
             raise ValueError(f"shared_under: expected one of {SHARED_UNDER}, got {shared_under!r}")
         x = self._check_input(hidden_states)
@@ -161,6 +167,9 @@ class FusedMoE(nn.Module):
         if shared_under == "dispatch":
             shared = self.shared_expert(x)
             yield SHARED_QUEUED
+        elif shared_under == "both":
+            act = self.shared_gate_up(x)
+            yield SHARED_QUEUED
         wait_received()
         # Zero-copy combine: the down GEMM writes where the combine reads (on the cuda backend, peers on
         # this GPU read the rows there: nothing is copied into their slots).
@@ -170,8 +179,12 @@ class FusedMoE(nn.Module):
                 y, topk_idx, topk_weights, handle, zero_copy=True, return_recv_hook=True,
                 combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
         yield COMBINE_SENT
-        if shared_under == "combine":  # queued before the hook: on one stream too it runs while the rows travel
+        # Queued before the hook: on one stream too it runs while the rows travel.
+        if shared_under == "combine":
             shared = self.shared_expert(x)
+            yield SHARED_QUEUED
+        elif shared_under == "both":
+            shared = self.shared_down(act)
             yield SHARED_QUEUED
         wait_combined = run_hook(combine_hook, combine_stream)
         yield COMBINE_HOOKED
@@ -199,6 +212,18 @@ class FusedMoE(nn.Module):
         if self.shared_experts is None:
             return None
         return self._kernels_for(hidden_states.device).dense_mlp(hidden_states, self.shared_experts)
+
+    def shared_gate_up(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """shared_expert's first half: SiLU(gate) * up, bf16 [N, I] (None without shared experts)."""
+        if self.shared_experts is None:
+            return None
+        return self._kernels_for(hidden_states.device).dense_gate_up(hidden_states, self.shared_experts)
+
+    def shared_down(self, act: torch.Tensor | None) -> torch.Tensor | None:
+        """shared_expert's second half: the down projection of shared_gate_up's output, bf16 [N, H]."""
+        if act is None:
+            return None
+        return self._kernels_for(act.device).dense_down(act, self.shared_experts)
 
     # ------------------------------------------------------------------ helpers
     def _check_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -244,13 +269,14 @@ def forward_two_microbatches(layers: Sequence[FusedMoE], inputs: Sequence[torch.
     first_under, second_under = MICROBATCH_SHARED_UNDER
     split = [(layer, microbatches(x)) for layer, x in zip(layers, inputs, strict=True)]
     first, second = run_two_microbatches(
-        [chain_steps(layer, halves[0], depth, streams, first_under) for layer, halves in split],
+        [chain_steps(layer, halves[0], depth, streams, first_under if len(halves[1]) else "both")
+         for layer, halves in split],
         [chain_steps(layer, halves[1], depth, streams, second_under) for layer, halves in split])
     return [torch.cat(pair) for pair in zip(first, second)]
 
 
 def chain_steps(layer: FusedMoE, hidden_states: torch.Tensor, depth: int, streams: CommStreams | None = None,
-                shared_under: str = "dispatch") -> Steps[torch.Tensor]:
+                shared_under: str = "both") -> Steps[torch.Tensor]:
     """`depth` forwards of `layer` in a row as one generator of steps, each on the last one's output."""
     for _ in range(depth):
         hidden_states = yield from layer.steps(hidden_states, streams, shared_under)

@@ -306,7 +306,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = torch.empty(1, m, weight.shape[0], dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out[0]
-    count, data, scales = _cast_dense(x)
+    count = torch.full((1,), m, dtype=torch.int32, device=x.device)
+    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)  # one expert's m received rows
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs
     # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200). Where
     # even those tiles are fewer than the SMs, K is split as well.
@@ -314,14 +315,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if m <= SPLITK_MAX_ROWS or _fewer_tiles_than_sms(m, weight.shape[0], block_n, x.device):
         return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0])
     return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out, block_n=block_n)[0]
-
-
-def _cast_dense(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x bf16 [M, K] as one expert's M received rows, cast to FP8 by cast_rows_to_fp8:
-    (recv_count int32 [1], e4m3 [1, M, K], float32 scales [1, M, K/128])."""
-    count = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)
-    return count, data, scales
 
 
 def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
@@ -352,21 +345,10 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     return out
 
 
-def fp8_dense_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-    """One FP8 expert's MLP on every row of x bf16 [M, H] (the shared experts): gate_up on the split-K GEMM,
-    SiLU(gate) * up applied in its parts' sum (at decode sizes one expert's tiles leave most SMs idle
-    otherwise; H200, H = 7168, I = 2048: 45 -> 24 us at 1 row, 53 -> 44 us at 128), then down as a dense
-    FP8 linear (fp8_block_linear picks its GEMM). bf16 [M, H]."""
-    _, data, scales = _cast_dense(x)
-    act = torch.empty(x.shape[0], weights.padded_intermediate, dtype=torch.bfloat16, device=x.device)
-    _fp8_splitk_linear(data[0], scales[0], weights.gate_up[0], weights.gate_up_scale[0], act, gated=True)
-    return fp8_block_linear(act, weights.down[0], weights.down_scale[0])
-
-
 class TritonExperts(ExpertKernels):
     """The expert MLP in two kernel launches (gate_up with SiLU * up, then down), plus the FP8 cast of
     the intermediate activation between them for FP8 weights. No host sync. The shared experts' MLP
-    (dense_mlp) takes the split-K GEMM at decode sizes."""
+    (dense_gate_up, dense_down) takes the split-K GEMM at decode sizes."""
 
     name = "triton"
     reads_rows_in_place = True
@@ -396,11 +378,32 @@ class TritonExperts(ExpertKernels):
                        config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_routing.noaux_tc_route(logits, e_score_correction_bias, config)  # one launch, not a dozen
 
-    def dense_mlp(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-        m = x.shape[0]
-        if weights.fp8 and m > 0 and _fewer_tiles_than_sms(m, weights.padded_intermediate, BLOCK_N_GATED, x.device):
-            return fp8_dense_mlp(x, weights)
-        return super().dense_mlp(x, weights)
+    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        m, i = x.shape[0], weights.padded_intermediate
+        act = torch.empty(m, i, dtype=torch.bfloat16, device=x.device)
+        if m == 0:
+            return act
+        count = torch.full((1,), m, dtype=torch.int32, device=x.device)
+        rows, scales = self.cast_to_fp8(x[None], count) if weights.fp8 else (x[None], None)
+        if weights.fp8 and _fewer_tiles_than_sms(m, i, BLOCK_N_GATED, x.device):
+            # At decode sizes one expert's tiles leave most SMs idle: K is split too, and SiLU(gate) * up is
+            # applied in the parts' sum (H200, H = 7168, I = 2048, the whole MLP: 45 -> 24 us at 1 row, 53 ->
+            # 44 us at 128).
+            return _fp8_splitk_linear(rows[0], scales[0], weights.gate_up[0], weights.gate_up_scale[0], act,
+                                      gated=True)
+        masked_grouped_gemm(rows, scales, weights.gate_up, weights.gate_up_scale, count, act[None], up_offset=i,
+                            gated=True)
+        return act
+
+    def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        if weights.fp8:
+            return fp8_block_linear(act, weights.down[0], weights.down_scale[0])  # it picks its GEMM
+        m = act.shape[0]
+        out = torch.empty(m, weights.hidden, dtype=torch.bfloat16, device=act.device)
+        if m > 0:
+            count = torch.full((1,), m, dtype=torch.int32, device=act.device)
+            masked_grouped_gemm(act[None], None, weights.down, None, count, out[None])
+        return out
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cast_rows_to_fp8(x.contiguous(), recv_count)  # one launch (the PyTorch cast takes eight)
