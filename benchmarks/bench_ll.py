@@ -23,6 +23,7 @@ import time
 import torch
 
 from ep_layer import Buffer
+from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.emulation import RankStreams, each_rank, emulated_buffers
 
 DEEPEP_BUFFER_GIB = 1.78  # DeepEP's low-latency buffer at T=128, H=7168, E=256, 8 ranks
@@ -182,8 +183,9 @@ def main() -> None:
     parser.add_argument("--serial-ranks", action="store_true",
                         help="run the emulated ranks' kernels one after another on one stream")
     args = parser.parse_args()
-    if args.max_tokens is not None and max(args.tokens) > args.max_tokens:
-        parser.error(f"--tokens: expected at most --max-tokens={args.max_tokens}, got {args.tokens}")
+    if args.max_tokens is not None and not max(args.tokens) <= args.max_tokens <= MAX_TOKENS_PER_RANK:
+        parser.error(f"--max-tokens: expected {max(args.tokens)} (the largest --tokens) to {MAX_TOKENS_PER_RANK}, "
+                     f"got {args.max_tokens}")
 
     bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read+write)  "
