@@ -657,8 +657,18 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
   }
 }
 
-int receive_blocks(const DispatchCall& call) {
-  return std::max(1, std::min((receive_items(call) + kWarps - 1) / kWarps, 1024));
+// The receive half's grid. The sources' counts are unknown at launch, so it expects each source to send
+// as many tokens as this rank (a decode step's ranks mostly do): a warp per item of those, but at least a
+// block per SM of this rank's share (a rank with few tokens may still receive many: with 1 token against
+// 7 x 256 it receives as fast as with a grid for every slot) and at most a warp per item of all the
+// max_tokens slots. Any grid is correct: when the sources send more, warps take several items each. A
+// grid for every slot left 446 of 448 blocks idle at T = 1 of 256 (EP = 8): they polled the counts and
+// left, on SMs that the compute beside them was waiting for.
+int receive_blocks(const DispatchCall& call, int sms) {
+  const int sources = call.c.num_ranks - (call.c.rank == 0);
+  const int expected = (sources * call.num_tokens * call.chunks_per_slot + kWarps - 1) / kWarps;
+  const int all_slots = std::min((receive_items(call) + kWarps - 1) / kWarps, 1024);
+  return std::max(1, std::min(all_slots, std::max(expected, sms / call.c.gpu_share)));
 }
 
 // The kernel for these phases with the fewest row pairs per thread that hold a row.
@@ -670,23 +680,29 @@ auto kernel_for(const DispatchCall& call) {
                          : dispatch_kernel<kPhases, 4>;  // H <= 16384
 }
 
-// Blocks of `kernel` that the current GPU holds at once (cached per device and kernel).
-int resident_blocks(void (*kernel)(DispatchCall)) {
+// The current GPU's SMs, and the blocks of `kernel` that each holds at once (cached per device and kernel).
+struct Occupancy {
+  int sms, blocks_per_sm;
+  int resident() const { return sms * blocks_per_sm; }
+};
+
+Occupancy occupancy(void (*kernel)(DispatchCall)) {
   struct Known {
     int device;
     void (*kernel)(DispatchCall);
-    int blocks;
+    Occupancy occupancy;
   };
   static thread_local std::vector<Known> known;  // the occupancy query costs microseconds
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   for (const Known& k : known)
-    if (k.device == device && k.kernel == kernel) return k.blocks;
-  int sms = 0, per_sm = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0), "the occupancy query");
-  known.push_back({device, kernel, sms * per_sm});
-  return sms * per_sm;
+    if (k.device == device && k.kernel == kernel) return k.occupancy;
+  Occupancy o{};
+  check_cuda(cudaDeviceGetAttribute(&o.sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o.blocks_per_sm, kernel, kThreads, 0),
+             "the occupancy query");
+  known.push_back({device, kernel, o});
+  return o;
 }
 
 }  // namespace
@@ -696,7 +712,8 @@ int resident_blocks(void (*kernel)(DispatchCall)) {
 // steps instead of running them in waves.
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = kernel_for<kSendPhase>(call);
-  const int token_blocks = std::max(1, std::min(call.num_tokens, resident_blocks(kernel) / call.c.gpu_share - 1));
+  const int share_of_resident = occupancy(kernel).resident() / call.c.gpu_share;
+  const int token_blocks = std::max(1, std::min(call.num_tokens, share_of_resident - 1));
   kernel<<<token_blocks + 1, kThreads, 0, stream>>>(call);
 }
 
@@ -704,19 +721,19 @@ void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
 // and every rank's receive runs in one wave (a block's poll of the counts is paid once, not per wave).
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = dispatch_kernel<kRecvPhase, 1>;
-  const int share = call.c.gpu_share;
-  const int blocks = share > 1 ? std::max(1, std::min(receive_blocks(call), resident_blocks(kernel) / share))
-                               : receive_blocks(call);
-  kernel<<<blocks, kThreads, 0, stream>>>(call);
+  const Occupancy o = occupancy(kernel);
+  const int share = call.c.gpu_share, blocks = receive_blocks(call, o.sms);
+  kernel<<<share > 1 ? std::max(1, std::min(blocks, o.resident() / share)) : blocks, kThreads, 0, stream>>>(call);
 }
 
 // Every block of the fused kernel must be resident at once (receivers wait for other blocks' sends),
 // so the grid is capped at what the GPU holds; blocks then take several tokens each.
 void dispatch_fused(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = kernel_for<kSendPhase | kRecvPhase>(call);
-  const int resident = resident_blocks(kernel);
+  const Occupancy o = occupancy(kernel);
+  const int resident = o.resident();
   if (resident < 2) throw std::runtime_error("ep_layer._C: the GPU cannot hold two blocks of the dispatch kernel");
-  const int wanted = std::max(call.num_tokens + 1, receive_blocks(call));
+  const int wanted = std::max(call.num_tokens + 1, receive_blocks(call, o.sms));
   kernel<<<std::min(wanted, resident), kThreads, 0, stream>>>(call);
 }
 
