@@ -464,11 +464,12 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 576, 7168), (16, 640, 1536), (37, 1536, 512), (130, 256, 384),
-                          (64, 4352, 256)])
+                          (64, 4352, 256), (48, 4352, 4096)])
 def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_features: int, seed: int) -> None:
     """A dense FP8 linear (serving's attention/MLP projections; N need not be a multiple of 128)
     against float64 math on the same FP8 activations and dequantised weights: split-K with 16- and 64-row
-    tiles, and the masked GEMM where its tiles fill the GPU (64 rows x 4352 columns)."""
+    tiles, the masked GEMM where its tiles fill the GPU (64 rows x 4352 columns, 256 deep), and split-K
+    again for as many tiles when the projection is deep (4096)."""
     from ep_layer.moe import block_dequant
     from ep_layer.moe.block_fp8 import num_blocks
 
