@@ -722,8 +722,10 @@ void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
   const auto kernel = dispatch_kernel<kRecvPhase, 1>;
   const Occupancy o = occupancy(kernel);
-  const int share = call.c.gpu_share, blocks = receive_blocks(call, o.sms);
-  kernel<<<share > 1 ? std::max(1, std::min(blocks, o.resident() / share)) : blocks, kThreads, 0, stream>>>(call);
+  const int share = call.c.gpu_share;
+  int blocks = receive_blocks(call, o.sms);
+  if (share > 1) blocks = std::max(1, std::min(blocks, o.resident() / share));
+  kernel<<<blocks, kThreads, 0, stream>>>(call);
 }
 
 // Every block of the fused kernel must be resident at once (receivers wait for other blocks' sends),
