@@ -462,6 +462,22 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
         layer.buffer.destroy()
 
 
+def _fp8_linear_case(rows: int, out_features: int, in_features: int, seed: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random bf16 x [rows, in], FP8 weight [out, in] with block scales, and x @ weight.T in float64 on the
+    same FP8 activations and dequantised weights."""
+    from ep_layer.moe import block_dequant
+    from ep_layer.moe.block_fp8 import num_blocks
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen, device="cuda") * 64).to(torch.float8_e4m3fn)
+    scales = torch.rand(num_blocks(out_features), num_blocks(in_features), generator=gen, device="cuda") / 256 + 1e-4
+    xq, xs = per_token_cast_to_fp8(x)
+    x_deq = (xq.double().view(rows, -1, FP8_GROUP) * xs.double()[..., None]).view(rows, in_features)
+    return x, weight, scales, x_deq @ block_dequant(weight, scales).double().t()
+
+
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 576, 7168), (16, 640, 1536), (37, 1536, 512), (130, 256, 384),
                           (64, 4352, 256), (48, 4352, 4096)])
@@ -470,20 +486,25 @@ def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_featu
     against float64 math on the same FP8 activations and dequantised weights: split-K with 16- and 64-row
     tiles, the masked GEMM where its tiles fill the GPU (64 rows x 4352 columns, 256 deep), and split-K
     again for as many tiles when the projection is deep (4096)."""
-    from ep_layer.moe import block_dequant
-    from ep_layer.moe.block_fp8 import num_blocks
-
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen, device="cuda").to(torch.bfloat16)
-    weight = (torch.randn(out_features, in_features, generator=gen, device="cuda") * 64).to(torch.float8_e4m3fn)
-    scales = torch.rand(num_blocks(out_features), num_blocks(in_features), generator=gen, device="cuda") / 256 + 1e-4
+    x, weight, scales, want = _fp8_linear_case(rows, out_features, in_features, seed)
     got = triton_experts.fp8_block_linear(x, weight, scales)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
-    xq, xs = per_token_cast_to_fp8(x)
-    x_deq = (xq.double().view(rows, -1, FP8_GROUP) * xs.double()[..., None]).view(rows, in_features)
-    want = x_deq @ block_dequant(weight, scales).double().t()
     assert_close(got, want, 2.0 ** -7, "fp8_block_linear")
     assert triton_experts.fp8_block_linear(x[:0], weight, scales).shape == (0, out_features)
+
+
+@pytest.mark.parametrize(("rows", "intermediate", "in_features"), [(1, 256, 7168), (48, 2048, 1024), (300, 2048, 512)])
+def test_fp8_block_linear_gated_matches_float64(rows: int, intermediate: int, in_features: int, seed: int) -> None:
+    """The gated FP8 linear (the shared expert's gate_up: gate rows then up rows, SiLU(gate) * up) against
+    float64 math: split-K with 16- and 64-row tiles (the SiLU in the parts' sum), and the gated masked GEMM
+    where its tiles fill the GPU (300 rows x 2048 columns)."""
+    x, weight, scales, both = _fp8_linear_case(rows, 2 * intermediate, in_features, seed)
+    gate, up = both[:, :intermediate], both[:, intermediate:]
+    got = triton_experts.fp8_block_linear(x, weight, scales, gated=True)
+    assert got.shape == (rows, intermediate) and got.dtype == torch.bfloat16
+    assert_close(got, torch.nn.functional.silu(gate) * up, 2.0 ** -7, "gated fp8_block_linear")
+    with pytest.raises(ValueError, match="weight"):
+        triton_experts.fp8_block_linear(x, weight[:-128], scales[:-1], gated=True)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

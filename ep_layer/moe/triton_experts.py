@@ -297,14 +297,20 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     return out
 
 
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight.T for an FP8 e4m3 weight [N, K] with 128x128 block scales [ceil(N/128), K/128]:
     x is cast per token and 128 channels as the experts' activations are, the GEMM is the masked one
-    with a single group of M rows (no host sync). bf16 [M, N]."""
+    with a single group of M rows (no host sync). bf16 [M, N]. gated: weight holds gate rows then up
+    rows (N = 2I, I a multiple of 128), and the result is SiLU(gate) * up, bf16 [M, I]."""
     m, k = x.shape
     if k % FP8_GROUP:
         raise ValueError(f"x: expected a multiple of {FP8_GROUP} input features for an FP8 weight, got {k}")
-    out = torch.empty(1, m, weight.shape[0], dtype=torch.bfloat16, device=x.device)
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if gated and (weight.shape[0] % 2 or n % WEIGHT_BLOCK):
+        raise ValueError(f"weight: expected gate and up halves of a multiple of {WEIGHT_BLOCK} rows each, "
+                         f"got {weight.shape[0]} rows")
+    out = torch.empty(1, m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out[0]
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)
@@ -313,12 +319,15 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200). Where
     # even those tiles are fewer than the SMs, K is split as well; and for a deep projection in one row
     # tile, where each narrow tile would stream all of K alone (H200, 32 rows: o_proj 16384 -> 7168 47
-    # against 64 us; the 2048-deep down projection 8.2 against 6.6 us, so it stays masked).
-    block_n = BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
+    # against 64 us; the 2048-deep down projection 8.2 against 6.6 us, so it stays masked). The shared
+    # expert's gated gate_up on split-K: its whole MLP 45 -> 24 us at 1 row, 53 -> 44 us at 128 (H = 7168).
+    # The gated GEMM keeps its own column tile (two accumulators: wider tiles spill).
+    block_n = BLOCK_N_GATED if gated else BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
     deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH
-    if m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, weight.shape[0], block_n, x.device):
-        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0])
-    return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out, block_n=block_n)[0]
+    if m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, n, block_n, x.device):
+        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0], gated)
+    return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out,
+                               up_offset=n if gated else 0, gated=gated, block_n=block_n)[0]
 
 
 def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
@@ -383,20 +392,13 @@ class TritonExperts(ExpertKernels):
         return triton_routing.noaux_tc_route(logits, e_score_correction_bias, config)  # one launch, not a dozen
 
     def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+        if weights.fp8:  # it picks its GEMM: split-K at decode sizes (SiLU(gate) * up in the parts' sum)
+            return fp8_block_linear(x, weights.gate_up[0], weights.gate_up_scale[0], gated=True)
         m, i = x.shape[0], weights.padded_intermediate
         act = torch.empty(m, i, dtype=torch.bfloat16, device=x.device)
-        if m == 0:
-            return act
-        count = torch.full((1,), m, dtype=torch.int32, device=x.device)
-        rows, scales = self.cast_to_fp8(x[None], count) if weights.fp8 else (x[None], None)
-        if weights.fp8 and _fewer_tiles_than_sms(m, i, BLOCK_N_GATED, x.device):
-            # At decode sizes one expert's tiles leave most SMs idle: K is split too, and SiLU(gate) * up is
-            # applied in the parts' sum (H200, H = 7168, I = 2048, the whole MLP: 45 -> 24 us at 1 row, 53 ->
-            # 44 us at 128).
-            return _fp8_splitk_linear(rows[0], scales[0], weights.gate_up[0], weights.gate_up_scale[0], act,
-                                      gated=True)
-        masked_grouped_gemm(rows, scales, weights.gate_up, weights.gate_up_scale, count, act[None], up_offset=i,
-                            gated=True)
+        if m > 0:
+            count = torch.full((1,), m, dtype=torch.int32, device=x.device)
+            masked_grouped_gemm(x[None], None, weights.gate_up, None, count, act[None], up_offset=i, gated=True)
         return act
 
     def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
