@@ -1,5 +1,7 @@
 """ep_layer.moe.triton_routing's one-kernel `noaux_tc` against routing.noaux_tc_route (itself checked against
-transformers' DeepseekV3 router in test_moe.py), on random logits and random non-zero correction biases.
+transformers' DeepseekV3 router in test_moe.py), on random logits and random non-zero correction biases; and
+its whole routing (for a few tokens the split GEMV's logits, whose parts the selection adds) against
+routing.route on inputs whose float32 logits are exact in any summation order.
 
 The experts must be the same, in the same order (random float32 scores do not tie). The weights may differ
 only in the order of the final k-term sum: a few float32 ulps (rtol 1e-6 is ~8 of them). Skipped without a
@@ -11,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_layer.moe import RoutingConfig, noaux_tc_route, triton_experts
+from ep_layer.moe import RoutingConfig, noaux_tc_route, route, triton_experts
 from ep_layer.moe.triton_routing import noaux_tc_route as fused_noaux_tc_route
+from ep_layer.moe.triton_routing import route as fused_route
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,3 +83,34 @@ def test_fused_routing_never_picks_nan_or_out_of_range() -> None:
     assert not any(e < 100 for e in idx[0].tolist())  # the finite experts win over NaN ones
     want, _ = noaux_tc_route(logits[2:], torch.zeros(256, device="cuda"), config)
     assert torch.equal(idx[2:], want)
+
+
+@pytest.mark.parametrize(("name", "hidden"), [("deepseek-v3", 7168), ("padded groups and experts", 1000),
+                                              ("tiny", 64)])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 100])
+def test_fused_route_matches_pytorch(name: str, hidden: int, tokens: int) -> None:
+    """Tokens in bf16 of small integers and router weights on a 2**-12 grid: every partial sum of a logit is
+    exact in float32, so the GEMV's parts must add up to cuBLAS's logits bit for bit and give the same
+    experts (random correction biases keep the biased scores apart) and weights. Up to 16 tokens the GEMV
+    computes the logits (hidden sizes that are and are not a multiple of its 512-channel parts; 256, 72
+    and 16 experts, 4 per program), past that cuBLAS."""
+    config = CONFIGS[name]
+    gen = torch.Generator(device="cuda").manual_seed(tokens * 1000 + hidden)
+    x = torch.randint(-4, 5, (tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16)
+    weight = torch.randint(-8, 9, (config.num_experts, hidden), device="cuda", generator=gen).float() / 4096
+    bias = torch.randn(config.num_experts, device="cuda", generator=gen) * 0.01
+    want_idx, want_weights = route(x, weight, bias, config)
+    got_idx, got_weights = fused_route(x, weight, bias, config)
+    assert torch.equal(got_idx, want_idx)
+    torch.testing.assert_close(got_weights, want_weights, rtol=1e-6, atol=0)
+
+
+def test_fused_route_empty_batch_and_bad_weight() -> None:
+    config = CONFIGS["tiny"]
+    bias = torch.zeros(16, device="cuda")
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device="cuda")
+    idx, weights = fused_route(x, torch.zeros(16, 64, device="cuda"), bias, config)
+    assert idx.shape == (0, 4) and weights.shape == (0, 4)
+    with pytest.raises(ValueError, match="gate_weight"):
+        fused_route(torch.zeros(2, 64, dtype=torch.bfloat16, device="cuda"), torch.zeros(16, 32, device="cuda"),
+                    bias, config)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..backends.base import RecvX, RowsInPlace
 from ..quant import FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
-from .routing import RoutingConfig, noaux_tc_route
+from .routing import RoutingConfig, route
 from .tiles import map_row_tiles
 from .weights import ExpertWeights
 
@@ -41,10 +41,10 @@ class ExpertKernels(ABC):
 
     reads_rows_in_place = False
 
-    def select_experts(self, logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
-                       config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """routing.noaux_tc_route: (topk_idx int64 [N, K], topk_weights float32 [N, K]) from float32 logits."""
-        return noaux_tc_route(logits, e_score_correction_bias, config)
+    def route(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
+              config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """routing.route: (topk_idx int64 [N, K], topk_weights float32 [N, K]) for hidden_states [N, H]."""
+        return route(hidden_states, gate_weight, e_score_correction_bias, config)
 
     def dense_mlp(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         """The MLP of `weights`' one expert on every row of x bf16 [N, H] (the shared experts), computed

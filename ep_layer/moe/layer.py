@@ -25,7 +25,7 @@ from ..checks import MAX_TOKENS_PER_RANK
 from ..quant import FP8_GROUP
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
-from .routing import RoutingConfig, route
+from .routing import RoutingConfig
 from .schedule import (
     COMBINE_HOOKED,
     COMBINE_SENT,
@@ -193,8 +193,8 @@ class FusedMoE(nn.Module):
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx int64 [N, K], topk_weights float32 [N, K]) by DeepSeek-V3's noaux_tc routing."""
-        select = self._kernels_for(hidden_states.device).select_experts
-        return route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing, select)
+        kernels = self._kernels_for(hidden_states.device)
+        return kernels.route(hidden_states, self.gate_weight, self.e_score_correction_bias, self.routing)
 
     def rows_in_place(self, device: torch.device) -> bool:
         """Whether this layer's dispatch on `device` leaves the rows in place for its expert kernels

@@ -7,7 +7,6 @@ CUDA graphs and gives a token the same experts and weights whatever batch it is 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,22 +44,17 @@ class RoutingConfig:
                              f"groups), got {self.top_k}")
 
 
-# Router logits, correction bias, config -> (topk_idx, topk_weights): noaux_tc_route or a kernel doing the same.
-Selection = Callable[[torch.Tensor, torch.Tensor, RoutingConfig], tuple[torch.Tensor, torch.Tensor]]
-
-
 def route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
-          config: RoutingConfig, select: Selection | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_idx int64 [N, K], topk_weights float32 [N, K]) for hidden_states [N, H] (any float dtype).
 
     Router logits are hidden_states times gate_weight [E, H], both in float32, as DeepSeek-V3 does;
-    `select` turns them into experts and weights (default noaux_tc_route; triton_routing has a one-kernel one).
+    noaux_tc_route turns them into experts and weights (triton_routing.route does both on a GPU).
     """
     weight, bias = gate_weight.float(), e_score_correction_bias.float()
-    select = select or noaux_tc_route
 
     def tile(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select(x.float() @ weight.t(), bias, config)
+        return noaux_tc_route(x.float() @ weight.t(), bias, config)
 
     return map_row_tiles(tile, hidden_states)
 

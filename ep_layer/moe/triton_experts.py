@@ -387,9 +387,10 @@ class TritonExperts(ExpertKernels):
             act, act_scales = cast_rows_to_fp8(act, recv_count)
         return masked_grouped_gemm(act, act_scales, weights.down, weights.down_scale, recv_count, out)
 
-    def select_experts(self, logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
-                       config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return triton_routing.noaux_tc_route(logits, e_score_correction_bias, config)  # one launch, not a dozen
+    def route(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
+              config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        # The selection in one launch, not a dozen; a decode step's few tokens' logits in a GEMV, not cuBLAS.
+        return triton_routing.route(hidden_states, gate_weight, e_score_correction_bias, config)
 
     def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         if weights.fp8:  # it picks its GEMM: split-K at decode sizes (SiLU(gate) * up in the parts' sum)
