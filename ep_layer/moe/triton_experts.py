@@ -358,6 +358,18 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     return out
 
 
+def _bf16_one_expert(x: torch.Tensor, weight: torch.Tensor, columns: int, gated: bool = False) -> torch.Tensor:
+    """x bf16 [M, K] through one expert's bf16 weight [1, rows, K] on the masked GEMM: bf16 [M, columns]
+    (gated: gate rows [0, columns), up rows from `columns`, and SiLU(gate) * up)."""
+    m = x.shape[0]
+    out = torch.empty(m, columns, dtype=torch.bfloat16, device=x.device)
+    if m > 0:
+        count = torch.full((1,), m, dtype=torch.int32, device=x.device)
+        masked_grouped_gemm(x[None], None, weight, None, count, out[None], up_offset=columns if gated else 0,
+                            gated=gated)
+    return out
+
+
 class TritonExperts(ExpertKernels):
     """The expert MLP in two kernel launches (gate_up with SiLU * up, then down), plus the FP8 cast of
     the intermediate activation between them for FP8 weights. No host sync. The shared experts' MLP
@@ -395,22 +407,12 @@ class TritonExperts(ExpertKernels):
     def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         if weights.fp8:  # it picks its GEMM: split-K at decode sizes (SiLU(gate) * up in the parts' sum)
             return fp8_block_linear(x, weights.gate_up[0], weights.gate_up_scale[0], gated=True)
-        m, i = x.shape[0], weights.padded_intermediate
-        act = torch.empty(m, i, dtype=torch.bfloat16, device=x.device)
-        if m > 0:
-            count = torch.full((1,), m, dtype=torch.int32, device=x.device)
-            masked_grouped_gemm(x[None], None, weights.gate_up, None, count, act[None], up_offset=i, gated=True)
-        return act
+        return _bf16_one_expert(x, weights.gate_up, weights.padded_intermediate, gated=True)
 
     def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         if weights.fp8:
             return fp8_block_linear(act, weights.down[0], weights.down_scale[0])  # it picks its GEMM
-        m = act.shape[0]
-        out = torch.empty(m, weights.hidden, dtype=torch.bfloat16, device=act.device)
-        if m > 0:
-            count = torch.full((1,), m, dtype=torch.int32, device=act.device)
-            masked_grouped_gemm(act[None], None, weights.down, None, count, out[None])
-        return out
+        return _bf16_one_expert(act, weights.down, weights.hidden)
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cast_rows_to_fp8(x.contiguous(), recv_count)  # one launch (the PyTorch cast takes eight)
