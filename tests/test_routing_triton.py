@@ -90,10 +90,11 @@ def test_fused_routing_never_picks_nan_or_out_of_range() -> None:
 @pytest.mark.parametrize("tokens", [1, 5, 16, 17, 100])
 def test_fused_route_matches_pytorch(name: str, hidden: int, tokens: int) -> None:
     """Tokens in bf16 of small integers and router weights on a 2**-12 grid: every partial sum of a logit is
-    exact in float32, so the GEMV's parts must add up to cuBLAS's logits bit for bit and give the same
+    exact in float32, so the logits' parts must add up to PyTorch's logits bit for bit and give the same
     experts (random correction biases keep the biased scores apart) and weights. Up to 16 tokens the GEMV
-    computes the logits (hidden sizes that are and are not a multiple of its 512-channel parts; 256, 72
-    and 16 experts, 4 per program), past that cuBLAS."""
+    computes the parts (hidden sizes that are and are not a multiple of its 512-channel parts; 256, 72
+    and 16 experts, 4 per program), past that cuBLAS's batched GEMM (28 parts of 256 channels at 7168, one
+    part where the hidden size is not a multiple of 256)."""
     config = CONFIGS[name]
     gen = torch.Generator(device="cuda").manual_seed(tokens * 1000 + hidden)
     x = torch.randint(-4, 5, (tokens, hidden), device="cuda", generator=gen).to(torch.bfloat16)

@@ -3,11 +3,13 @@ Triton kernel. The selection is routing.noaux_tc_route's rule, which takes about
 (sigmoid, two top-k sorts, scatter, gather, sums) and on an H200 ~60 µs per call at 64 tokens, most of it
 launches and tiny sorts.
 
-For up to 16 tokens the logits are a split GEMV in Triton: each program multiplies 4 experts' weights by
-the tokens over 512 channels (products and a fixed tree of adds in float32) into a part, and the selection
-adds the parts in order (deterministic). cuBLAS's float32 GEMM took 18-20 µs there for 2-16 tokens (H =
-7168, 256 experts, on an H200; the weight reads in 1.7 µs), the GEMV 3.5-9.7 µs. Past 16 tokens cuBLAS is
-as fast, and it computes the logits.
+The logits come in float32 parts over slices of the hidden channels, which the selection adds in order
+(deterministic). For up to 16 tokens a split GEMV in Triton computes them: each program multiplies 4
+experts' weights by the tokens over 512 channels (products and a fixed tree of adds in float32). cuBLAS's
+float32 GEMM took 18-20 µs there for 2-16 tokens (H = 7168, 256 experts, on an H200; the weight reads in
+1.7 µs), the GEMV 3.5-9.7 µs. Past 16 tokens cuBLAS's batched float32 GEMM computes one part per 256
+channels: its single GEMM has only a few output tiles, each streaming all 7168 channels, and was 15-25 %
+slower for 17-512 tokens.
 
 One program per token holds the token's E scores in registers as [groups, experts per group], then picks
 the kept groups and the top-k experts by repeated arg-max (ties go to the lower expert index). Sigmoid
@@ -34,6 +36,7 @@ except ImportError:  # no Triton in this install: routing.noaux_tc_route still w
 GEMV_MAX_TOKENS = 16  # the split GEMV computes the logits of at most this many tokens
 GEMV_BLOCK_E = 4  # experts per GEMV program
 GEMV_BLOCK_H = 512  # channels per GEMV program (one part)
+GEMM_PART_CHANNELS = 256  # past GEMV_MAX_TOKENS: channels per part of cuBLAS's batched GEMM
 
 if triton is not None:
 
@@ -115,17 +118,19 @@ def noaux_tc_route(logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
 
 def route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
           config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """routing.route for CUDA tensors: the logits (the split GEMV for up to GEMV_MAX_TOKENS tokens, else
-    cuBLAS), then the selection kernel."""
+    """routing.route for CUDA tensors: the logits' parts (the split GEMV for up to GEMV_MAX_TOKENS tokens,
+    else cuBLAS's batched GEMM), then the selection kernel."""
     n, h = hidden_states.shape
-    if tuple(gate_weight.shape) != (config.num_experts, h):
-        raise ValueError(f"gate_weight: expected [{config.num_experts}, {h}] (num_experts x hidden), "
-                         f"got {list(gate_weight.shape)}")
+    e = config.num_experts
+    if tuple(gate_weight.shape) != (e, h):
+        raise ValueError(f"gate_weight: expected [{e}, {h}] (num_experts x hidden), got {list(gate_weight.shape)}")
     weight = gate_weight.float().contiguous()
     if n > GEMV_MAX_TOKENS:
-        return noaux_tc_route(hidden_states.float() @ weight.t(), e_score_correction_bias, config)
+        num_parts = h // GEMM_PART_CHANNELS if h % GEMM_PART_CHANNELS == 0 else 1
+        x = hidden_states.float().reshape(n, num_parts, h // num_parts).transpose(0, 1)
+        parts = torch.bmm(x, weight.view(e, num_parts, h // num_parts).permute(1, 2, 0))  # [parts, n, e]
+        return _select(parts, e_score_correction_bias, config)
     x = hidden_states.contiguous()
-    e = config.num_experts
     parts = torch.empty(triton.cdiv(h, GEMV_BLOCK_H), n, e, dtype=torch.float32, device=x.device)
     if n > 0:
         _router_gemv_kernel[(triton.cdiv(e, GEMV_BLOCK_E), parts.shape[0])](
