@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, RopeScaling
+from . import rotary_triton
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -92,6 +93,8 @@ class RotaryEmbedding(nn.Module):
         permutation, so q.k is unchanged; the KV cache holds k_pe in this layout.
         Otherwise: pairs (x_i, x_{i + d/2}) (rotate_half).
         """
+        if x.is_cuda and x.dtype == cos.dtype == sin.dtype and x.dim() in (2, 3) and rotary_triton.available():
+            return rotary_triton.rotate(x, cos, sin, interleave)  # the same bits in one launch
         shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if interleave:
