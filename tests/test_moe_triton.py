@@ -343,6 +343,11 @@ def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
         assert torch.equal(got_scales[e, :count], want_scales[e, :count]), f"scales of expert {e}"
         assert torch.equal(got_data[e, :count].view(torch.uint8), want_data[e, :count].view(torch.uint8)), \
             f"data of expert {e}"
+    # Without counts (the dense layers' cast) every row is cast: as with counts of all rows.
+    all_data, all_scales = triton_experts.cast_rows_to_fp8(x, None)
+    want_data, want_scales = TorchExperts().cast_to_fp8(x, torch.full_like(recv_count, rows))
+    assert torch.equal(all_scales, want_scales)
+    assert torch.equal(all_data.view(torch.uint8), want_data.view(torch.uint8))
 
 
 @pytest.mark.parametrize("arrangement", ["neighbours", "shuffled"])

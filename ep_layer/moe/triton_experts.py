@@ -214,13 +214,14 @@ if triton is not None:
 
     @triton.jit
     def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, E, M, I, GROUPS, E_PAD: tl.constexpr,
-                          BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr):
+                          BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, ALL_ROWS: tl.constexpr):
         """FP8 cast of x [E, M, I] by [BLOCK_ROWS, 128] tiles (the design's rule, IEEE float32 divisions):
         scale = max(amax, 1e-4) / 448 per row and group, q = e4m3(x / scale), saturated. A fixed grid
         shares out the (row tile, group) items of the received rows only, numbered expert by expert (as
-        the GEMM's), so no program exists for rows that were not received."""
+        the GEMM's), so no program exists for rows that were not received. ALL_ROWS: all M rows of every
+        expert (count_ptr unused)."""
         experts = tl.arange(0, E_PAD)
-        counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
+        counts = tl.where(experts < E, M, 0) if ALL_ROWS else tl.load(count_ptr + experts, mask=experts < E, other=0)
         tiles = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS
         ends = tl.cumsum(tiles, 0)  # row tiles of experts 0..e
         for item in range(tl.program_id(0), tl.sum(tiles) * GROUPS, tl.num_programs(0)):
@@ -247,16 +248,17 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-per-128 FP8 cast of x [E, M, I] for rows below recv_count only (others untouched):
-    (e4m3 [E, M, I], float32 scales [E, M, I/128])."""
+def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-per-128 FP8 cast of x [E, M, I] for rows below recv_count only (others untouched; None:
+    all rows): (e4m3 [E, M, I], float32 scales [E, M, I/128])."""
     e, m, i = x.shape
     q = torch.empty(e, m, i, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(e, m, i // FP8_GROUP, dtype=torch.float32, device=x.device)
     groups = i // FP8_GROUP
     programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * triton.cdiv(m, CAST_ROWS) * groups)
     _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=triton.next_power_of_2(e),
-                                           BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP, num_warps=NUM_WARPS)
+                                           BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP, ALL_ROWS=recv_count is None,
+                                           num_warps=NUM_WARPS)
     return q, s
 
 
@@ -313,8 +315,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = torch.empty(1, m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out[0]
-    count = torch.full((1,), m, dtype=torch.int32, device=x.device)
-    data, scales = cast_rows_to_fp8(x.contiguous()[None], count)  # one expert's m received rows
+    data, scales = cast_rows_to_fp8(x.contiguous()[None], None)  # all m rows: no count to fill first
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs
     # (at 128 columns a 576- or 7168-wide projection ran on 5 or 56 programs; measured on an H200). Where
     # even those tiles are fewer than the SMs, K is split as well; and for a deep projection in one row
@@ -326,6 +327,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH
     if m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, n, block_n, x.device):
         return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0], gated)
+    count = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one expert's m rows
     return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out,
                                up_offset=n if gated else 0, gated=gated, block_n=block_n)[0]
 

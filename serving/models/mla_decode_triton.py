@@ -4,7 +4,7 @@ step stays CUDA-graph capturable without gathering max_model_len keys per sequen
 
 Flash-decoding: the grid is [sequences, head groups, splits of the sequence]; each program runs an
 online softmax over its part of the keys and writes its normalised partial output and log-sum-exp;
-`mla_decode` merges the splits with softmax weights over those. Each cache entry is
+a second launch merges the splits with softmax weights over those. Each cache entry is
 [c_kv (kv_lora_rank) | k_pe (rope dim)]: the score is q . entry, the output sums c_kv.
 
 Importing this module needs neither Triton nor a GPU; `available()` says whether it can run.
@@ -27,6 +27,7 @@ BLOCK_T = 32  # keys per step of the online softmax
 MAX_SPLITS = 8  # programs along each sequence: 8 fill the GPU at batch 1 and 128 heads
 PROGRAMS_PER_SM = 2  # fewer splits at larger batches: each split's partial output is a float32 pass more
 NUM_WARPS = 4
+MERGE_WARPS = 2  # the splits' merge: a program per (sequence, head), 512 float32 channels
 NUM_STAGES = 2  # a float32 cache tile is 64 KB: two in flight fit shared memory, three would not
 
 
@@ -83,6 +84,26 @@ if triton is not None:
         tl.store(out_ptr + part[:, None] * LORA + lora[None, :], acc, mask=head_ok[:, None])
         tl.store(lse_ptr + part, m + tl.log(l_sum), mask=head_ok)
 
+    @triton.jit
+    def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, H, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                             LORA: tl.constexpr):
+        """Program (b, h): merged[b, h] = sum_s softmax_s(lse[b, :, h]) * out[b, s, h] in merged's dtype.
+        Part s holds its softmax-weighted mean of c_kv and the log of its weight sum, so the whole is their
+        mean weighted by softmax over the parts' log-sum-exps (an empty part, -inf, weighs 0; part 0 is
+        never empty)."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        parts = tl.arange(0, SPLITS_PAD)
+        lse = tl.load(lse_ptr + (b * SPLITS + parts) * H + h, mask=parts < SPLITS, other=float("-inf"))
+        weights = tl.exp(lse - tl.max(lse, axis=0))
+        weights = weights / tl.sum(weights, axis=0)
+        lora = tl.arange(0, LORA)
+        acc = tl.zeros((LORA,), dtype=tl.float32)
+        for s in range(SPLITS):
+            weight = tl.sum(tl.where(parts == s, weights, 0.0), axis=0)
+            acc += tl.load(out_ptr + ((b * SPLITS + s) * H + h) * LORA + lora) * weight
+        tl.store(merged_ptr + (b * H + h) * LORA + lora, acc.to(merged_ptr.dtype.element_ty))
+
 
 def num_splits(batch: int, heads: int, device: torch.device) -> int:
     """Splits along each sequence: enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
@@ -113,6 +134,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                              BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits == 1:
         return out[:, 0].to(q.dtype)
-    # Part s holds its softmax-weighted mean of c_kv and the log of its weight sum: the whole is their
-    # mean weighted by softmax over the parts' log-sum-exps (an empty part, -inf, weighs 0).
-    return (out * torch.softmax(lse, dim=1)[..., None]).sum(dim=1).to(q.dtype)
+    merged = torch.empty(b, h, kv_lora_rank, dtype=q.dtype, device=q.device)
+    _merge_splits_kernel[(b, h)](out, lse, merged, h, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                                 LORA=kv_lora_rank, num_warps=MERGE_WARPS)
+    return merged
