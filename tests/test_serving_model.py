@@ -343,7 +343,9 @@ def test_kv_cache_layout_matches_transformers(checkpoints: dict[str, str]) -> No
     runner = PagedRunner(model, tokens)
     runner.run(PREFILL_SCRIPT)
     with torch.no_grad():
-        cache = hf(torch.tensor([tokens[1]]), use_cache=True).cache
+        output = hf(torch.tensor([tokens[1]]), use_cache=True)
+    # transformers 5.24 (pinned for the tests) calls it `cache`; the GPU machine's 5.17, `past_key_values`
+    cache = output.cache if hasattr(output, "cache") else output.past_key_values
     slots = torch.tensor([runner.slot(1, p) for p in range(len(tokens[1]))])
     assert model.kv_cache is not None and model.kv_cache.shape == (3, 40, 4, 96)
     for layer in range(model.config.num_hidden_layers):
