@@ -44,7 +44,9 @@ SPLITK_MAX_ROWS = 16  # dense FP8 linear with at most this many rows: split-K GE
 SPLITK_MIN_DEPTH = 4096  # dense FP8 linear this deep or deeper: split-K GEMM for up to BLOCK_M rows
 SPLITK_BLOCK_N = 64
 SPLITK_PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
-SUM_BLOCK = 1024  # outputs per program of the split-K parts' sum
+# Outputs per program of the split-K parts' sum: the wide block where it still makes two programs per SM,
+# else the narrow one (a decode step's sums are latency-bound: 1.3-1.6 against 1.4-2.6 us at one row, H200).
+SUM_BLOCK, SUM_BLOCK_NARROW = 1024, 256
 BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
@@ -178,17 +180,19 @@ if triton is not None:
 
 
     @triton.jit
-    def _sum_parts_kernel(part_ptr, out_ptr, M, N, SPLIT, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_parts_kernel(part_ptr, out_ptr, M, N, SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
         """out [M, N] = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32).
         GATED: parts are [SPLIT, M, 2N], gate columns [0, N) and up columns [N, 2N), and out = SiLU(gate) *
-        up as _masked_gemm_kernel computes it."""
+        up as _masked_gemm_kernel computes it. The loop is unrolled (SPLIT is a constant), so that all
+        parts' loads are in flight at once: a loop of dependent steps took 5.5 against 1.6 us for 30 parts
+        of 576 columns (H200)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * N
         width = 2 * N if GATED else N
         at = (offs // N) * width + offs % N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
-        for s in range(SPLIT):
+        for s in tl.static_range(SPLIT):
             acc += tl.load(part_ptr + s * M * width + at, mask=ok, other=0.0)
             if GATED:
                 acc_up += tl.load(part_ptr + s * M * width + at + N, mask=ok, other=0.0)
@@ -355,8 +359,9 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
-    _sum_parts_kernel[(triton.cdiv(out.numel(), SUM_BLOCK),)](parts, out, m, out.shape[1], split, GATED=gated,
-                                                              BLOCK=SUM_BLOCK, num_warps=NUM_WARPS)
+    block = SUM_BLOCK if triton.cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
+    _sum_parts_kernel[(triton.cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
+                                                          BLOCK=block, num_warps=NUM_WARPS)
     return out
 
 

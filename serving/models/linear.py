@@ -4,12 +4,14 @@ or float8_e4m3fn with float32 `weight_scale_inv` per 128x128 block (partial last
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ep_layer.moe import block_dequant, triton_experts
-from ep_layer.moe.block_fp8 import num_blocks
+from ep_layer.moe.block_fp8 import WEIGHT_BLOCK, num_blocks
 
 
 class Linear(nn.Module):
@@ -24,14 +26,21 @@ class Linear(nn.Module):
     weight_scale_inv: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, *, fp8: bool, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, persistent: bool = True,
+                 storage: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+        """persistent: whether the buffers belong in state_dict (a checkpoint loads them); storage: the
+        (weight, weight_scale_inv) tensors to hold instead of new ones (StackedLinear's row slices)."""
         super().__init__()
         self.in_features, self.out_features, self.fp8 = in_features, out_features, fp8
-        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=weight_dtype, device=device))
-        scale = (torch.ones(num_blocks(out_features), num_blocks(in_features), dtype=torch.float32, device=device)
-                 if fp8 else None)
-        self.register_buffer("weight_scale_inv", scale)
+        if storage is None:
+            weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+            weight = torch.zeros(out_features, in_features, dtype=weight_dtype, device=device)
+            scale = (torch.ones(num_blocks(out_features), num_blocks(in_features), dtype=torch.float32,
+                                device=device) if fp8 else None)
+        else:
+            weight, scale = storage
+        self.register_buffer("weight", weight, persistent=persistent)
+        self.register_buffer("weight_scale_inv", scale, persistent=persistent)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight's value [out, in] in `dtype` (dequantised for FP8)."""
@@ -47,3 +56,47 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.fp8}"
+
+
+class StackedLinear(nn.Module):
+    """Linear layers that read the same input, stored as one weight so that one GEMM computes them all:
+    for MLA's q_a_proj and kv_a_proj_with_mqa, one FP8 cast of the input, one split-K GEMM and one sum
+    of its parts instead of three kernels each (a decode step's narrow projections are bound by latency,
+    not by their weight bytes).
+
+    `parts` are ordinary Linear layers whose buffers are row slices of the stacked ones: the caller
+    registers them under their checkpoint names, so a checkpoint loads into the parts, and thereby into
+    the stacked weight, which itself is not in state_dict. For FP8 each part starts on a 128-row block
+    (zero rows pad the part before it), so that the parts' block scales are slices of the stacked ones
+    too. forward returns each part's output, a column slice of the one GEMM's."""
+
+    weight_scale_inv: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: Sequence[int], *, fp8: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        align = WEIGHT_BLOCK if fp8 else 1
+        self.starts: list[int] = []
+        rows = 0
+        for n in out_features:
+            self.starts.append(rows)
+            rows += -(-n // align) * align
+        rows = self.starts[-1] + out_features[-1]
+        self.stacked = Linear(in_features, rows, fp8=fp8, dtype=dtype, device=device, persistent=False)
+        weight, scale = self.stacked.weight, self.stacked.weight_scale_inv
+        self.parts = tuple(
+            Linear(in_features, n, fp8=fp8, dtype=dtype,
+                   storage=(weight[start:start + n],
+                            None if scale is None else scale[start // WEIGHT_BLOCK:num_blocks(start + n)]))
+            for start, n in zip(self.starts, out_features))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        for i, part in enumerate(self.parts):
+            if part.weight.data_ptr() != self.stacked.weight[self.starts[i]:].data_ptr():
+                raise RuntimeError(f"StackedLinear: part {i}'s weight is no longer a slice of the stacked one "
+                                   "(replaced or moved after construction), so the stacked GEMM would not see it")
+        y = self.stacked(x)
+        return [y[..., start:start + part.out_features] for start, part in zip(self.starts, self.parts)]
+
+    def extra_repr(self) -> str:
+        return f"parts at rows {self.starts} of {self.stacked.out_features}"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .linear import Linear
+from .linear import Linear, StackedLinear
 from .norm import RMSNorm
 from .paged_attention import AttentionMetadata, DecodeMetadata, paged_mla_attention, write_kv
 from .rotary import RotaryEmbedding, softmax_scale
@@ -44,11 +44,13 @@ class MLAttention(nn.Module):
         self.q_lora = c.q_lora_rank is not None
         if not self.q_lora:
             self.q_proj = Linear(h, q_dim, **kwargs)
+            self.kv_a_proj_with_mqa = Linear(h, c.kv_cache_dim, **kwargs)
         else:
-            self.q_a_proj = Linear(h, c.q_lora_rank, **kwargs)
+            # q_a_proj and kv_a_proj_with_mqa read the same x: one GEMM for both (their weights stacked).
+            self.fused_qkv_a_proj = StackedLinear(h, (c.q_lora_rank, c.kv_cache_dim), **kwargs)
+            self.q_a_proj, self.kv_a_proj_with_mqa = self.fused_qkv_a_proj.parts
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype=dtype, device=device)
             self.q_b_proj = Linear(c.q_lora_rank, q_dim, **kwargs)
-        self.kv_a_proj_with_mqa = Linear(h, c.kv_cache_dim, **kwargs)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype, device=device)
         self.kv_b_proj = Linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), **kwargs)
         self.o_proj = Linear(heads * c.v_head_dim, h, **kwargs)
@@ -69,10 +71,14 @@ class MLAttention(nn.Module):
         """x [T, hidden] -> [T, hidden]; writes the new tokens' [c_kv | k_pe] to `cache` (this layer's
         [num_blocks, block_size, kv_cache_dim]) first, so that they attend to themselves."""
         n = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        if self.q_lora:
+            q_a, kv_a = self.fused_qkv_a_proj(x)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q = q.view(n, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe = RotaryEmbedding.rotate(q_pe, cos, sin, self.interleave)
         k_pe = RotaryEmbedding.rotate(k_pe, cos, sin, self.interleave)
