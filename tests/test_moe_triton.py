@@ -534,10 +534,15 @@ def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, splits: 
     cache = torch.randn(num_blocks, block_size, lora + rope, generator=gen)
     q = torch.randn(b, heads, lora + rope, generator=gen)
     scale = 1 / math.sqrt(192)
-    got = mla_decode_triton.mla_decode(q.to(dtype).cuda(), cache.to(dtype).cuda(), tables.cuda(), lens.cuda(),
-                                       scale, lora, splits)
+    q_gpu = q.to(dtype).cuda()  # its two parts as strided views, as MLA passes them
+    got = mla_decode_triton.mla_decode(q_gpu[..., :lora], q_gpu[..., lora:], cache.to(dtype).cuda(), tables.cuda(),
+                                       lens.cuda(), scale, splits)
     batch = ForwardBatch(torch.zeros(b, dtype=torch.long), (lens - 1).long(), torch.arange(b + 1, dtype=torch.int32),
                          lens, tables, torch.zeros(b, dtype=torch.long), torch.arange(b), decode=True)
-    want = paged_mla_attention(q.to(dtype).double(), cache.to(dtype).double(), DecodeMetadata.from_batch(batch, 16),
-                               scale, lora)
+    q64 = q.to(dtype).double()
+    want = paged_mla_attention(q64[..., :lora], q64[..., lora:], cache.to(dtype).double(),
+                               DecodeMetadata.from_batch(batch, 16), scale)
     assert_close(got, want, 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -8, "mla_decode")  # float32: TF32 dots
+    with pytest.raises(ValueError, match="q_pe, cache"):
+        mla_decode_triton.mla_decode(q_gpu[..., :lora], q_gpu[:, :-1, lora:], cache.to(dtype).cuda(), tables.cuda(),
+                                     lens.cuda(), scale, splits)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ep_layer.moe import block_cast_to_fp8, triton_experts
-from serving.models.linear import StackedLinear
+from serving.models.linear import GateUpLinear, StackedLinear
 
 
 class Holder(nn.Module):
@@ -54,13 +54,28 @@ def test_fp8_parts_start_on_a_scale_block(sizes: tuple[int, int]) -> None:
     second_start = -(-sizes[0] // 128) * 128
     assert stacked.starts == [0, second_start]
     dense = stacked.stacked.dense_weight(torch.float32)
-    assert dense.shape == (second_start + sizes[1], 384)
+    assert dense.shape == (second_start + -(-sizes[1] // 128) * 128, 384)
     assert torch.equal(dense[:sizes[0]], holder.first.dense_weight(torch.float32))
-    assert torch.equal(dense[second_start:], holder.second.dense_weight(torch.float32))
-    assert not dense[sizes[0]:second_start].any()  # the padding rows stay zero
+    assert torch.equal(dense[second_start:second_start + sizes[1]], holder.second.dense_weight(torch.float32))
+    assert not dense[sizes[0]:second_start].any() and not dense[second_start + sizes[1]:].any()  # zero padding
     x = torch.randn(3, 384, generator=gen)
     for out, part in zip(stacked(x), (holder.first, holder.second)):
         torch.testing.assert_close(out, part(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("fp8", "intermediate"), [(False, 96), (True, 96), (True, 256)])
+def test_gate_up_is_silu_of_gate_times_up(fp8: bool, intermediate: int) -> None:
+    gen = torch.Generator().manual_seed(intermediate)
+    dtype = torch.float32 if fp8 else torch.float64
+    gate_up = GateUpLinear(256, intermediate, fp8=fp8, dtype=dtype)
+    holder = Holder(gate_up)
+    fill(holder, gen, fp8)
+    x = torch.randn(5, 256, generator=gen, dtype=dtype)
+    want = torch.nn.functional.silu(holder.first(x)) * holder.second(x)
+    got = gate_up(x)
+    assert got.shape == (5, intermediate)
+    torch.testing.assert_close(got, want, rtol=1e-5 if fp8 else 1e-12, atol=1e-5 if fp8 else 1e-12)
+    assert gate_up.stacked.out_features == 2 * gate_up.starts[1]  # gate and up halves of one height
 
 
 def test_a_replaced_part_weight_is_an_error() -> None:
@@ -86,3 +101,20 @@ def test_fp8_stacked_gemm_on_gpu_matches_the_parts(rows: int, sizes: tuple[int, 
         want = part(x).float()
         assert out.dtype == torch.bfloat16
         assert ((out.float() - want).norm() / want.norm()).item() < 4e-3
+
+
+@pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason())
+@pytest.mark.parametrize("rows", [1, 40, 300])
+@pytest.mark.parametrize("intermediate,hidden", [(2048, 7168), (96, 256)])
+def test_fp8_gate_up_on_gpu_matches_the_parts(rows: int, intermediate: int, hidden: int) -> None:
+    """The gated FP8 GEMM (SiLU * up from the float32 sums) against SiLU(gate) * up of each part's own
+    FP8 GEMM output (bf16), in float32: within the parts' bf16 rounding."""
+    gen = torch.Generator().manual_seed(rows + intermediate)
+    gate_up = GateUpLinear(hidden, intermediate, fp8=True, dtype=torch.bfloat16, device="cuda")
+    holder = Holder(gate_up)
+    fill(holder, gen, fp8=True)
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).cuda()
+    want = torch.nn.functional.silu(holder.first(x).float()) * holder.second(x).float()
+    got = gate_up(x)
+    assert got.shape == (rows, intermediate) and got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 8e-3

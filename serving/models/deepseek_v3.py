@@ -13,7 +13,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ep_layer import Buffer
@@ -21,7 +20,7 @@ from ep_layer.moe import FusedMoE
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
-from .linear import Linear
+from .linear import GateUpLinear, Linear
 from .mla import MLAttention
 from .norm import Embedding, RMSNorm
 from .paged_attention import AttentionMetadata, DecodeMetadata
@@ -41,12 +40,12 @@ class DenseMLP(nn.Module):
                  device: torch.device | str | None) -> None:
         super().__init__()
         kwargs = dict(fp8=fp8, dtype=dtype, device=device)
-        self.gate_proj = Linear(hidden, intermediate, **kwargs)
-        self.up_proj = Linear(hidden, intermediate, **kwargs)
+        self.gate_up_proj = GateUpLinear(hidden, intermediate, **kwargs)  # one GEMM; loads by the parts' names
+        self.gate_proj, self.up_proj = self.gate_up_proj.parts
         self.down_proj = Linear(intermediate, hidden, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -48,8 +48,12 @@ class Linear(nn.Module):
             return self.weight.to(dtype)
         return block_dequant(self.weight, self.weight_scale_inv).to(dtype)
 
+    def runs_fp8(self, x: torch.Tensor) -> bool:
+        """Whether forward(x) runs the FP8 GEMM (else the dequantised weight in PyTorch)."""
+        return self.weight_scale_inv is not None and x.is_cuda and triton_experts.available()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None and x.is_cuda and triton_experts.available():
+        if self.runs_fp8(x):
             y = triton_experts.fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return F.linear(x, self.dense_weight(x.dtype))
@@ -66,11 +70,9 @@ class StackedLinear(nn.Module):
 
     `parts` are ordinary Linear layers whose buffers are row slices of the stacked ones: the caller
     registers them under their checkpoint names, so a checkpoint loads into the parts, and thereby into
-    the stacked weight, which itself is not in state_dict. For FP8 each part starts on a 128-row block
-    (zero rows pad the part before it), so that the parts' block scales are slices of the stacked ones
-    too. forward returns each part's output, a column slice of the one GEMM's."""
-
-    weight_scale_inv: torch.Tensor | None
+    the stacked weight, which itself is not in state_dict. For FP8 each part takes whole 128-row blocks
+    (zero rows pad it), so that the parts' block scales are slices of the stacked ones too. forward
+    returns each part's output, a column slice of the one GEMM's."""
 
     def __init__(self, in_features: int, out_features: Sequence[int], *, fp8: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:
@@ -81,7 +83,6 @@ class StackedLinear(nn.Module):
         for n in out_features:
             self.starts.append(rows)
             rows += -(-n // align) * align
-        rows = self.starts[-1] + out_features[-1]
         self.stacked = Linear(in_features, rows, fp8=fp8, dtype=dtype, device=device, persistent=False)
         weight, scale = self.stacked.weight, self.stacked.weight_scale_inv
         self.parts = tuple(
@@ -91,12 +92,39 @@ class StackedLinear(nn.Module):
             for start, n in zip(self.starts, out_features))
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        for i, part in enumerate(self.parts):
-            if part.weight.data_ptr() != self.stacked.weight[self.starts[i]:].data_ptr():
-                raise RuntimeError(f"StackedLinear: part {i}'s weight is no longer a slice of the stacked one "
-                                   "(replaced or moved after construction), so the stacked GEMM would not see it")
+        self._check_parts()
         y = self.stacked(x)
         return [y[..., start:start + part.out_features] for start, part in zip(self.starts, self.parts)]
 
+    def _check_parts(self) -> None:
+        for i, (start, part) in enumerate(zip(self.starts, self.parts)):
+            scale = self.stacked.weight_scale_inv
+            views = [(part.weight, self.stacked.weight[start:])]
+            if scale is not None:
+                views.append((part.weight_scale_inv, scale[start // WEIGHT_BLOCK:]))
+            if any(got is None or got.data_ptr() != want.data_ptr() for got, want in views):
+                raise RuntimeError(f"{type(self).__name__}: part {i}'s weight is no longer a slice of the stacked "
+                                   "one (replaced or moved after construction), so the stacked GEMM would not see it")
+
     def extra_repr(self) -> str:
         return f"parts at rows {self.starts} of {self.stacked.out_features}"
+
+
+class GateUpLinear(StackedLinear):
+    """A SwiGLU MLP's gate_proj and up_proj (parts 0 and 1) in one GEMM: forward returns SiLU(gate) * up.
+    With FP8 weights on a GPU, the gated FP8 GEMM computes both and the SiLU * up in its epilogue, from
+    the float32 sums: one launch for two casts, two GEMMs, two sums, the SiLU and the product."""
+
+    def __init__(self, in_features: int, intermediate: int, *, fp8: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, (intermediate, intermediate), fp8=fp8, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        self._check_parts()
+        n, up = self.parts[0].out_features, self.starts[1]
+        if self.stacked.runs_fp8(x):  # up rows start at half the stacked rows (both parts padded alike)
+            y = triton_experts.fp8_block_linear(x.reshape(-1, self.stacked.in_features), self.stacked.weight,
+                                                self.stacked.weight_scale_inv, gated=True)
+            return y.view(*x.shape[:-1], up)[..., :n].to(x.dtype)
+        y = self.stacked(x)
+        return F.silu(y[..., :n]) * y[..., up:up + n]

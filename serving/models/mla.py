@@ -85,6 +85,6 @@ class MLAttention(nn.Module):
         write_kv(cache, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
 
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)  # q_nope absorbed into W_UK
-        attn = paged_mla_attention(torch.cat([q_latent, q_pe], dim=-1), cache, meta, self.scale, self.kv_lora_rank)
+        attn = paged_mla_attention(q_latent, q_pe, cache, meta, self.scale)
         out = torch.einsum("thc,hvc->thv", attn, self.w_uv)  # W_UV after attention
         return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))

@@ -38,9 +38,9 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _mla_decode_kernel(q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
+    def _mla_decode_kernel(q_latent_ptr, q_pe_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
                            H, MAX_BLOCKS, BLOCK_SIZE, SPLITS, scale,
-                           stride_qb, stride_qh, stride_cs,
+                           stride_nb, stride_nh, stride_pb, stride_ph, stride_cs,
                            LORA: tl.constexpr, ROPE: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
         """Program (b, g, s): heads [g*BLOCK_H, ...) of sequence b over its keys [s*chunk, (s+1)*chunk)
@@ -53,9 +53,10 @@ if triton is not None:
         head_ok = heads < H
         lora = tl.arange(0, LORA)
         rope = tl.arange(0, ROPE)
-        q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-        q_nope = tl.load(q_row + lora[None, :], mask=head_ok[:, None], other=0.0)
-        q_pe = tl.load(q_row + LORA + rope[None, :], mask=head_ok[:, None], other=0.0)
+        q_nope = tl.load(q_latent_ptr + b * stride_nb + heads[:, None] * stride_nh + lora[None, :],
+                         mask=head_ok[:, None], other=0.0)
+        q_pe = tl.load(q_pe_ptr + b * stride_pb + heads[:, None] * stride_ph + rope[None, :],
+                       mask=head_ok[:, None], other=0.0)
         seq_len = tl.load(lens_ptr + b)
         chunk = tl.cdiv(seq_len, SPLITS)
         start = s * chunk
@@ -111,30 +112,35 @@ def num_splits(batch: int, heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(programs, batch * triton.cdiv(heads, BLOCK_H))))
 
 
-def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               scale: float, kv_lora_rank: int, splits: int | None = None) -> torch.Tensor:
-    """Latent attention output [B, H, kv_lora_rank] (q's dtype) of q [B, H, kv_lora_rank + rope] (one new
-    token per sequence, already in the cache) against one layer's cache [num_blocks, block_size, D],
-    each sequence reading block_tables[b] (int32, -1 past its blocks) up to seq_lens[b] (>= 1), in
-    `splits` parts per sequence (default: num_splits)."""
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+    """Latent attention output [B, H, kv_lora_rank] (the queries' dtype) of the queries q_latent [B, H,
+    kv_lora_rank] (q_nope absorbed into W_UK) and q_pe [B, H, rope] (one new token per sequence, already in
+    the cache; either may be a strided view: read in place, not concatenated) against one layer's cache [num_blocks,
+    block_size, kv_lora_rank + rope], each sequence reading block_tables[b] (int32, -1 past its blocks) up
+    to seq_lens[b] (>= 1), in `splits` parts per sequence (default: num_splits)."""
     if triton is None:
         raise RuntimeError("mla_decode needs Triton")
-    b, h, d = q.shape
-    rope = d - kv_lora_rank
+    (b, h, kv_lora_rank), rope = q_latent.shape, q_pe.shape[-1]
+    d = kv_lora_rank + rope
+    if q_pe.shape[:2] != (b, h) or cache.shape[-1] != d or q_pe.dtype != q_latent.dtype:
+        raise ValueError(f"q_pe, cache: expected [{b}, {h}, rope] of {q_latent.dtype} and [..., {kv_lora_rank} + "
+                         f"rope], got {list(q_pe.shape)} of {q_pe.dtype} and {list(cache.shape)}")
     block_size = cache.shape[1]
     flat = cache.view(-1, d)
-    splits = splits or num_splits(b, h, q.device)
-    out = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q.device)
-    q = q.contiguous()
+    splits = splits or num_splits(b, h, q_latent.device)
+    out = torch.empty(b, splits, h, kv_lora_rank, dtype=torch.float32, device=q_latent.device)
+    lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_latent.device)
+    q_latent, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_pe))
     tables = block_tables.contiguous()
     grid = (b, triton.cdiv(h, BLOCK_H), splits)
-    _mla_decode_kernel[grid](q, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size, splits,
-                             scale, q.stride(0), q.stride(1), flat.stride(0), LORA=kv_lora_rank, ROPE=rope,
-                             BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    _mla_decode_kernel[grid](q_latent, q_pe, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size,
+                             splits, scale, *q_latent.stride()[:2], *q_pe.stride()[:2], flat.stride(0),
+                             LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
+                             num_stages=NUM_STAGES)
     if splits == 1:
-        return out[:, 0].to(q.dtype)
-    merged = torch.empty(b, h, kv_lora_rank, dtype=q.dtype, device=q.device)
+        return out[:, 0].to(q_latent.dtype)
+    merged = torch.empty(b, h, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     _merge_splits_kernel[(b, h)](out, lse, merged, h, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                                  LORA=kv_lora_rank, num_warps=MERGE_WARPS)
     return merged

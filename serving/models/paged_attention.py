@@ -102,14 +102,17 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Ten
     cache.view(-1, cache.shape[-1]).index_copy_(0, slot_mapping, entries.to(cache.dtype))
 
 
-def paged_mla_attention(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata | DecodeMetadata,
-                        scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """Latent attention output [T, H, kv_lora_rank] for queries q [T, H, D] (q_nope absorbed into W_UK,
-    then q_pe) against one layer's cache [num_blocks, block_size, D]: softmax(q . key * scale) . c_kv."""
+def paged_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                        meta: AttentionMetadata | DecodeMetadata, scale: float) -> torch.Tensor:
+    """Latent attention output [T, H, kv_lora_rank] for queries [q_latent | q_pe] (q_latent [T, H, kv_lora_rank]:
+    q_nope absorbed into W_UK, q_pe [T, H, rope]) against one layer's cache [num_blocks, block_size, kv_lora_rank +
+    rope]: softmax(q . key * scale) . c_kv. The Triton decode kernel reads the two parts where they are."""
+    kv_lora_rank = q_latent.shape[-1]
+    if isinstance(meta, DecodeMetadata) and q_latent.is_cuda and mla_decode_triton.available():
+        return mla_decode_triton.mla_decode(q_latent, q_pe, cache, meta.block_tables, meta.seq_lens, scale)
+    q = torch.cat([q_latent, q_pe], dim=-1)
     flat = cache.view(-1, cache.shape[-1])
     if isinstance(meta, DecodeMetadata):
-        if q.is_cuda and mla_decode_triton.available():
-            return mla_decode_triton.mla_decode(q, cache, meta.block_tables, meta.seq_lens, scale, kv_lora_rank)
         slots, visible = meta.padded_slots()
         keys = flat[slots].to(q.dtype)  # [B, L, D]
         scores = torch.einsum("bhd,bld->bhl", q, keys) * scale
