@@ -133,7 +133,10 @@ def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
         replays[size] += 1
         eager_logits = engine.model(runner.prepare(batch)).clone()
         logits = replay(batch, size)
-        torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=2e-2)
+        # Not bit for bit: the graph runs the padded batch, and kernels split their sums by batch size
+        # (cuBLAS's choice, MLA decode's splits); in bf16 that moves a logit by about 0.02 (0.022 seen).
+        # A stale or misplaced graph input moves them by far more.
+        torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=3e-2)
         return logits
 
     runner._replay = checked_replay
