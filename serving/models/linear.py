@@ -112,8 +112,9 @@ class StackedLinear(nn.Module):
 
 class GateUpLinear(StackedLinear):
     """A SwiGLU MLP's gate_proj and up_proj (parts 0 and 1) in one GEMM: forward returns SiLU(gate) * up.
-    With FP8 weights on a GPU, the gated FP8 GEMM computes both and the SiLU * up in its epilogue, from
-    the float32 sums: one launch for two casts, two GEMMs, two sums, the SiLU and the product."""
+    With FP8 weights on a GPU, the gated FP8 GEMM computes both and SiLU(gate) * up from their float32
+    sums: one cast, one GEMM (and one sum of its split-K parts) instead of two of each, a SiLU and a
+    product."""
 
     def __init__(self, in_features: int, intermediate: int, *, fp8: bool, dtype: torch.dtype,
                  device: torch.device | str | None = None) -> None:

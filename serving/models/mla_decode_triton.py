@@ -115,10 +115,11 @@ def num_splits(batch: int, heads: int, device: torch.device) -> int:
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """Latent attention output [B, H, kv_lora_rank] (the queries' dtype) of the queries q_latent [B, H,
-    kv_lora_rank] (q_nope absorbed into W_UK) and q_pe [B, H, rope] (one new token per sequence, already in
-    the cache; either may be a strided view: read in place, not concatenated) against one layer's cache [num_blocks,
-    block_size, kv_lora_rank + rope], each sequence reading block_tables[b] (int32, -1 past its blocks) up
-    to seq_lens[b] (>= 1), in `splits` parts per sequence (default: num_splits)."""
+    kv_lora_rank] (q_nope absorbed into W_UK) and q_pe [B, H, rope] (one new token per sequence, already
+    in the cache; either may be a strided view, read in place rather than concatenated) against one
+    layer's cache [num_blocks, block_size, kv_lora_rank + rope], each sequence reading block_tables[b]
+    (int32, -1 past its blocks) up to seq_lens[b] (>= 1), in `splits` parts per sequence (default:
+    num_splits)."""
     if triton is None:
         raise RuntimeError("mla_decode needs Triton")
     (b, h, kv_lora_rank), rope = q_latent.shape, q_pe.shape[-1]
