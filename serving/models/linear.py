@@ -90,21 +90,22 @@ class StackedLinear(nn.Module):
                    storage=(weight[start:start + n],
                             None if scale is None else scale[start // WEIGHT_BLOCK:num_blocks(start + n)]))
             for start, n in zip(self.starts, out_features))
+        self._addresses = self._buffer_addresses()
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         self._check_parts()
         y = self.stacked(x)
         return [y[..., start:start + part.out_features] for start, part in zip(self.starts, self.parts)]
 
+    def _buffer_addresses(self) -> list[int]:
+        return [b.data_ptr() for m in (self.stacked, *self.parts) for b in m._buffers.values() if b is not None]
+
     def _check_parts(self) -> None:
-        for i, (start, part) in enumerate(zip(self.starts, self.parts)):
-            scale = self.stacked.weight_scale_inv
-            views = [(part.weight, self.stacked.weight[start:])]
-            if scale is not None:
-                views.append((part.weight_scale_inv, scale[start // WEIGHT_BLOCK:]))
-            if any(got is None or got.data_ptr() != want.data_ptr() for got, want in views):
-                raise RuntimeError(f"{type(self).__name__}: part {i}'s weight is no longer a slice of the stacked "
-                                   "one (replaced or moved after construction), so the stacked GEMM would not see it")
+        """Raise if any buffer moved since construction: the parts' would then no longer be the stacked
+        ones' row slices (addresses only: this runs at every eager call)."""
+        if self._buffer_addresses() != self._addresses:
+            raise RuntimeError(f"{type(self).__name__}: a part's weight is no longer a slice of the stacked one "
+                               "(replaced or moved after construction), so the stacked GEMM would not see it")
 
     def extra_repr(self) -> str:
         return f"parts at rows {self.starts} of {self.stacked.out_features}"
