@@ -57,14 +57,19 @@ def replay_gpu_us(engine: LLMEngine, size: int, reps: int = 50) -> float:
     return statistics.median(event_us(graph.replay) for _ in range(reps))
 
 
-def top_kernels(engine: LLMEngine, size: int, shown: int) -> list[tuple[str, float]]:
+def top_kernels(engine: LLMEngine, size: int, shown: int) -> tuple[int, list[tuple[str, float]]]:
+    """Kernels per replay of the decode graph of `size`, and the `shown` ones that take the most time (µs
+    per replay)."""
     graph, _ = engine.runner._graphs[size]
+    replays = 5
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
-    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:shown]
-    return [(r.key[:70], r.device_time_total / 5) for r in rows]
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows = sorted(kernels, key=lambda e: e.device_time_total, reverse=True)[:shown]
+    return (sum(e.count for e in kernels) // replays,
+            [(r.key[:70], r.device_time_total / replays) for r in rows])
 
 
 def main() -> None:
@@ -90,7 +95,9 @@ def main() -> None:
         floor_ms = decode_step_bytes(Path(path), batch, 1) / args.hbm_bytes_per_s * 1e3
         print(f"{batch:>6} | {step_ms:8.2f} | {replay_ms:9.2f} | {step_ms - replay_ms:8.2f} | {floor_ms:8.2f}")
         if size:
-            for name, us in top_kernels(engine, size, args.kernels):
+            count, rows = top_kernels(engine, size, args.kernels)
+            print(f"         {count} kernels per replay")
+            for name, us in rows:
                 print(f"         {us:9.1f} us  {name}")
     print("step = host time of LLMEngine.step(); replay = GPU time of the decode graph alone; host = the rest "
           "(inputs, sampling, detokenizing, launch gaps); floor = weight bytes at the HBM bandwidth")
