@@ -1,7 +1,7 @@
 """Where a decode step's time goes, in one engine without HTTP: for a few batch sizes, the host time of
-a whole `LLMEngine.step()` (schedule, inputs, graph replay, sampling, detokenizing) next to the GPU
-time of the decode graph's replay alone (CUDA events), and the GPU kernels that take the most time in
-one replay (torch.profiler), against the weight-bytes floor of that step.
+a decode step (schedule, inputs, graph replay, sampling, detokenizing) with async scheduling and
+without it, next to the GPU time of the decode graph's replay alone (CUDA events), and the GPU kernels
+that take the most time in one replay (torch.profiler), against the weight-bytes floor of that step.
 
     python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
     python benchmarks/profile_decode.py /tmp/v3-4l --load-format dummy --batch 1 64
@@ -36,17 +36,24 @@ def build_engine(path: str, load_format: str, device: str, max_num_seqs: int, ma
                      device=torch.device(device), use_cuda_graphs=device == "cuda")
 
 
-def decode_steps(engine: LLMEngine, batch: int, steps: int) -> list[float]:
-    """Host seconds of the first `steps` decode-only steps of `batch` sequences (prefill not timed)."""
+def decode_steps(engine: LLMEngine, batch: int, steps: int, async_scheduling: bool) -> list[float]:
+    """Host seconds of the first `steps` decode-only steps of `batch` sequences (prefill not timed). With
+    async scheduling a step's call returns once the step before it is done, so in a row of decode steps
+    each call takes what a step takes: the GPU's time, or the host's if that is longer."""
+    engine.async_scheduling = async_scheduling
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [3 + (7 * i + j) % 200 for j in range(PROMPT_LEN)], params)
+        engine.add_request(f"b{batch}-{async_scheduling}-{i}", [3 + (7 * i + j) % 200 for j in range(PROMPT_LEN)],
+                           params)
     times: list[float] = []
     while engine.has_work():
         scheduled = engine.schedule()
         timed = len(times) < steps and scheduled.is_decode_only and len(scheduled.seqs) == batch
         start = time.perf_counter()
-        engine.execute(scheduled, engine.graph_size_alone(scheduled))
+        if scheduled:
+            engine.execute(scheduled, engine.graph_size_alone(scheduled))
+        else:
+            engine.flush()
         if timed:
             times.append(time.perf_counter() - start)
     return times
@@ -87,20 +94,24 @@ def main() -> None:
     engine = build_engine(path, args.load_format, device, max(args.batch), args.max_model_len)
     print(f"# {path} ({args.load_format}) on {device}; graphs {engine.runner.captured_sizes} captured in "
           f"{engine.runner.capture_seconds:.1f} s; step times are medians of {args.steps}")
-    print(f"{'batch':>6} | {'step_ms':>8} | {'replay_ms':>9} | {'host_ms':>8} | {'floor_ms':>8}")
+    print(f"{'batch':>6} | {'step_ms':>8} | {'sync_ms':>8} | {'replay_ms':>9} | {'host_ms':>8} | "
+          f"{'sync_host_ms':>12} | {'floor_ms':>8}")
     for batch in args.batch:
-        step_ms = statistics.median(decode_steps(engine, batch, args.steps)) * 1e3
+        step_ms, sync_ms = (statistics.median(decode_steps(engine, batch, args.steps, mode)) * 1e3
+                            for mode in (True, False))
         size = next((s for s in engine.runner.captured_sizes if s >= batch), None)
         replay_ms = replay_gpu_us(engine, size) / 1e3 if size else float("nan")
         floor_ms = decode_step_bytes(Path(path), batch, 1) / args.hbm_bytes_per_s * 1e3
-        print(f"{batch:>6} | {step_ms:8.2f} | {replay_ms:9.2f} | {step_ms - replay_ms:8.2f} | {floor_ms:8.2f}")
+        print(f"{batch:>6} | {step_ms:8.2f} | {sync_ms:8.2f} | {replay_ms:9.2f} | {step_ms - replay_ms:8.2f} | "
+              f"{sync_ms - replay_ms:12.2f} | {floor_ms:8.2f}")
         if size:
             count, rows = top_kernels(engine, size, args.kernels)
             print(f"         {count} kernels per replay")
             for name, us in rows:
                 print(f"         {us:9.1f} us  {name}")
-    print("step = host time of LLMEngine.step(); replay = GPU time of the decode graph alone; host = the rest "
-          "(inputs, sampling, detokenizing, launch gaps); floor = weight bytes at the HBM bandwidth")
+    print("step = host time of a decode step with async scheduling, sync = without it; replay = GPU time of the "
+          "decode graph alone; host = step - replay: what the host adds (inputs, sampling, detokenizing, launch "
+          "gaps); floor = weight bytes at the HBM bandwidth")
 
 
 if __name__ == "__main__":

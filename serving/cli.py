@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never capture CUDA graphs for decode (by default a GPU rank on the cuda backend "
                         "captures one per decode batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs; "
                         "without Triton only when --max-model-len is at most 4096)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each step before reading the last one's sampled tokens, so that scheduling and "
+                        "detokenizing on the host overlap the GPU's work (default on; --no-async-scheduling: "
+                        "each step waits for its tokens)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn and ep-serve log level")
     _add_multi_host_args(p)
@@ -131,6 +135,7 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         **_rank_placement(args))
 
 

@@ -1,6 +1,7 @@
 """serving.engine against the fake model (tests/serving_fakes.py), whose logits come from the tokens it
 reads back through the block tables: scheduling, chunked prefill, paged KV blocks, preemption, stop
-conditions, streaming text, seeded sampling, cancellation, and ranks stepping together (EP)."""
+conditions, streaming text, seeded sampling, cancellation, and ranks stepping together (EP); each with
+and without async scheduling (a step's tokens read on the device by the next step)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ from serving.engine.step_sync import StepSync
 
 TOK = FakeTokenizer()
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
 def make_engine(budget: int = 8, block_size: int = 4, num_blocks: int = 256, max_model_len: int = 128,
                 max_num_seqs: int = 8, eos_bias: float = -4.0, group=None, rank: int = 0,
-                num_ranks: int = 1) -> LLMEngine:
+                num_ranks: int = 1, async_scheduling: bool = False) -> LLMEngine:
     model = FakeModel(budget, group, eos_bias)
     return LLMEngine(model, TOK, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=budget, device=torch.device("cpu"),
-                     rank=rank, num_ranks=num_ranks)
+                     rank=rank, num_ranks=num_ranks, async_scheduling=async_scheduling)
 
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
@@ -71,8 +73,9 @@ def check_blocks(engine: LLMEngine) -> None:
 
 
 # ---------------------------------------------------------------------------- batching and the KV cache
-def test_greedy_matches_reference_with_chunked_prefill_and_mixed_batches():
-    engine = make_engine(budget=8)
+@BOTH_MODES
+def test_greedy_matches_reference_with_chunked_prefill_and_mixed_batches(async_scheduling: bool):
+    engine = make_engine(budget=8, async_scheduling=async_scheduling)
     lengths = [1, 5, 8, 9, 17, 30]
     requests = {f"r{n}": (prompt_of(n, n), GREEDY) for n in lengths}
     outs = run(engine, requests)
@@ -96,8 +99,9 @@ def test_chunked_prefill_steps_and_decode_alongside():
     check_blocks(engine)
 
 
-def test_block_accounting_through_a_run():
-    engine = make_engine(budget=8, block_size=4)
+@BOTH_MODES
+def test_block_accounting_through_a_run(async_scheduling: bool):
+    engine = make_engine(budget=8, block_size=4, async_scheduling=async_scheduling)
     for i, n in enumerate([3, 10, 4, 21]):
         engine.add_request(f"r{i}", prompt_of(n, i), SamplingParams(max_tokens=6 + i, temperature=0, ignore_eos=True))
     for _ in range(200):
@@ -110,9 +114,10 @@ def test_block_accounting_through_a_run():
     assert engine.block_manager.usage == 0.0
 
 
-def test_preemption_when_the_cache_runs_out_recomputes_correctly():
+@BOTH_MODES
+def test_preemption_when_the_cache_runs_out_recomputes_correctly(async_scheduling: bool):
     # 3 sequences of up to 40 tokens, blocks of 4: 30 blocks needed, 12 available (one full sequence fits).
-    engine = make_engine(budget=8, block_size=4, num_blocks=12, max_model_len=48)
+    engine = make_engine(budget=8, block_size=4, num_blocks=12, max_model_len=48, async_scheduling=async_scheduling)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     requests = {f"r{i}": (prompt_of(20, i), params) for i in range(3)}
     outs = run(engine, requests)
@@ -122,10 +127,11 @@ def test_preemption_when_the_cache_runs_out_recomputes_correctly():
     assert engine.block_manager.num_free_blocks == 12
 
 
-def test_generate_runs_prompts_to_completion():
+@BOTH_MODES
+def test_generate_runs_prompts_to_completion(async_scheduling: bool):
     prompts = [prompt_of(4, 1), prompt_of(11, 2)]
-    assert make_engine().generate(prompts, GREEDY) == [TOK.decode(reference_greedy(p, 12, ignore_eos=True))
-                                                       for p in prompts]
+    want = [TOK.decode(reference_greedy(p, 12, ignore_eos=True)) for p in prompts]
+    assert make_engine(async_scheduling=async_scheduling).generate(prompts, GREEDY) == want
 
 
 def test_max_num_seqs_bounds_the_running_set():
@@ -137,8 +143,9 @@ def test_max_num_seqs_bounds_the_running_set():
     assert (stats.num_running, stats.num_waiting) == (2, 3)
 
 
-def test_a_sequence_stops_at_max_model_len():
-    engine = make_engine(max_model_len=16)
+@BOTH_MODES
+def test_a_sequence_stops_at_max_model_len(async_scheduling: bool):
+    engine = make_engine(max_model_len=16, async_scheduling=async_scheduling)
     outs = run(engine, {"r": (prompt_of(10), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))})
     assert len(tokens(outs["r"])) == 6 and outs["r"][-1].finish_reason == "length"
 
@@ -161,14 +168,15 @@ def greedy_text(prompt: list[int], n: int = 40) -> str:
     return TOK.decode(reference_greedy(prompt, n, ignore_eos=True))
 
 
-def test_stop_string_trims_output_and_streaming_never_shows_it():
+@BOTH_MODES
+def test_stop_string_trims_output_and_streaming_never_shows_it(async_scheduling: bool):
     prompt = prompt_of(6, 2)
     full = greedy_text(prompt)
     stop = full[15:18]
     cut = full.find(stop)
     assert cut > 0, "pick another prompt: the stop string must not start the text"
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=("never there", stop))
-    outs = run(make_engine(), {"r": (prompt, params)})["r"]
+    outs = run(make_engine(async_scheduling=async_scheduling), {"r": (prompt, params)})["r"]
     assert text(outs) == full[:cut]
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
     streamed = ""
@@ -177,28 +185,30 @@ def test_stop_string_trims_output_and_streaming_never_shows_it():
         assert full[:cut].startswith(streamed), "streamed text went past the stop string's start"
 
 
-def test_earliest_stop_string_wins():
+@BOTH_MODES
+def test_earliest_stop_string_wins(async_scheduling: bool):
     prompt = prompt_of(5, 4)
     full = greedy_text(prompt)
     early, late = full[8:10], full[20:23]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=(late, early))
-    outs = run(make_engine(), {"r": (prompt, params)})["r"]
+    outs = run(make_engine(async_scheduling=async_scheduling), {"r": (prompt, params)})["r"]
     assert text(outs) == full[:full.find(early)] and outs[-1].stop_reason == early
 
 
-def test_stop_token_ids_and_eos():
+@BOTH_MODES
+def test_stop_token_ids_and_eos(async_scheduling: bool):
     prompt = prompt_of(4, 3)
     ref = reference_greedy(prompt, 12, ignore_eos=True)
     stop_id = ref[4]
     first = ref.index(stop_id)
-    outs = run(make_engine(), {"r": (prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,),
-                                                           ignore_eos=True))})["r"]
+    params = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,), ignore_eos=True)
+    outs = run(make_engine(async_scheduling=async_scheduling), {"r": (prompt, params)})["r"]
     assert tokens(outs) == ref[:first + 1]  # the stop token counts as generated, its text is not shown
     assert text(outs) == TOK.decode(ref[:first]) and outs[-1].stop_reason == stop_id
     # A model that likes EOS: stop there (EOS not in the text), or go on to max_tokens with ignore_eos.
     ref_eos = reference_greedy(prompt, 12, eos_bias=8.0)
     assert ref_eos[-1] == EOS and len(ref_eos) < 12
-    engine = make_engine(eos_bias=8.0)
+    engine = make_engine(eos_bias=8.0, async_scheduling=async_scheduling)
     outs = run(engine, {"eos": (prompt, SamplingParams(max_tokens=12, temperature=0)),
                         "ignore": (prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))})
     assert tokens(outs["eos"]) == ref_eos and outs["eos"][-1].finish_reason == "stop"
@@ -219,26 +229,28 @@ def test_incremental_detokenizer_holds_back_split_characters():
 
 
 # ---------------------------------------------------------------------------- sampling
-def test_seeded_sampling_is_reproducible_whatever_the_batch():
+@BOTH_MODES
+def test_seeded_sampling_is_reproducible_whatever_the_batch(async_scheduling: bool):
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
     prompt = prompt_of(7, 5)
-    alone = tokens(run(make_engine(), {"r": (prompt, params)})["r"])
+    alone = tokens(run(make_engine(async_scheduling=async_scheduling), {"r": (prompt, params)})["r"])
     crowd = {f"o{i}": (prompt_of(3 + i, i), SamplingParams(max_tokens=15, temperature=0.8, ignore_eos=True))
              for i in range(4)}
     crowd["r"] = (prompt, params)
-    batched = tokens(run(make_engine(), crowd)["r"])
+    batched = tokens(run(make_engine(async_scheduling=async_scheduling), crowd)["r"])
     assert alone == batched
-    other = tokens(run(make_engine(), {"r": (prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=99,
-                                                                     ignore_eos=True))})["r"])
+    reseeded = SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True)
+    other = tokens(run(make_engine(async_scheduling=async_scheduling), {"r": (prompt, reseeded)})["r"])
     assert other != alone
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy():
+@BOTH_MODES
+def test_top_k_1_and_tiny_top_p_are_greedy(async_scheduling: bool):
     prompt = prompt_of(5, 6)
     ref = reference_greedy(prompt, 10, ignore_eos=True)
     for params in (SamplingParams(max_tokens=10, temperature=0.7, top_k=1, ignore_eos=True, seed=1),
                    SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True)):
-        assert tokens(run(make_engine(), {"r": (prompt, params)})["r"]) == ref
+        assert tokens(run(make_engine(async_scheduling=async_scheduling), {"r": (prompt, params)})["r"]) == ref
 
 
 def test_sampler_respects_top_k_and_top_p_sets():
@@ -252,8 +264,9 @@ def test_sampler_respects_top_k_and_top_p_sets():
 
 
 # ---------------------------------------------------------------------------- cancellation
-def test_abort_frees_blocks_and_leaves_the_others_alone():
-    engine = make_engine(max_num_seqs=2)
+@BOTH_MODES
+def test_abort_frees_blocks_and_leaves_the_others_alone(async_scheduling: bool):
+    engine = make_engine(max_num_seqs=2, async_scheduling=async_scheduling)
     keep, drop, queued = prompt_of(9, 1), prompt_of(12, 2), prompt_of(4, 3)
     engine.add_request("keep", keep, GREEDY)
     engine.add_request("drop", drop, GREEDY)
@@ -282,30 +295,96 @@ def test_abort_frees_blocks_and_leaves_the_others_alone():
     assert engine.abort("w").finish_reason == "abort" and not engine.has_work()
 
 
+# ---------------------------------------------------------------------------- async scheduling
+def test_async_scheduling_hands_out_a_steps_tokens_with_the_next_step():
+    engine = make_engine(async_scheduling=True)
+    engine.add_request("r", prompt_of(3), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    want = reference_greedy(prompt_of(3), 3, ignore_eos=True)
+    assert engine.step() == [] and engine.has_work()  # the prefill's token is still on the device
+    seq = engine.requests["r"]
+    assert (seq.num_pending, seq.output_token_ids, seq.num_tokens) == (1, [], 4)
+    assert [o.new_token_ids for o in engine.step()] == [want[:1]]  # launched the next step, then read it
+    assert [o.new_token_ids for o in engine.step()] == [want[1:2]]
+    # Its last token is pending and reaches max_tokens: nothing more is computed, the step only reads it.
+    forwards = engine.model.num_forwards
+    last = engine.step()
+    assert [o.new_token_ids for o in last] == [want[2:]] and last[0].finish_reason == "length"
+    assert engine.model.num_forwards == forwards and not engine.has_work()
+    assert engine.flush() == []
+
+
+@pytest.mark.parametrize("eos_bias", [-4.0, 8.0], ids=["length", "eos"])
+def test_async_scheduling_computes_one_extra_row_only_for_sequences_that_stop_on_a_token(eos_bias: float):
+    """max_tokens and max_model_len are known ahead: no wasted row. EOS is known a step late: one row."""
+    requests = {f"r{i}": (prompt_of(3 + 4 * i, i), SamplingParams(max_tokens=6 + 3 * i, temperature=0))
+                for i in range(4)}
+    requests["long"] = (prompt_of(5, 9), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+    runs = {}
+    for mode in (False, True):
+        engine = make_engine(eos_bias=eos_bias, max_model_len=40, async_scheduling=mode)
+        outs = run(engine, requests)
+        runs[mode] = ({rid: (tokens(o), o[-1].finish_reason) for rid, o in outs.items()},
+                      sum(n for _, n in engine.model.batches))
+        check_blocks(engine)
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    (sync_outs, sync_rows), (async_outs, async_rows) = runs[False], runs[True]
+    assert async_outs == sync_outs
+    want_long = reference_greedy(prompt_of(5, 9), 35, eos_bias=eos_bias, ignore_eos=True)
+    assert sync_outs["long"] == (want_long, "length")  # cut at max_model_len
+    stopped_on_eos = sum(reason == "stop" for _, reason in sync_outs.values())
+    assert (stopped_on_eos > 0) == (eos_bias > 0)
+    assert async_rows == sync_rows + stopped_on_eos
+
+
+def test_async_scheduling_survives_preemption_and_aborts_with_pending_tokens():
+    engine = make_engine(budget=8, block_size=4, num_blocks=12, max_model_len=48, async_scheduling=True)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt_of(20, i), params)
+    outs: dict[str, list[RequestOutput]] = {f"r{i}": [] for i in range(3)}
+    aborted = None
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outs[out.request_id].append(out)
+        if aborted is None and engine.scheduler.num_preemptions and engine.requests["r0"].num_pending:
+            aborted = engine.abort("r0")  # its pending token is dropped when it arrives
+            check_blocks(engine)
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert all(o.finish_reason is None for o in outs["r0"])
+    for rid in ("r1", "r2"):
+        assert tokens(outs[rid]) == reference_greedy(prompt_of(20, int(rid[1])), 20, ignore_eos=True), rid
+    assert engine.block_manager.num_free_blocks == 12
+
+
 # ---------------------------------------------------------------------------- expert parallelism
-def _ep_rank(rank: int, world_size: int) -> dict:
+def _ep_rank(rank: int, world_size: int, async_scheduling: bool) -> dict:
     import torch.distributed as dist
 
     sync = StepSync(dist.new_group(backend="gloo"))
-    engine = make_engine(budget=8, group=dist.group.WORLD, rank=rank, num_ranks=world_size)
+    engine = make_engine(budget=8, group=dist.group.WORLD, rank=rank, num_ranks=world_size,
+                         async_scheduling=async_scheduling)
     mine = {0: [3, 20, 7], 1: [2]}[rank]
     for i, n in enumerate(mine):
         engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
     got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
-    for _ in range(500):
+    for _ in range(500):  # as serving.engine.rank_worker.RankLoop steps
         batch = engine.schedule()
         plan = sync.agree(len(batch.seqs), batch.is_decode_only)
-        if not plan.step:
-            break
-        for out in engine.execute(batch):
+        outputs = engine.execute(batch) if plan.step else engine.flush()
+        for out in outputs:
             got[out.request_id] += out.new_token_ids
+        if not plan.step and not engine.has_work():
+            break
     want = {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
             for i, n in enumerate(mine)}
     return {"ok": got == want, "forwards": engine.model.num_forwards, "empty": engine.model.num_empty_forwards}
 
 
-def test_expert_parallel_ranks_step_together_with_empty_batches():
-    results = run_ranks(_ep_rank, 2, timeout_s=60)
+@BOTH_MODES
+def test_expert_parallel_ranks_step_together_with_empty_batches(async_scheduling: bool):
+    results = run_ranks(_ep_rank, 2, async_scheduling, timeout_s=60)
     assert all(r["ok"] for r in results), results
     assert results[0]["forwards"] == results[1]["forwards"]  # FakeModel also checks this at every forward
     assert results[0]["empty"] == 0 and results[1]["empty"] > 0

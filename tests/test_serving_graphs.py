@@ -1,6 +1,7 @@
 """Decode steps without host syncs and their CUDA graphs (serving.engine.model_runner): the decode
 attention layout against the general one, padded decode batches against unpadded ones on the tiny
-DeepSeek-V3 model (CPU), and on a GPU the graph-replaying engine against the eager one."""
+DeepSeek-V3 model (CPU), and on a GPU the graph-replaying engine against the eager one, with async
+scheduling and without."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "bf16")
 
 
-def make_engine(path: str, device: str, use_cuda_graphs: bool, backend: str, max_num_seqs: int = 8) -> LLMEngine:
+def make_engine(path: str, device: str, use_cuda_graphs: bool, backend: str, max_num_seqs: int = 8,
+                async_scheduling: bool = False) -> LLMEngine:
     model = load_model(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
                        progress=False)
     return LLMEngine(model, load_tokenizer(path), num_blocks=64, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=32, device=torch.device(device),
-                     use_cuda_graphs=use_cuda_graphs)
+                     use_cuda_graphs=use_cuda_graphs, async_scheduling=async_scheduling)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -129,10 +131,10 @@ def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
     replays = {size: 0 for size in runner.captured_sizes}
     replay = runner._replay
 
-    def checked_replay(batch: ScheduledBatch, size: int) -> torch.Tensor:
+    def checked_replay(batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
         replays[size] += 1
         eager_logits = engine.model(runner.prepare(batch)).clone()
-        logits = replay(batch, size)
+        logits = replay(batch, size, pending_tokens)
         # Not bit for bit: the graph runs the padded batch, and kernels split their sums by batch size
         # (cuBLAS's choice, MLA decode's splits); in bf16 that moves a logit by about 0.02 (0.022 seen).
         # A stale or misplaced graph input moves them by far more.
@@ -144,9 +146,34 @@ def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
     assert replays[8] > 0 and replays[4] > 0 and replays[1] > 0, replays
 
 
-def generate(engine: LLMEngine, prompt_ids: list[list[int]], lengths: list[int]) -> dict[str, list[int]]:
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
+    """Graph replays whose input tokens are the last step's samples, copied on the device (in order, and
+    by index once sequences finish), give the tokens of an engine that reads every step's samples on
+    the host first: greedy and seeded sampling, staggered lengths, batches 7 down to 1."""
+    from ep_layer import native
+
+    if not native.available():
+        pytest.skip("the cuda backend is not built")
+    prompt_ids = prompts(7, seed=4)
+    lengths = [3 + 3 * i for i in range(7)]
+    seeded = {1: 11, 4: 7}  # request: seed (temperature 1); the others greedy
+    runs = []
+    for mode in (False, True):
+        engine = make_engine(checkpoint, "cuda", use_cuda_graphs=True, backend="cuda", async_scheduling=mode)
+        runs.append(generate(engine, prompt_ids, lengths, seeded))
+        assert not engine.has_work() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        del engine
+    assert runs[1] == runs[0]
+    assert [len(runs[1][str(i)]) for i in range(7)] == lengths
+
+
+def generate(engine: LLMEngine, prompt_ids: list[list[int]], lengths: list[int],
+             seeds: dict[int, int] | None = None) -> dict[str, list[int]]:
     for i, (p, n) in enumerate(zip(prompt_ids, lengths)):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        seed = (seeds or {}).get(i)
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0 if seed is None else 1.0,
+                                                     seed=seed, ignore_eos=True))
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompt_ids))}
     while engine.has_work():
         for out in engine.step():

@@ -13,6 +13,10 @@ Graphs need a GPU, MoE layers whose Buffer backend is `cuda` (the reference back
 with the host inside dispatch), and, without Triton's MLA decode kernel, max_model_len <=
 GRAPH_MAX_MODEL_LEN: the graph-safe PyTorch decode attention (serving.models.paged_attention) reads
 max_model_len keys per sequence. Otherwise, or with enforce_eager, every step runs eagerly.
+
+Pending tokens (async scheduling, serving.engine.engine): a sequence's last token may still be on the
+device, sampled by the previous step; the inputs are built with 0 in its place and the device copies the
+token in before the model runs, so the host never waits for it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..models import mla_decode_triton
+from .sampling import to_device
 from .scheduler import ScheduledBatch
 
 LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
@@ -34,6 +39,22 @@ _TENSORS = ("input_ids", "positions", "query_start", "seq_lens", "block_tables",
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     """The cache slot of a sequence's token at `position`."""
     return block_table[position // block_size] * block_size + position % block_size
+
+
+def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+    """(rows of the batch's input_ids that are pending tokens, each one's row among the previous step's
+    sampled tokens). A pending token is its sequence's last, and at most one is pending when a step is built."""
+    rows: list[int] = []
+    sources: list[int] = []
+    offset = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        if seq.num_pending > 1:
+            raise RuntimeError(f"request {seq.request_id!r}: {seq.num_pending} pending tokens when a step is built")
+        if seq.num_pending and seq.num_computed_tokens + n == seq.num_tokens:
+            rows.append(offset + n - 1)
+            sources.append(seq.pending_row)
+        offset += n
+    return rows, sources
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:
@@ -169,7 +190,7 @@ class ModelRunner:
         rows = {name: getattr(s, name)[:size + 1 if name == "query_start" else size] for name in _TENSORS}
         return ForwardBatch(**rows, decode=True)
 
-    def _replay(self, batch: ScheduledBatch, size: int) -> torch.Tensor:
+    def _replay(self, batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
         if batch and not batch.is_decode_only:
             raise ValueError("graph_size: only a decode-only or empty batch replays a decode graph")
         if size not in self._graphs:
@@ -178,19 +199,38 @@ class ModelRunner:
         static = self._static_view(size)
         for name in ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"):
             getattr(static, name).copy_(getattr(host, name).pin_memory(), non_blocking=True)
+        self._fill_pending(static.input_ids, batch, pending_tokens)
         graph, logits = self._graphs[size]
         graph.replay()
         return logits[:len(batch.seqs)]
 
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, graph_size: int | None = None,
+                pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits float32 [len(batch.seqs), vocab]; an empty batch still runs the model (its MoE layers
         take part in the other ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay
-        that captured decode graph (see `graph_size`), None: run eagerly."""
+        that captured decode graph (see `graph_size`), None: run eagerly. pending_tokens: the previous
+        step's sampled tokens on the device, where the batch's pending tokens are (see pending_inputs)."""
         if graph_size is not None:
-            return self._replay(batch, graph_size)
-        return self.model(self.prepare(batch))
+            return self._replay(batch, graph_size, pending_tokens)
+        inputs = self.prepare(batch)
+        self._fill_pending(inputs.input_ids, batch, pending_tokens)
+        return self.model(inputs)
+
+    def _fill_pending(self, input_ids: torch.Tensor, batch: ScheduledBatch,
+                      pending_tokens: torch.Tensor | None) -> None:
+        """Copy the batch's pending tokens from `pending_tokens` into `input_ids`, on the device."""
+        rows, sources = pending_inputs(batch)
+        if not rows:
+            return
+        if pending_tokens is None:
+            raise RuntimeError("pending_tokens: the batch has pending tokens but none were given")
+        if rows == sources == list(range(len(rows))):  # the same sequences as the last step, in order
+            input_ids[:len(rows)].copy_(pending_tokens[:len(rows)])
+            return
+        index = to_device(rows + sources, torch.int64, input_ids.device).view(2, -1)
+        input_ids.index_copy_(0, index[0], pending_tokens.index_select(0, index[1]))
 
 
 def why_eager(device: torch.device, ep_backend: str | None, max_model_len: int) -> str | None:

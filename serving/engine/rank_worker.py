@@ -103,7 +103,7 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
                            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                            max_tokens_per_rank=config.max_tokens_per_rank, device=device, seed=config.seed + rank,
                            rank=rank, num_ranks=config.data_parallel_size,
-                           use_cuda_graphs=not config.enforce_eager)
+                           use_cuda_graphs=not config.enforce_eager, async_scheduling=config.async_scheduling)
         if rank == 0 and engine.runner.captured_sizes:
             print(f"Captured decode CUDA graphs for batch sizes {engine.runner.captured_sizes} in "
                   f"{engine.runner.capture_seconds:.1f} s", file=sys.stderr, flush=True)
@@ -176,7 +176,7 @@ class RankLoop:
                 return
             idle = not plan.step
             if idle:
-                self._send([])
+                self._send(self.engine.flush())  # the last step's tokens (async scheduling)
                 continue
             graph_size = self.engine.runner.graph_size(plan.max_num_seqs) if plan.decode_only else None
             self._send(self.engine.execute(batch, graph_size))

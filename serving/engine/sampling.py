@@ -1,5 +1,6 @@
 """Next tokens from logits: greedy at temperature 0, else temperature, top-k, top-p and a draw from the
-request's own seeded generator (or the engine's, for requests without a seed)."""
+request's own seeded generator (or the engine's, for requests without a seed). Nothing here waits for
+the GPU: the tokens stay on the device until the caller reads them."""
 
 from __future__ import annotations
 
@@ -23,33 +24,43 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> list[int]:
+        return self.sample(logits, params, generators).tolist()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The tokens, int64 [num_seqs] on the logits' device."""
         if logits.shape[0] != len(params):
             raise ValueError(f"logits: expected {len(params)} rows (one per sequence), got {logits.shape[0]}")
-        if logits.shape[0] == 0:
-            return []
         tokens = torch.argmax(logits, dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = to_device(sampled, torch.int64, logits.device)
             probs = _probs(logits[rows].float(), [params[i] for i in sampled])
             for j, i in enumerate(sampled):
                 gen = generators[i] if generators[i] is not None else self.default_generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return tokens.tolist()
+        return tokens
+
+
+def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied from pinned memory without waiting for the device (a
+    plain torch.tensor(..., device=cuda) synchronises its stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of logits / temperature restricted to each row's top-k and top-p set."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    temps = to_device([p.temperature for p in params], logits.dtype, logits.device)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_ks) < vocab:
-        ks = torch.tensor(top_ks, device=logits.device)
+        ks = to_device(top_ks, torch.int64, logits.device)
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (ks - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+        top_ps = to_device([p.top_p for p in params], logits.dtype, logits.device)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens above it already reach top_p; the first token always stays.

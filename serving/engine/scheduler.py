@@ -1,7 +1,7 @@
 """Continuous batching with chunked prefill: each step takes up to `token_budget` tokens (the MoE
 layer's T), running sequences first (one decode token each, or the next chunk of their prompt), then
 waiting ones. When the KV cache runs out, the newest running sequence is preempted and recomputed
-later."""
+later. A running sequence whose pending tokens (async scheduling) will finish it is left out."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int) -> None:
         self.block_manager = block_manager
-        self.max_num_seqs, self.token_budget = max_num_seqs, token_budget
+        self.max_num_seqs, self.token_budget, self.max_model_len = max_num_seqs, token_budget, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -54,6 +54,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.at_limit(self.max_model_len):
+                i += 1
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + n
             while not self.block_manager.can_grow(seq, target) and self.running[-1] is not seq:

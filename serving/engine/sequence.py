@@ -52,8 +52,11 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request. Its tokens are prompt + output; the first `num_computed_tokens` of them have their
-    KV in the cache (blocks in `block_table`). After a preemption, everything is recomputed."""
+    """One request. Its tokens are prompt + output + `num_pending`; the first `num_computed_tokens` of
+    them have their KV in the cache (blocks in `block_table`). After a preemption, everything is
+    recomputed. With async scheduling a sampled token stays on the device until the engine's next step
+    has been launched: it is pending (counted, not yet in output_token_ids; the latest is row
+    `pending_row` of that step's sampled tokens), and the next step reads it there."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -68,6 +71,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    num_pending: int = 0
+    pending_row: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,20 +80,30 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, output and pending tokens: the length the model sees."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    def at_limit(self, max_model_len: int) -> bool:
+        """Whether its pending tokens already reach max_tokens or max_model_len: the sequence finishes
+        when they arrive, so no further token is computed for it."""
+        return self.num_pending > 0 and (len(self.output_token_ids) + self.num_pending >= self.params.max_tokens
+                                         or self.num_tokens >= max_model_len)
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without building the whole list."""
-        p = len(self.prompt_token_ids)
+        """Tokens [start, end), without building the whole list; a pending token (still on the device)
+        reads as 0 here."""
+        p, known = len(self.prompt_token_ids), len(self.prompt_token_ids) + len(self.output_token_ids)
+        unknown = [0] * (end - max(start, known)) if end > known else []
+        end = min(end, known)
         if end <= p:
-            return self.prompt_token_ids[start:end]
+            return self.prompt_token_ids[start:end] + unknown
         if start >= p:
-            return self.output_token_ids[start - p:end - p]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+            return self.output_token_ids[start - p:end - p] + unknown
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p] + unknown
 
     @property
     def finished(self) -> bool:
