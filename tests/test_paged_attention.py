@@ -1,0 +1,88 @@
+"""Paged MLA attention of a step that mixes prompts and decodes (serving.models.paged_attention): the
+sequences with one new token attend together as a decode batch, the others one at a time; every
+output row against float64 attention computed from the cache directly, on CPU and on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.forward_batch import ForwardBatch
+from serving.models import mla_decode_triton
+from serving.models.paged_attention import AttentionMetadata, paged_mla_attention
+
+BLOCK_SIZE, NUM_BLOCKS, HEADS, LORA, ROPE = 4, 64, 3, 32, 8
+# (tokens in the cache after the step, new tokens): decodes at several lengths (one is the sequence's
+# first token), a whole prompt and a prompt's later chunk.
+SEQUENCES = [(9, 1), (1, 1), (6, 6), (17, 1), (13, 5), (4, 1)]
+
+
+def mixed_batch(device: str, gen: torch.Generator) -> ForwardBatch:
+    """SEQUENCES on random, scattered blocks (block tables padded with -1)."""
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    width = max(-(-length // BLOCK_SIZE) for length, _ in SEQUENCES) + 1
+    positions, slots, starts, tables = [], [], [0], []
+    for length, new in SEQUENCES:
+        table = [blocks.pop() for _ in range(-(-length // BLOCK_SIZE))]
+        tables.append(table + [-1] * (width - len(table)))
+        for p in range(length - new, length):
+            positions.append(p)
+            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+        starts.append(starts[-1] + new)
+    i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+    return ForwardBatch(torch.zeros(len(positions), **i64), torch.tensor(positions, **i64),
+                        torch.tensor(starts, **i32), torch.tensor([n for n, _ in SEQUENCES], **i32),
+                        torch.tensor(tables, **i32), torch.tensor(slots, **i64), torch.tensor(starts[1:], **i64) - 1)
+
+
+def float64_attention(q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """Each new token against its sequence's cache entries at positions up to its own, in float64."""
+    flat, tables = cache.double().view(-1, cache.shape[-1]), batch.block_tables.tolist()
+    out, row = [], 0
+    for i, (length, new) in enumerate(SEQUENCES):
+        keys = torch.stack([flat[tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(length)])
+        for p in range(length - new, length):
+            scores = torch.einsum("hd,ld->hl", q[row].double(), keys[:p + 1]) * scale
+            out.append(torch.softmax(scores, dim=-1) @ keys[:p + 1, :LORA])
+            row += 1
+    return torch.stack(out)
+
+
+def check_mixed_step(device: str, dtype: torch.dtype, atol: float) -> None:
+    gen = torch.Generator().manual_seed(7)
+    batch = mixed_batch(device, gen)
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, LORA + ROPE, generator=gen).to(device, dtype)
+    q = torch.randn(batch.num_tokens, HEADS, LORA + ROPE, generator=gen).to(device, dtype)
+    meta = AttentionMetadata.from_batch(batch, BLOCK_SIZE, NUM_BLOCKS)
+    singles = [i for i, (_, new) in enumerate(SEQUENCES) if new == 1]
+    assert meta.decode is not None and len(meta.sequences) == len(SEQUENCES) - len(singles)
+    assert meta.decode_rows.tolist() == batch.query_start[singles].tolist()
+    scale = (LORA + ROPE) ** -0.5
+    got = paged_mla_attention(q[..., :LORA], q[..., LORA:], cache, meta, scale)
+    torch.testing.assert_close(got.double().cpu(), float64_attention(q.cpu(), cache.cpu(), batch, scale),
+                               rtol=0, atol=atol)
+
+
+def test_mixed_step_matches_float64_on_cpu() -> None:
+    check_mixed_step("cpu", torch.float32, atol=1e-5)
+
+
+def test_a_step_without_decodes_attends_sequence_by_sequence() -> None:
+    batch = mixed_batch("cpu", torch.Generator().manual_seed(1))
+    keep = [i for i, (_, new) in enumerate(SEQUENCES) if new > 1]
+    starts = batch.query_start.tolist()
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep])
+    lengths = [starts[i + 1] - starts[i] for i in keep]
+    only = ForwardBatch(batch.input_ids[rows], batch.positions[rows],
+                        torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+                        batch.seq_lens[keep], batch.block_tables[keep], batch.slot_mapping[rows],
+                        torch.tensor(lengths).cumsum(0) - 1)
+    meta = AttentionMetadata.from_batch(only, BLOCK_SIZE, NUM_BLOCKS)
+    assert meta.decode is None and meta.decode_rows is None and len(meta.sequences) == len(keep)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mixed_step_matches_float64_on_gpu() -> None:
+    if not mla_decode_triton.available():
+        pytest.skip("Triton's MLA decode kernel is not available")
+    check_mixed_step("cuda", torch.bfloat16, atol=3e-2)
