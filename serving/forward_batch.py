@@ -3,6 +3,8 @@
 A step runs a flat batch of new tokens from several sequences at once: prefill chunks and single
 decode tokens alike. The KV cache is paged: each sequence owns blocks of `block_size` token slots,
 listed in its block table; a new token's latent KV goes to `slot_mapping` (block * block_size + offset).
+The engine builds a step on the host and copies it to the device without waiting for the device, so
+that a step can be launched while the one before it still runs (async scheduling).
 """
 
 from __future__ import annotations
@@ -10,6 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The batch layout as host lists (query_start, seq_lens, block_tables), where the engine has them:
+    the model reads them here instead of copying the device tensors back, which would wait for the device."""
+
+    query_start: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
 
 
 @dataclass
@@ -24,6 +36,7 @@ class ForwardBatch:
     # True when token i is sequence i's one new token (query_start = 0..num_seqs, logits_indices the
     # same): the model then attends without reading the layout on the host (CUDA-graph capturable).
     decode: bool = False
+    host_layout: HostLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,3 +54,10 @@ class ForwardBatch:
         return ForwardBatch(torch.empty(0, **i64), torch.empty(0, **i64), torch.zeros(1, **i32),
                             torch.empty(0, **i32), torch.empty(0, max_blocks_per_seq, **i32),
                             torch.empty(0, **i64), torch.empty(0, **i64))
+
+
+def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied from pinned memory without waiting for the device (a
+    plain torch.tensor(..., device=cuda) synchronises its stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)

@@ -4,14 +4,16 @@ output row against float64 attention computed from the cache directly, on CPU an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, HostLayout
 from serving.models import mla_decode_triton
 from serving.models.paged_attention import AttentionMetadata, paged_mla_attention
 
-BLOCK_SIZE, NUM_BLOCKS, HEADS, LORA, ROPE = 4, 64, 3, 32, 8
+BLOCK_SIZE, NUM_BLOCKS, HEADS, LORA, ROPE = 4, 64, 4, 64, 32  # the tiny model's widths
 # (tokens in the cache after the step, new tokens): decodes at several lengths (one is the sequence's
 # first token), a whole prompt and a prompt's later chunk.
 SEQUENCES = [(9, 1), (1, 1), (6, 6), (17, 1), (13, 5), (4, 1)]
@@ -79,6 +81,24 @@ def test_a_step_without_decodes_attends_sequence_by_sequence() -> None:
                         torch.tensor(lengths).cumsum(0) - 1)
     meta = AttentionMetadata.from_batch(only, BLOCK_SIZE, NUM_BLOCKS)
     assert meta.decode is None and meta.decode_rows is None and len(meta.sequences) == len(keep)
+
+
+def test_the_layout_is_read_from_the_engines_host_copy() -> None:
+    """With the engine's host lists the metadata is the same, and built from them (no copy back from the
+    device, which would wait for it): a bad block id in the host copy alone is what the check reports."""
+    batch = mixed_batch("cpu", torch.Generator().manual_seed(2))
+    layout = HostLayout(batch.query_start.tolist(), batch.seq_lens.tolist(), batch.block_tables.tolist())
+    want = AttentionMetadata.from_batch(batch, BLOCK_SIZE, NUM_BLOCKS)
+    got = AttentionMetadata.from_batch(dataclasses.replace(batch, host_layout=layout), BLOCK_SIZE, NUM_BLOCKS)
+    assert [(s.start, s.end) for s in got.sequences] == [(s.start, s.end) for s in want.sequences]
+    for a, b in zip(got.sequences, want.sequences):
+        assert torch.equal(a.slots, b.slots) and torch.equal(a.visible, b.visible)
+    assert torch.equal(got.decode_rows, want.decode_rows)
+    for name in ("slot_mapping", "block_tables", "seq_lens"):
+        assert torch.equal(getattr(got.decode, name), getattr(want.decode, name)), name
+    bad = HostLayout(layout.query_start, layout.seq_lens, [[NUM_BLOCKS] * len(t) for t in layout.block_tables])
+    with pytest.raises(ValueError, match="block_tables"):
+        AttentionMetadata.from_batch(dataclasses.replace(batch, host_layout=bad), BLOCK_SIZE, NUM_BLOCKS)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -150,7 +150,8 @@ def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
 def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
     """Graph replays whose input tokens are the last step's samples, copied on the device (in order, and
     by index once sequences finish), give the tokens of an engine that reads every step's samples on
-    the host first: greedy and seeded sampling, staggered lengths, batches 7 down to 1."""
+    the host first: greedy and seeded sampling, staggered lengths, batches 7 down to 1, and eager steps
+    that mix the prompts of three late requests into the others' decodes."""
     from ep_layer import native
 
     if not native.available():
@@ -161,7 +162,7 @@ def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
     runs = []
     for mode in (False, True):
         engine = make_engine(checkpoint, "cuda", use_cuda_graphs=True, backend="cuda", async_scheduling=mode)
-        runs.append(generate(engine, prompt_ids, lengths, seeded))
+        runs.append(generate(engine, prompt_ids, lengths, seeded, late=3))
         assert not engine.has_work() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         del engine
     assert runs[1] == runs[0]
@@ -169,13 +170,23 @@ def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
 
 
 def generate(engine: LLMEngine, prompt_ids: list[list[int]], lengths: list[int],
-             seeds: dict[int, int] | None = None) -> dict[str, list[int]]:
-    for i, (p, n) in enumerate(zip(prompt_ids, lengths)):
+             seeds: dict[int, int] | None = None, late: int = 0) -> dict[str, list[int]]:
+    """Greedy (or seeded) tokens of each request; the last `late` requests arrive after four steps."""
+    def add(i: int) -> None:
         seed = (seeds or {}).get(i)
-        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0 if seed is None else 1.0,
-                                                     seed=seed, ignore_eos=True))
+        engine.add_request(str(i), prompt_ids[i], SamplingParams(max_tokens=lengths[i], seed=seed, ignore_eos=True,
+                                                                 temperature=0.0 if seed is None else 1.0))
+
+    first = len(prompt_ids) - late
+    for i in range(first):
+        add(i)
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompt_ids))}
-    while engine.has_work():
+    steps = 0
+    while engine.has_work() or steps <= 4:
+        if steps == 4:
+            for i in range(first, len(prompt_ids)):
+                add(i)
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
+        steps += 1
     return got

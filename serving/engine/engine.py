@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from ..forward_batch import to_device
 from .block_manager import BlockManager
 from .detokenizer import Codec, OutputText, as_codec
 from .ep_stats import read_ep_stats
 from .messages import EPStats, RequestOutput, SchedulerStats
 from .model_runner import ModelRunner
-from .sampling import Sampler, make_generator, to_device
+from .sampling import Sampler, make_generator
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
 

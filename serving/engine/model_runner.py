@@ -26,9 +26,8 @@ import time
 import numpy as np
 import torch
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, HostLayout, to_device
 from ..models import mla_decode_triton
-from .sampling import to_device
 from .scheduler import ScheduledBatch
 
 LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
@@ -94,7 +93,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             return host
         return ForwardBatch(*(getattr(host, name).pin_memory().to(self.device, non_blocking=True)
-                              for name in _TENSORS))
+                              for name in _TENSORS), host_layout=host.host_layout)
 
     def _host_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -119,7 +118,8 @@ class ModelRunner:
             input_ids=torch.tensor(ids, **i64), positions=torch.tensor(positions, **i64),
             query_start=torch.tensor(query_start, **i32), seq_lens=torch.tensor(seq_lens, **i32),
             block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, **i64),
-            logits_indices=torch.tensor(query_start[1:], **i64) - 1)
+            logits_indices=torch.tensor(query_start[1:], **i64) - 1,
+            host_layout=HostLayout(query_start, seq_lens, tables))
 
     def padded_decode_batch(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
         """`batch` (decode-only or empty, at most `size` sequences) as a decode ForwardBatch of exactly

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..forward_batch import to_device
 from .sequence import SamplingParams
 
 
@@ -40,13 +41,6 @@ class Sampler:
                 gen = generators[i] if generators[i] is not None else self.default_generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
         return tokens
-
-
-def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, copied from pinned memory without waiting for the device (a
-    plain torch.tensor(..., device=cuda) synchronises its stream)."""
-    host = torch.tensor(values, dtype=dtype)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -6,11 +6,12 @@ token's entry is [c_kv (the kv_a_layernorm'd latent) | k_pe (its RoPE'd shared k
 as serving.models.rotary lays it out)]; slot s is block s // block_size, offset s % block_size.
 
 Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
-- `AttentionMetadata` (any batch: prefill chunks and decodes), with a host sync per step to read and
-  check the batch layout: a sequence with several new tokens attends on its own; those with one new
-  token attend together, as a decode batch (below), so that a step mixing a new prompt into many
-  decodes costs about what its prompt does (a sequence at a time: 65 against 11 ms for 64 decodes and a
-  40-token prompt, H200, the 4-layer V3-shaped model).
+- `AttentionMetadata` (any batch: prefill chunks and decodes), which reads and checks the batch layout
+  on the host (the engine's copy of it, else the device's, which waits for the device). A sequence with
+  several new tokens attends on its own; those with one new token attend together, as a decode batch
+  (below), so that a step mixing a new prompt into many decodes costs about what its prompt does (a
+  sequence at a time: 65 against 19 ms for 64 decodes and a 40-token prompt, H200, the 4-layer
+  V3-shaped model).
 - `DecodeMetadata` (one new token per sequence): no host sync, so a decode step can be captured in a
   CUDA graph. On a GPU with Triton, serving.models.mla_decode_triton reads each sequence's own keys
   (flash-decoding over its block table); elsewhere every sequence is read over its whole block table
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, HostLayout, to_device
 from . import mla_decode_triton
 
 
@@ -51,8 +52,10 @@ class AttentionMetadata:
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, block_size: int, num_blocks: int) -> AttentionMetadata:
-        starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
-        tables = batch.block_tables.tolist()  # one host copy for the checks below
+        layout = batch.host_layout
+        if layout is None:  # copies back from the device (which waits for it)
+            layout = HostLayout(batch.query_start.tolist(), batch.seq_lens.tolist(), batch.block_tables.tolist())
+        starts, lens, tables = layout.query_start, layout.seq_lens, layout.block_tables
         device = batch.positions.device
         if starts[0] != 0 or starts[-1] != batch.num_tokens:
             raise ValueError(f"batch.query_start: expected to run from 0 to num_tokens={batch.num_tokens}, "
@@ -82,7 +85,7 @@ class AttentionMetadata:
         if not single:
             return cls(batch.slot_mapping, tuple(sequences))
         # A single new token is its sequence's last (position seq_len - 1): what a decode batch holds.
-        index = torch.tensor([single, [starts[i] for i in single]], device=device)
+        index = to_device(single + [starts[i] for i in single], torch.int64, device).view(2, -1)
         seqs, rows = index[0], index[1]
         decode = DecodeMetadata(batch.slot_mapping[rows], batch.block_tables[seqs], batch.seq_lens[seqs], block_size)
         return cls(batch.slot_mapping, tuple(sequences), decode, rows)
