@@ -13,10 +13,13 @@ from serving.forward_batch import ForwardBatch, HostLayout
 from serving.models import mla_decode_triton
 from serving.models.paged_attention import AttentionMetadata, paged_mla_attention
 
-BLOCK_SIZE, NUM_BLOCKS, HEADS, LORA, ROPE = 4, 64, 4, 64, 32  # the tiny model's widths
+BLOCK_SIZE, NUM_BLOCKS = 4, 64
 # (tokens in the cache after the step, new tokens): decodes at several lengths (one is the sequence's
 # first token), a whole prompt and a prompt's later chunk.
 SEQUENCES = [(9, 1), (1, 1), (6, 6), (17, 1), (13, 5), (4, 1)]
+
+
+WIDTHS = [(4, 64, 32), (3, 32, 8)]  # (heads, kv_lora_rank, rope): the tiny model's; narrower than the kernel takes
 
 
 def mixed_batch(device: str, gen: torch.Generator) -> ForwardBatch:
@@ -37,7 +40,8 @@ def mixed_batch(device: str, gen: torch.Generator) -> ForwardBatch:
                         torch.tensor(tables, **i32), torch.tensor(slots, **i64), torch.tensor(starts[1:], **i64) - 1)
 
 
-def float64_attention(q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+def float64_attention(q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                      lora: int) -> torch.Tensor:
     """Each new token against its sequence's cache entries at positions up to its own, in float64."""
     flat, tables = cache.double().view(-1, cache.shape[-1]), batch.block_tables.tolist()
     out, row = [], 0
@@ -45,28 +49,29 @@ def float64_attention(q: torch.Tensor, cache: torch.Tensor, batch: ForwardBatch,
         keys = torch.stack([flat[tables[i][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(length)])
         for p in range(length - new, length):
             scores = torch.einsum("hd,ld->hl", q[row].double(), keys[:p + 1]) * scale
-            out.append(torch.softmax(scores, dim=-1) @ keys[:p + 1, :LORA])
+            out.append(torch.softmax(scores, dim=-1) @ keys[:p + 1, :lora])
             row += 1
     return torch.stack(out)
 
 
-def check_mixed_step(device: str, dtype: torch.dtype, atol: float) -> None:
+def check_mixed_step(device: str, dtype: torch.dtype, atol: float, heads: int, lora: int, rope: int) -> None:
     gen = torch.Generator().manual_seed(7)
     batch = mixed_batch(device, gen)
-    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, LORA + ROPE, generator=gen).to(device, dtype)
-    q = torch.randn(batch.num_tokens, HEADS, LORA + ROPE, generator=gen).to(device, dtype)
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, lora + rope, generator=gen).to(device, dtype)
+    q = torch.randn(batch.num_tokens, heads, lora + rope, generator=gen).to(device, dtype)
     meta = AttentionMetadata.from_batch(batch, BLOCK_SIZE, NUM_BLOCKS)
     singles = [i for i, (_, new) in enumerate(SEQUENCES) if new == 1]
     assert meta.decode is not None and len(meta.sequences) == len(SEQUENCES) - len(singles)
     assert meta.decode_rows.tolist() == batch.query_start[singles].tolist()
-    scale = (LORA + ROPE) ** -0.5
-    got = paged_mla_attention(q[..., :LORA], q[..., LORA:], cache, meta, scale)
-    torch.testing.assert_close(got.double().cpu(), float64_attention(q.cpu(), cache.cpu(), batch, scale),
+    scale = (lora + rope) ** -0.5
+    got = paged_mla_attention(q[..., :lora], q[..., lora:], cache, meta, scale)
+    torch.testing.assert_close(got.double().cpu(), float64_attention(q.cpu(), cache.cpu(), batch, scale, lora),
                                rtol=0, atol=atol)
 
 
-def test_mixed_step_matches_float64_on_cpu() -> None:
-    check_mixed_step("cpu", torch.float32, atol=1e-5)
+@pytest.mark.parametrize("widths", WIDTHS)
+def test_mixed_step_matches_float64_on_cpu(widths: tuple[int, int, int]) -> None:
+    check_mixed_step("cpu", torch.float32, 1e-5, *widths)
 
 
 def test_a_step_without_decodes_attends_sequence_by_sequence() -> None:
@@ -101,8 +106,18 @@ def test_the_layout_is_read_from_the_engines_host_copy() -> None:
         AttentionMetadata.from_batch(dataclasses.replace(batch, host_layout=bad), BLOCK_SIZE, NUM_BLOCKS)
 
 
+def test_the_decode_kernel_names_the_widths_it_cannot_take() -> None:
+    assert mla_decode_triton.supports(512, 64) and mla_decode_triton.supports(64, 32)
+    assert not mla_decode_triton.supports(32, 8) and not mla_decode_triton.supports(96, 32)
+    q = torch.zeros(1, 2, 40)
+    with pytest.raises(ValueError, match="kv_lora_rank 32 and rope 8"):
+        mla_decode_triton.mla_decode(q[..., :32], q[..., 32:], torch.zeros(1, 4, 40),
+                                     torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_mixed_step_matches_float64_on_gpu() -> None:
-    if not mla_decode_triton.available():
-        pytest.skip("Triton's MLA decode kernel is not available")
-    check_mixed_step("cuda", torch.bfloat16, atol=3e-2)
+@pytest.mark.parametrize("widths", WIDTHS)
+def test_mixed_step_matches_float64_on_gpu(widths: tuple[int, int, int]) -> None:
+    """The decode rows through the Triton kernel (the tiny model's widths) or, where it cannot take the
+    widths, through the PyTorch layout."""
+    check_mixed_step("cuda", torch.bfloat16, 3e-2, *widths)

@@ -35,6 +35,12 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+def supports(kv_lora_rank: int, rope: int) -> bool:
+    """Whether the kernel takes these widths: powers of two of at least 16 (its tiles' ranges and dot
+    products; DeepSeek-V3's are 512 and 64)."""
+    return all(w >= 16 and w & (w - 1) == 0 for w in (kv_lora_rank, rope))
+
+
 if triton is not None:
 
     @triton.jit
@@ -120,9 +126,12 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     layer's cache [num_blocks, block_size, kv_lora_rank + rope], each sequence reading block_tables[b]
     (int32, -1 past its blocks) up to seq_lens[b] (>= 1), in `splits` parts per sequence (default:
     num_splits)."""
+    (b, h, kv_lora_rank), rope = q_latent.shape, q_pe.shape[-1]
+    if not supports(kv_lora_rank, rope):
+        raise ValueError(f"q_latent, q_pe: kv_lora_rank {kv_lora_rank} and rope {rope}: expected powers of two of "
+                         "at least 16 (serving.models.paged_attention falls back to PyTorch for others)")
     if triton is None:
         raise RuntimeError("mla_decode needs Triton")
-    (b, h, kv_lora_rank), rope = q_latent.shape, q_pe.shape[-1]
     d = kv_lora_rank + rope
     if q_pe.shape[:2] != (b, h) or cache.shape[-1] != d or q_pe.dtype != q_latent.dtype:
         raise ValueError(f"q_pe, cache: expected [{b}, {h}, rope] of {q_latent.dtype} and [..., {kv_lora_rank} + "

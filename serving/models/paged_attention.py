@@ -145,7 +145,7 @@ def paged_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             out[seq.start:seq.end] = torch.matmul(probs, keys[:, :kv_lora_rank])
         return out
-    if q_latent.is_cuda and mla_decode_triton.available():
+    if q_latent.is_cuda and mla_decode_triton.available() and mla_decode_triton.supports(kv_lora_rank, q_pe.shape[-1]):
         return mla_decode_triton.mla_decode(q_latent, q_pe, cache, meta.block_tables, meta.seq_lens, scale)
     q = torch.cat([q_latent, q_pe], dim=-1)
     slots, visible = meta.padded_slots()
