@@ -32,6 +32,13 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
+    def unfinished(self) -> ScheduledBatch:
+        """This batch less the sequences that finished since it was scheduled (async scheduling)."""
+        keep = [i for i, seq in enumerate(self.seqs) if not seq.finished]
+        if len(keep) == len(self.seqs):
+            return self
+        return ScheduledBatch([self.seqs[i] for i in keep], [self.num_new_tokens[i] for i in keep])
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int) -> None:
