@@ -316,7 +316,7 @@ def test_async_scheduling_hands_out_a_steps_tokens_with_the_next_step():
 @pytest.mark.parametrize("eos_bias", [-4.0, 8.0], ids=["length", "eos"])
 def test_async_scheduling_computes_one_extra_row_only_for_sequences_that_stop_on_a_token(eos_bias: float):
     """max_tokens and max_model_len are known ahead: no wasted row. EOS is known a step late: at most one
-    row (none where a prompt step reads the tokens first)."""
+    row (none where the tokens were flushed before a prompt step)."""
     requests = {f"r{i}": (prompt_of(3 + 4 * i, i), SamplingParams(max_tokens=6 + 3 * i, temperature=0))
                 for i in range(4)}
     requests["long"] = (prompt_of(5, 9), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
@@ -337,24 +337,18 @@ def test_async_scheduling_computes_one_extra_row_only_for_sequences_that_stop_on
     assert sync_rows <= async_rows <= sync_rows + stopped_on_eos
 
 
-def test_a_prompt_step_hands_out_the_pending_tokens_before_it_runs():
+def test_pending_outputs_go_out_before_a_prompt_step():
     engine = make_engine(async_scheduling=True)
     engine.add_request("a", prompt_of(3), GREEDY)
-    got = {"a": engine.step() + engine.step()}  # a's prompt, then a decode step: one token out, one pending
-    seen = []
-    execute = engine.runner.execute
-
-    def spy(batch, graph_size=None, pending_tokens=None):
-        seen.append(([seq.num_pending for seq in batch.seqs], pending_tokens))
-        return execute(batch, graph_size, pending_tokens)
-
-    engine.runner.execute = spy
+    got = {"a": engine.step() + engine.step(), "b": []}  # a's prompt, then a decode: one token out, one pending
+    assert engine.flush_if_prompt_next() == []  # no prompt to take: a's token stays pending
+    assert engine.requests["a"].num_pending == 1
     engine.add_request("b", prompt_of(5, 1), GREEDY)
-    outs = engine.step()  # a's decode and b's prompt
-    assert seen == [([0, 0], None)]  # a's token was read first and built into the inputs on the host
+    forwards = engine.model.num_forwards
+    outs = engine.step()  # b's prompt comes next: this step only hands out a's pending token
     assert [(o.request_id, o.num_output_tokens) for o in outs] == [("a", 2)]
+    assert engine.model.num_forwards == forwards and engine.requests["a"].num_pending == 0
     got["a"] += outs
-    got["b"] = []
     while engine.has_work():
         for out in engine.step():
             got[out.request_id].append(out)
@@ -396,9 +390,10 @@ def _ep_rank(rank: int, world_size: int, async_scheduling: bool) -> dict:
         engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
     got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
     for _ in range(500):  # as serving.engine.rank_worker.RankLoop steps
+        outputs = engine.flush_if_prompt_next()
         batch = engine.schedule()
         plan = sync.agree(len(batch.seqs), batch.is_decode_only)
-        outputs = engine.execute(batch) if plan.step else engine.flush()
+        outputs += engine.execute(batch) if plan.step else engine.flush()
         for out in outputs:
             got[out.request_id] += out.new_token_ids
         if not plan.step and not engine.has_work():

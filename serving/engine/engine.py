@@ -8,8 +8,9 @@ then does the host wait for them and detokenize, check stops and emit them, whil
 that next step. The host's per-step work (scheduling, inputs, detokenizing: ~2 ms at 128 sequences)
 then hides under the GPU's instead of adding to it. The price: a step's outputs come back from the next
 `execute` (or `flush`), and a sequence that stops on EOS or a stop string is computed one step more,
-its extra token dropped. A step that takes a prompt reads the last step's tokens before it runs: its
-eager launch is long, and the outputs would wait for it. Outputs are the same as without it."""
+its extra token dropped. Before a step that takes a prompt the caller flushes (`flush_if_prompt_next`):
+that step runs eagerly, its launch is long, and the last step's outputs (first tokens among them) would
+wait for it. Outputs are the same as without it."""
 
 from __future__ import annotations
 
@@ -123,12 +124,6 @@ class LLMEngine:
         kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
         before, self._pending = self._pending, None
         outputs: list[RequestOutput] = []
-        if before is not None and kind == "prefill":
-            # A step with a prompt runs eagerly, and its launch takes the host longer than a decode step
-            # takes the GPU: the tokens of the step before (first tokens among them) go out first, not
-            # after it. (4-layer V3-shaped model, H200, 8 clients: TTFT p50 29-42 ms that way, 24-26 without.)
-            outputs, before = self._receive(before), None
-            batch = batch.unfinished()
         logits = self.runner.execute(batch, graph_size, before.tokens if before is not None else None)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
@@ -153,9 +148,21 @@ class LLMEngine:
         before, self._pending = self._pending, None
         return self._receive(before) if before is not None else []
 
+    def flush_if_prompt_next(self) -> list[RequestOutput]:
+        """flush, where the next step may take a prompt (async scheduling): such a step runs eagerly,
+        and its launch takes the host longer than a decode step takes the GPU; the pending outputs go
+        out before it, not after (4-layer V3-shaped model, H200, 8 clients arriving in turn: TTFT p50
+        29-42 ms after it, 24-29 ms without async scheduling)."""
+        if self._pending is None or not self.scheduler.has_prompt_work():
+            return []
+        return self.flush()
+
     def step(self) -> list[RequestOutput]:
-        """One step on this engine alone (no expert-parallel peers): decode steps replay a graph. With
-        nothing to compute it only reads the pending step's tokens."""
+        """One step on this engine alone (no expert-parallel peers): decode steps replay a graph. Where
+        there are pending outputs and nothing to compute, or a prompt to take next, it only hands them out."""
+        flushed = self.flush_if_prompt_next()
+        if flushed:
+            return flushed
         batch = self.schedule()
         if not batch and self._pending is not None:
             return self.flush()

@@ -170,6 +170,8 @@ class RankLoop:
         idle = True
         while True:
             stop = not self._handle(self._receive(block=idle and not self.engine.has_work()))
+            if not stop:
+                self._send(self.engine.flush_if_prompt_next())
             batch = self.engine.schedule() if not stop else ScheduledBatch()
             plan = self.sync.agree(len(batch.seqs), batch.is_decode_only, stop)
             if plan.stop:

@@ -32,13 +32,6 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
-    def unfinished(self) -> ScheduledBatch:
-        """This batch less the sequences that finished since it was scheduled (async scheduling)."""
-        keep = [i for i, seq in enumerate(self.seqs) if not seq.finished]
-        if len(keep) == len(self.seqs):
-            return self
-        return ScheduledBatch([self.seqs[i] for i in keep], [self.num_new_tokens[i] for i in keep])
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int) -> None:
@@ -53,6 +46,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_prompt_work(self) -> bool:
+        """Whether the next schedule may take prompt tokens: a waiting sequence with room to run, or a
+        running one part way through its prompt."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return True
+        return any(seq.num_uncomputed_tokens > 1 for seq in self.running)
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
