@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "without Triton only when --max-model-len is at most 4096)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading the last one's sampled tokens, so that scheduling and "
-                        "detokenizing on the host overlap the GPU's work (default on; --no-async-scheduling: "
-                        "each step waits for its tokens)")
+                        "detokenizing on the host overlap the GPU's work: shorter decode steps, though at high "
+                        "concurrency a later first token (default on; --no-async-scheduling: each step waits "
+                        "for its tokens)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn and ep-serve log level")
     _add_multi_host_args(p)
