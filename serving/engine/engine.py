@@ -152,7 +152,7 @@ class LLMEngine:
         """flush, where the next step may take a prompt (async scheduling): such a step runs eagerly,
         and its launch takes the host longer than a decode step takes the GPU; the pending outputs go
         out before it, not after (4-layer V3-shaped model, H200, 8 clients arriving in turn: TTFT p50
-        29-42 ms after it, 24-29 ms without async scheduling)."""
+        24 ms with this flush, 29-42 ms without it, 22-26 ms without async scheduling)."""
         if self._pending is None or not self.scheduler.has_prompt_work():
             return []
         return self.flush()
