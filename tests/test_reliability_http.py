@@ -326,5 +326,5 @@ def test_internal_errors_name_no_internals(server):
 def test_the_sampler_takes_any_parameters_the_api_accepts(params, scale, seed):
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
     gen = None if params.seed is None else torch.Generator().manual_seed(params.seed & ((1 << 63) - 1))
-    tokens = Sampler("cpu")(logits, [params, SamplingParams(temperature=0.0)], [gen, None])
+    tokens = Sampler("cpu").sample(logits, [params, SamplingParams(temperature=0.0)], [gen, None]).tolist()
     assert all(0 <= t < VOCAB for t in tokens) and tokens[1] == int(logits[1].argmax())

@@ -256,10 +256,10 @@ def test_top_k_1_and_tiny_top_p_are_greedy(async_scheduling: bool):
 def test_sampler_respects_top_k_and_top_p_sets():
     torch.manual_seed(0)
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.0, -1.0]]).repeat(200, 1)
-    top2 = Sampler("cpu")(logits, [SamplingParams(temperature=1.0, top_k=2)] * 200, [None] * 200)
+    top2 = Sampler("cpu").sample(logits, [SamplingParams(temperature=1.0, top_k=2)] * 200, [None] * 200).tolist()
     assert set(top2) == {0, 1}
     # softmax = [.66, .24, .09, ...]: top_p 0.8 keeps the first two
-    top_p = Sampler("cpu")(logits, [SamplingParams(temperature=1.0, top_p=0.8)] * 200, [None] * 200)
+    top_p = Sampler("cpu").sample(logits, [SamplingParams(temperature=1.0, top_p=0.8)] * 200, [None] * 200).tolist()
     assert set(top_p) == {0, 1}
 
 

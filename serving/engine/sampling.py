@@ -23,10 +23,6 @@ class Sampler:
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.default_generator = make_generator(seed, device)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        return self.sample(logits, params, generators).tolist()
-
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
         """The tokens, int64 [num_seqs] on the logits' device."""
