@@ -11,7 +11,7 @@ import torch
 
 from serving.forward_batch import ForwardBatch, HostLayout
 from serving.models import mla_decode_triton
-from serving.models.paged_attention import AttentionMetadata, paged_mla_attention
+from serving.models.paged_attention import PADDED_DECODE_MAX_KEYS, AttentionMetadata, paged_mla_attention
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 # (tokens in the cache after the step, new tokens): decodes at several lengths (one is the sequence's
@@ -86,6 +86,24 @@ def test_a_step_without_decodes_attends_sequence_by_sequence() -> None:
                         torch.tensor(lengths).cumsum(0) - 1)
     meta = AttentionMetadata.from_batch(only, BLOCK_SIZE, NUM_BLOCKS)
     assert meta.decode is None and meta.decode_rows is None and len(meta.sequences) == len(keep)
+
+
+def test_long_block_tables_keep_decodes_apart_without_the_kernel() -> None:
+    """On CPU (no Triton kernel) a decode batch would read every sequence's whole block table: past
+    PADDED_DECODE_MAX_KEYS the single tokens attend one sequence at a time, still against float64."""
+    gen = torch.Generator().manual_seed(3)
+    batch = mixed_batch("cpu", gen)
+    wide = PADDED_DECODE_MAX_KEYS // BLOCK_SIZE + 1
+    padding = torch.full((batch.num_seqs, wide - batch.block_tables.shape[1]), -1, dtype=torch.int32)
+    batch = dataclasses.replace(batch, block_tables=torch.cat([batch.block_tables, padding], dim=1))
+    meta = AttentionMetadata.from_batch(batch, BLOCK_SIZE, NUM_BLOCKS)
+    assert meta.decode is None and len(meta.sequences) == len(SEQUENCES)
+    heads, lora, rope = WIDTHS[0]
+    cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, lora + rope, generator=gen)
+    q = torch.randn(batch.num_tokens, heads, lora + rope, generator=gen)
+    scale = (lora + rope) ** -0.5
+    got = paged_mla_attention(q[..., :lora], q[..., lora:], cache, meta, scale)
+    torch.testing.assert_close(got.double(), float64_attention(q, cache, batch, scale, lora), rtol=0, atol=1e-5)
 
 
 def test_the_layout_is_read_from_the_engines_host_copy() -> None:

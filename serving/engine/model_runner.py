@@ -28,10 +28,11 @@ import torch
 
 from ..forward_batch import ForwardBatch, HostLayout, to_device
 from ..models import mla_decode_triton
+from ..models.paged_attention import PADDED_DECODE_MAX_KEYS
 from .scheduler import ScheduledBatch
 
 LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
-GRAPH_MAX_MODEL_LEN = 4096  # longer contexts decode eagerly (see the module docstring)
+GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts decode eagerly (see the module docstring)
 _TENSORS = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 

@@ -27,6 +27,10 @@ import torch
 from ..forward_batch import ForwardBatch, HostLayout, to_device
 from . import mla_decode_triton
 
+# The longest block table (in keys) the padded PyTorch decode layout reads for each sequence: beyond it,
+# without the Triton kernel, decode tokens attend one sequence at a time over their own keys only.
+PADDED_DECODE_MAX_KEYS = 4096
+
 
 @dataclass(frozen=True)
 class SequenceSlots:
@@ -42,8 +46,9 @@ class SequenceSlots:
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Where a step's tokens read and write the cache; built once per step, shared by every layer.
-    `sequences`: those with other than one new token; `decode`: those with one, as a decode batch whose
-    tokens are rows `decode_rows` of the flat batch (None if there are none)."""
+    `decode`: the sequences with one new token, as a decode batch whose tokens are rows `decode_rows` of
+    the flat batch (None if there are none, or where a decode batch would read every sequence's whole block
+    table: no Triton kernel and more than PADDED_DECODE_MAX_KEYS); `sequences`: the others, one at a time."""
 
     slot_mapping: torch.Tensor
     sequences: tuple[SequenceSlots, ...]
@@ -60,8 +65,12 @@ class AttentionMetadata:
         if starts[0] != 0 or starts[-1] != batch.num_tokens:
             raise ValueError(f"batch.query_start: expected to run from 0 to num_tokens={batch.num_tokens}, "
                              f"got {starts[0]} ... {starts[-1]}")
+        # Where a decode batch is cheap: the Triton kernel reads each sequence's own keys, the padded layout
+        # the whole block table.
+        batch_decodes = ((device.type == "cuda" and mla_decode_triton.available())
+                         or batch.block_tables.shape[1] * block_size <= PADDED_DECODE_MAX_KEYS)
         sequences = []
-        single: list[int] = []  # sequences with one new token
+        single: list[int] = []  # sequences with one new token, attending as a decode batch
         for i, seq_len in enumerate(lens):
             start, end = starts[i], starts[i + 1]
             if not 0 <= start <= end or end - start > seq_len:
@@ -74,7 +83,7 @@ class AttentionMetadata:
             if not all(0 <= b < num_blocks for b in tables[i][:needed]):
                 raise ValueError(f"batch: block_tables[{i}][:{needed}] = {tables[i][:needed]}; expected block ids "
                                  f"in [0, {num_blocks}) for the {seq_len} tokens of sequence {i}")
-            if end - start == 1:
+            if end - start == 1 and batch_decodes:
                 single.append(i)
                 continue
             blocks = batch.block_tables[i, :needed].long()
