@@ -314,7 +314,7 @@ def test_async_scheduling_hands_out_a_steps_tokens_with_the_next_step():
 
 
 @pytest.mark.parametrize("eos_bias", [-4.0, 8.0], ids=["length", "eos"])
-def test_async_scheduling_computes_one_extra_row_only_for_sequences_that_stop_on_a_token(eos_bias: float):
+def test_async_scheduling_computes_at_most_a_row_more_per_sequence_stopping_on_a_token(eos_bias: float):
     """max_tokens and max_model_len are known ahead: no wasted row. EOS is known a step late: at most one
     row (none where the tokens were flushed before a prompt step)."""
     requests = {f"r{i}": (prompt_of(3 + 4 * i, i), SamplingParams(max_tokens=6 + 3 * i, temperature=0))
