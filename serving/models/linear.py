@@ -54,9 +54,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_fp8(x):
-            y = triton_experts.fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
-            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return self.fp8_forward(x)
         return F.linear(x, self.dense_weight(x.dtype))
+
+    def fp8_forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """forward on the FP8 GEMM (runs_fp8(x)), in x's dtype; gated: the weight holds gate rows then up
+        rows, and the result is SiLU(gate) * up (half the output features)."""
+        y = triton_experts.fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv,
+                                            gated=gated)
+        return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fp8={self.fp8}"
@@ -125,8 +131,6 @@ class GateUpLinear(StackedLinear):
         self._check_parts()
         n, up = self.parts[0].out_features, self.starts[1]
         if self.stacked.runs_fp8(x):  # up rows start at half the stacked rows (both parts padded alike)
-            y = triton_experts.fp8_block_linear(x.reshape(-1, self.stacked.in_features), self.stacked.weight,
-                                                self.stacked.weight_scale_inv, gated=True)
-            return y.view(*x.shape[:-1], up)[..., :n].to(x.dtype)
+            return self.stacked.fp8_forward(x, gated=True)[..., :n]
         y = self.stacked(x)
         return F.silu(y[..., :n]) * y[..., up:up + n]
