@@ -32,3 +32,27 @@ def seed(request: pytest.FixtureRequest) -> int:
     print(f"{request.node.nodeid}: seed={value} (replay with EP_TEST_SEED={value})")
     request.node.user_properties.append(("seed", value))
     return value
+
+
+_GPU_REASONS = ("cuda gpu", "triton", "cuda kernels")  # words of the skip reasons that mean "needs a GPU"
+
+
+def _needs_gpu_skip(item: pytest.Item) -> bool:
+    """Whether one of the item's skipif marks is a GPU requirement (by its reason)."""
+    return any(any(word in str(mark.kwargs.get("reason", "")).lower() for word in _GPU_REASONS)
+               for mark in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests skip without a CUDA GPU, and every test that skips for want of a GPU carries the
+    marker, so that `pytest -m gpu` is the whole GPU suite."""
+    unmarked = [item.nodeid for item in items if _needs_gpu_skip(item) and item.get_closest_marker("gpu") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that need a GPU lack the `gpu` marker: " + ", ".join(unmarked))
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if item.get_closest_marker("gpu") is not None:
+                item.add_marker(skip)

@@ -133,7 +133,7 @@ def test_the_decode_kernel_names_the_widths_it_cannot_take() -> None:
                                      torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("widths", WIDTHS)
 def test_mixed_step_matches_float64_on_gpu(widths: tuple[int, int, int]) -> None:
     """The decode rows through the Triton kernel (the tiny model's widths) or, where it cannot take the

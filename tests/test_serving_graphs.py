@@ -111,7 +111,7 @@ def test_why_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--max-model-len" in why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
     """7 requests of staggered lengths decode through batch sizes 7 down to 1 (graphs 8, 4, 2, 1);
     at every replayed step the eager forward on the same inputs gives the same logits, and the
@@ -146,7 +146,7 @@ def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
     assert replays[8] > 0 and replays[4] > 0 and replays[1] > 0, replays
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
     """Graph replays whose input tokens are the last step's samples, copied on the device (in order, and
     by index once sequences finish), give the tokens of an engine that reads every step's samples on

@@ -86,6 +86,7 @@ def test_a_replaced_part_weight_is_an_error() -> None:
         holder.fused(torch.ones(2, 64))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason())
 @pytest.mark.parametrize("rows", [1, 8, 40])
 @pytest.mark.parametrize("sizes,hidden", [((1536, 576), 7168), ((96, 96), 256)])
@@ -103,6 +104,7 @@ def test_fp8_stacked_gemm_on_gpu_matches_the_parts(rows: int, sizes: tuple[int, 
         assert ((out.float() - want).norm() / want.norm()).item() < 4e-3
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason())
 @pytest.mark.parametrize("rows", [1, 40, 300])
 @pytest.mark.parametrize("intermediate,hidden", [(2048, 7168), (96, 256)])
