@@ -38,11 +38,11 @@ import torch
 from bench_ll import capture_graph, copy_bandwidth, event_us  # this script's folder is on sys.path
 
 from ep_layer import Buffer, native
+from ep_layer.block_fp8 import num_blocks
 from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.emulation import emulated_buffers
 from ep_layer.layout import MAX_RANKS
 from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, triton_experts
-from ep_layer.moe.block_fp8 import num_blocks
 from ep_layer.moe.layer import chain_steps, forward_two_microbatches, microbatches
 from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 

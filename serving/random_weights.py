@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ep_layer.moe import block_cast_to_fp8
-from ep_layer.moe.block_fp8 import num_blocks
+from ep_layer.block_fp8 import block_cast_to_fp8, num_blocks
 
 from .config import ModelConfig
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ep_layer.moe import block_dequant
+from ep_layer.block_fp8 import block_dequant
 from serving.forward_batch import ForwardBatch
 from serving.loader import checkpoint_tensor_files, load_model
 from serving.models import DeepseekV3ForCausalLM

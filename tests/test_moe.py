@@ -37,13 +37,12 @@ from moe_helpers import (
 )
 
 from ep_layer import Buffer, RowsInPlace
+from ep_layer.block_fp8 import block_cast_to_fp8, block_dequant
 from ep_layer.moe import (
     ExpertWeights,
     FusedMoE,
     RoutingConfig,
     TorchExperts,
-    block_cast_to_fp8,
-    block_dequant,
     make_expert_kernels,
     noaux_tc_route,
     route,

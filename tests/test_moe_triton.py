@@ -471,8 +471,7 @@ def _fp8_linear_case(rows: int, out_features: int, in_features: int, seed: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random bf16 x [rows, in], FP8 weight [out, in] with block scales, and x @ weight.T in float64 on the
     same FP8 activations and dequantised weights."""
-    from ep_layer.moe import block_dequant
-    from ep_layer.moe.block_fp8 import num_blocks
+    from ep_layer.block_fp8 import block_dequant, num_blocks
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, in_features, generator=gen, device="cuda").to(torch.bfloat16)

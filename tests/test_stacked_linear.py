@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from ep_layer.moe import block_cast_to_fp8, triton_experts
+from ep_layer.block_fp8 import block_cast_to_fp8
+from ep_layer.moe import triton_experts
 from serving.models.linear import GateUpLinear, StackedLinear
 
 

@@ -1,6 +1,5 @@
 """DeepSeek-V3's fused MoE layer on ep_layer's low-latency dispatch and combine (DESIGN.md section 4)."""
 
-from .block_fp8 import block_cast_to_fp8, block_dequant
 from .experts import ExpertKernels, TorchExperts, make_expert_kernels
 from .layer import QUANT_MODES, FusedMoE
 from .routing import RoutingConfig, noaux_tc_route, route
@@ -8,5 +7,4 @@ from .schedule import CommStreams, run_interleaved, run_to_end, run_two_microbat
 from .weights import ExpertWeights
 
 __all__ = ["QUANT_MODES", "CommStreams", "ExpertKernels", "ExpertWeights", "FusedMoE", "RoutingConfig", "TorchExperts",
-           "block_cast_to_fp8", "block_dequant", "make_expert_kernels", "noaux_tc_route", "route",
-           "run_interleaved", "run_to_end", "run_two_microbatches"]
+           "make_expert_kernels", "noaux_tc_route", "route", "run_interleaved", "run_to_end", "run_two_microbatches"]

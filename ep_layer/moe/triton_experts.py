@@ -20,9 +20,9 @@ import functools
 import torch
 
 from ..backends.base import RowsInPlace
+from ..block_fp8 import WEIGHT_BLOCK
 from ..quant import FP8_GROUP
 from . import triton_routing
-from .block_fp8 import WEIGHT_BLOCK
 from .experts import ExpertKernels, RecvX, check_rows_in_place, split_recv_x
 from .routing import RoutingConfig
 from .weights import ExpertWeights

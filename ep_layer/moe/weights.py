@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .block_fp8 import WEIGHT_BLOCK, block_dequant, num_blocks
+from ..block_fp8 import WEIGHT_BLOCK, block_dequant, num_blocks
 
 PROJECTIONS = ("gate", "up", "down")
 

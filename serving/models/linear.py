@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_layer.moe import block_dequant, triton_experts
-from ep_layer.moe.block_fp8 import WEIGHT_BLOCK, num_blocks
+from ep_layer.block_fp8 import WEIGHT_BLOCK, block_dequant, num_blocks
+from ep_layer.moe import triton_experts
 
 
 class Linear(nn.Module):

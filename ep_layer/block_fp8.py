@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_MAX
+from .quant import FP8_MAX
 
 WEIGHT_BLOCK = 128
 
