@@ -390,17 +390,17 @@ def _ep_rank(rank: int, world_size: int, async_scheduling: bool) -> dict:
         engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
     got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
     for _ in range(500):  # as serving.engine.rank_worker.RankLoop steps
-        outputs = engine.flush_if_prompt_next()
-        batch = engine.schedule()
-        plan = sync.agree(len(batch.seqs), batch.is_decode_only)
-        outputs += engine.execute(batch) if plan.step else engine.flush()
-        for out in outputs:
+        for out in engine.step(sync):
             got[out.request_id] += out.new_token_ids
-        if not plan.step and not engine.has_work():
+        if not sync.plan.step and not engine.has_work():
             break
     want = {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
             for i, n in enumerate(mine)}
-    return {"ok": got == want, "forwards": engine.model.num_forwards, "empty": engine.model.num_empty_forwards}
+    engine.add_request("late", prompt_of(4), GREEDY)
+    forwards = engine.model.num_forwards
+    left = engine.step(sync, leaving=rank == 1)  # rank 1 was told to stop: both leave, neither steps
+    return {"ok": got == want, "forwards": forwards, "empty": engine.model.num_empty_forwards,
+            "left": left == [] and sync.plan.stop and engine.model.num_forwards == forwards}
 
 
 @BOTH_MODES
@@ -408,6 +408,7 @@ def test_expert_parallel_ranks_step_together_with_empty_batches(async_scheduling
     results = run_ranks(_ep_rank, 2, async_scheduling, timeout_s=60)
     assert all(r["ok"] for r in results), results
     assert results[0]["forwards"] == results[1]["forwards"]  # FakeModel also checks this at every forward
+    assert all(r["left"] for r in results), results
     assert results[0]["empty"] == 0 and results[1]["empty"] > 0
 
 

@@ -1,16 +1,17 @@
 """`LLMEngine`: one rank's engine. Requests in, a step at a time (schedule, run the model, sample,
-detokenize, check stops), request outputs out. The rank process (rank_worker.py) drives it; tests and
-scripts can drive it directly.
+detokenize, check stops), request outputs out. `step` is the one step protocol: tests and scripts call
+it alone, the rank process (rank_worker.py) with its expert-parallel peers' agreement (step_sync.py);
+docs/design.md section 5.
 
 Async scheduling (vLLM's --async-scheduling; SGLang's overlap scheduler): a step's sampled tokens stay
 on the device while the next step is scheduled and launched, which reads them there (ModelRunner); only
 then does the host wait for them and detokenize, check stops and emit them, while the GPU already runs
-that next step. The host's per-step work (scheduling, inputs, detokenizing: ~2 ms at 128 sequences)
-then hides under the GPU's instead of adding to it. The price: a step's outputs come back from the next
-`execute` (or `flush`), and a sequence that stops on EOS or a stop string is computed one step more,
-its extra token dropped. Before a step that takes a prompt the caller flushes (`flush_if_prompt_next`):
-that step runs eagerly, its launch is long, and the last step's outputs (first tokens among them) would
-wait for it. Outputs are the same as without it."""
+that next step. The host's per-step work (scheduling, inputs, detokenizing) then hides under the GPU's
+instead of adding to it (benchmarks/RESULTS.md, profile_decode.py). The price: a step's outputs come
+back from the next step, and a sequence that stops on EOS or a stop string is computed one step more,
+its extra token dropped. Before a step that takes a prompt, `step` only hands out the pending outputs
+(`flush_if_prompt_next`): that step runs eagerly, its launch is long, and the last step's outputs (first
+tokens among them) would wait for it. Outputs are the same as without it."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .model_runner import ModelRunner
 from .sampling import Sampler, make_generator
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
+from .step_sync import StepPlan, StepSync, plan_alone
 
 
 def eos_token_ids(config: Any) -> frozenset[int]:
@@ -75,6 +77,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.async_scheduling = async_scheduling
         self._pending: PendingStep | None = None
+        self._alone = StepSync()  # the agreement of a step without peers
         self._steps: dict[str, int] = defaultdict(int)
         self._step_seconds: dict[str, float] = defaultdict(float)
 
@@ -149,29 +152,39 @@ class LLMEngine:
         return self._receive(before) if before is not None else []
 
     def flush_if_prompt_next(self) -> list[RequestOutput]:
-        """flush, where the next step may take a prompt (async scheduling): such a step runs eagerly,
-        and its launch takes the host longer than a decode step takes the GPU; the pending outputs go
-        out before it, not after (4-layer V3-shaped model, H200, 8 clients arriving in turn: TTFT p50
-        24 ms with this flush, 29-42 ms without it, 22-26 ms without async scheduling)."""
+        """flush, where the next step may take a prompt (async scheduling): such a step runs eagerly and
+        its launch takes the host longer than a decode step takes the GPU, so the pending outputs (first
+        tokens among them) go out before it, not after (benchmarks/RESULTS.md, first tokens under async
+        scheduling)."""
         if self._pending is None or not self.scheduler.has_prompt_work():
             return []
         return self.flush()
 
-    def step(self) -> list[RequestOutput]:
-        """One step on this engine alone (no expert-parallel peers): decode steps replay a graph. Where
-        there are pending outputs and nothing to compute, or a prompt to take next, it only hands them out."""
-        flushed = self.flush_if_prompt_next()
-        if flushed:
+    def step(self, sync: StepSync | None = None, leaving: bool = False) -> list[RequestOutput]:
+        """One step of the protocol (module docstring); the outputs ready now. Where a prompt step is next
+        and outputs are pending, it only hands those out. Otherwise it agrees with the peers once (sync;
+        None: no peers) and runs the agreed step, an empty batch where this rank has nothing, or, where
+        no rank steps, hands out the last step's tokens. leaving: this rank was told to stop; every rank
+        then stops (sync.plan.stop) without running anything."""
+        if not leaving and (flushed := self.flush_if_prompt_next()):
             return flushed
-        batch = self.schedule()
-        if not batch and self._pending is not None:
+        batch = ScheduledBatch() if leaving else self.schedule()
+        plan = (sync if sync is not None else self._alone).agree(len(batch.seqs), batch.is_decode_only, leaving)
+        if plan.stop:
+            return []
+        if not plan.step:
             return self.flush()
-        return self.execute(batch, self.graph_size_alone(batch))
+        return self.execute(batch, self._graph_size(plan))
+
+    def _graph_size(self, plan: StepPlan) -> int | None:
+        """The decode graph the ranks replay for `plan` (None: eager): where no rank computes a prefill
+        chunk, the captured size that holds the agreed padded batch."""
+        return self.runner.graph_size(plan.max_num_seqs) if plan.decode_only else None
 
     def graph_size_alone(self, batch: ScheduledBatch) -> int | None:
-        """The decode graph an engine without peers replays for `batch` (None: eager). Expert-parallel
-        ranks agree on theirs instead (serving.engine.step_sync)."""
-        return self.runner.graph_size(len(batch.seqs)) if batch and batch.is_decode_only else None
+        """The decode graph an engine without peers replays for `batch` (None: eager), for callers that
+        `execute` batches themselves (benchmarks/profile_decode.py)."""
+        return self._graph_size(plan_alone(len(batch.seqs), batch.is_decode_only)) if batch else None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  max_steps: int = 100_000) -> list[str]:

@@ -1,6 +1,6 @@
 """The engine rank process: joins the rank group (expert parallelism), loads the model through the
-configured loader, then loops: take messages from the server, agree with the other ranks on the step,
-step (or run an empty batch), send the outputs back."""
+configured loader, then loops: take messages from the server, step with the other ranks
+(LLMEngine.step), send the outputs back."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ from .messages import (
     StepOutputs,
     Wake,
 )
-from .scheduler import ScheduledBatch
 from .step_sync import StepSync
 
 IDLE_POLL_S = 0.05  # an idle expert-parallel rank joins the step agreement at least this often
@@ -167,21 +166,19 @@ class RankLoop:
         self._last_stats = SchedulerStats()
 
     def run(self) -> None:
-        idle = True
+        """Until the ranks agree to stop: apply the server's messages, step (LLMEngine.step, with the
+        other ranks), send the outputs."""
         while True:
-            stop = not self._handle(self._receive(block=idle and not self.engine.has_work()))
-            if not stop:
-                self._send(self.engine.flush_if_prompt_next())
-            batch = self.engine.schedule() if not stop else ScheduledBatch()
-            plan = self.sync.agree(len(batch.seqs), batch.is_decode_only, stop)
-            if plan.stop:
+            leaving = not self._handle(self._receive(block=self._idle()))
+            outputs = self.engine.step(self.sync, leaving)
+            if self.sync.plan.stop:
                 return
-            idle = not plan.step
-            if idle:
-                self._send(self.engine.flush())  # the last step's tokens (async scheduling)
-                continue
-            graph_size = self.engine.runner.graph_size(plan.max_num_seqs) if plan.decode_only else None
-            self._send(self.engine.execute(batch, graph_size))
+            self._send(outputs)
+
+    def _idle(self) -> bool:
+        """No rank stepped last time and this one has no work: wait for a message (an expert-parallel
+        rank at most IDLE_POLL_S before it joins the next agreement)."""
+        return not self.sync.plan.step and not self.engine.has_work()
 
     def _receive(self, block: bool) -> list[Any]:
         messages: list[Any] = []

@@ -3,7 +3,7 @@
 every rank steps (a rank without work runs an empty batch so the MoE collectives line up), whether
 all ranks only decode and then the padded decode batch every rank uses (the largest rank's number of
 sequences: every rank replays the same CUDA graph size, idle ranks on padding), and whether to stop
-(all ranks leave together, so none is left waiting in a collective)."""
+(all ranks leave together, so none is left waiting in a collective). LLMEngine.step joins it."""
 
 from __future__ import annotations
 
@@ -21,19 +21,32 @@ class StepPlan:
     stop: bool = False  # some rank was told to shut down: all ranks leave
 
 
+def plan_alone(num_seqs: int, decode_only: bool, stop: bool = False) -> StepPlan:
+    """The plan of a rank without peers: it steps on its own sequences, if it has any."""
+    return StepPlan(num_seqs > 0 and not stop, num_seqs, num_seqs == 0 or decode_only, stop)
+
+
 class StepSync:
-    """group: a CPU (gloo) group over the ranks, or None for a rank that steps alone."""
+    """group: a CPU (gloo) group over the ranks, or None for a rank that steps alone. `plan` is the
+    latest agreement (before the first: nobody steps)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self.plan = plan_alone(0, True)
         self._buf = torch.zeros(4, dtype=torch.int64)
 
     def agree(self, num_seqs: int, decode_only: bool, stop: bool = False) -> StepPlan:
         """num_seqs: this rank's sequences this step (0: nothing to do); decode_only: none of them
-        computes a prefill chunk."""
-        prefill = int(num_seqs > 0 and not decode_only)
+        computes a prefill chunk; stop: this rank was told to shut down."""
         if self.group is None:
-            return StepPlan(num_seqs > 0 and not stop, num_seqs, not prefill, stop)
+            self.plan = plan_alone(num_seqs, decode_only, stop)
+        else:
+            self.plan = self._all_reduce(num_seqs, decode_only, stop)
+        return self.plan
+
+    def _all_reduce(self, num_seqs: int, decode_only: bool, stop: bool) -> StepPlan:
+        """Every rank's plan from the MAX over the ranks of what each one brings."""
+        prefill = int(num_seqs > 0 and not decode_only)
         self._buf[0], self._buf[1], self._buf[2], self._buf[3] = int(num_seqs > 0), num_seqs, prefill, int(stop)
         dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
         step, max_seqs, any_prefill, any_stop = self._buf.tolist()
