@@ -136,8 +136,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("read_timing", &ep::read_timing);
   m.def("memset_async", &ep::memset_async);
   m.def("num_sms", &ep::num_sms);
-  m.attr("CONTROL_BYTES") = 4096;
+  m.attr("CONTROL_BYTES") = ep::kControlBytes;
   m.attr("MAX_RANKS") = ep::kMaxRanks;
   m.attr("MAX_TOPK") = ep::kMaxTopk;
+  m.attr("MAX_EXPERTS") = ep::kMaxExperts;
+  m.attr("DISPATCH_HEADER_BYTES") = ep::kHeaderBytes;
   m.attr("MAX_LATENCY_BOUNDS") = ep::kMaxLatencyBounds;
 }

@@ -10,8 +10,11 @@
 
 namespace ep {
 
+// kMaxTopk, kMaxRanks, kControlBytes, kHeaderBytes and kMaxExperts have Python twins in ep_layer/layout.py;
+// ep_layer/native.py checks that both agree when the module loads (bindings.cpp exports them).
 constexpr int kMaxTopk = 16;
 constexpr int kMaxRanks = 8;
+constexpr int kControlBytes = 4096;  // reserved for the Control block at the start of every rank's buffer
 // The header (flag, pad, kMaxTopk entries: 144 bytes) padded to whole 128-byte lines, so that a payload
 // starts on a line: a GEMM reading rows in place then reads whole lines (a slot's size is unchanged:
 // the payload, 2H bytes for H a multiple of 128, rounds the slot up to a line anyway).
@@ -60,7 +63,7 @@ struct Timing {
 // waits for another and none has to publish anything at its end.
 constexpr int kLaunchShift = 20;  // > log2(blocks of any launch)
 
-// First CONTROL_BYTES of each rank's buffer.
+// First kControlBytes of each rank's buffer.
 struct Control {
   unsigned long long launches[2];  // per Op: the launch counter above
   ErrorRecord error;
@@ -72,7 +75,7 @@ struct Control {
   // Per buffer half: the dispatch receive's work items claimed so far (zeroed by the call's send).
   unsigned receive_claims[2];
 };
-static_assert(sizeof(Control) <= 4096, "Control must fit CONTROL_BYTES");
+static_assert(sizeof(Control) <= kControlBytes, "Control must fit kControlBytes");
 
 // Slot header of a dispatched token (kHeaderBytes), followed by its payload. One entry per local
 // expert of the destination that the token goes to: x = local expert | (mask of its top-k positions

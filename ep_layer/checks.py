@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .layout import MAX_TOPK
 from .quant import FP8_GROUP, UE8M0_PACK
 
-MAX_TOPK = 16
 MAX_TOKENS_PER_RANK = 1024
 
 

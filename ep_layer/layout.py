@@ -18,6 +18,8 @@ without a copy into the slots when the ranks share a GPU (the receivers read the
 
 from __future__ import annotations
 
+# The kernels' copies of MAX_TOPK, MAX_RANKS, MAX_EXPERTS, DISPATCH_HEADER_BYTES and CONTROL_BYTES
+# (csrc/ll_common.cuh) are checked against these when ep_layer._C loads (ep_layer.native).
 MAX_TOPK = 16
 MAX_RANKS = 8  # ranks of one node that map each other's buffers
 MAX_EXPERTS = 1024

@@ -4,8 +4,23 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from . import layout
+
 _module: ModuleType | None = None
 _error: str | None = None
+
+# What ep_layer.layout and the kernels (csrc/ll_common.cuh) must agree on; _C exports each under this name.
+_SHARED_CONSTANTS = ("CONTROL_BYTES", "MAX_RANKS", "MAX_TOPK", "MAX_EXPERTS", "DISPATCH_HEADER_BYTES")
+
+
+def _check_constants(module: ModuleType) -> None:
+    """Raise ImportError naming the first constant that `module` and ep_layer.layout disagree on: a
+    stale build of the kernels would otherwise read and write the buffer at the wrong offsets."""
+    for name in _SHARED_CONSTANTS:
+        built, expected = getattr(module, name, None), getattr(layout, name)
+        if built != expected:
+            raise ImportError(f"ep_layer._C was built with {name} = {built}, but ep_layer.layout has {name} = "
+                              f"{expected}: rebuild the CUDA kernels (`pip install -e .`)")
 
 
 def _try_import() -> None:
@@ -17,11 +32,13 @@ def _try_import() -> None:
     except ImportError as e:
         _error = str(e)
     else:
+        _check_constants(_C)
         _module = _C
 
 
 def available() -> bool:
-    """True when the CUDA kernels were built into this install."""
+    """True when the CUDA kernels were built into this install. Raises ImportError when they were built
+    from other sources than this package's (_check_constants)."""
     _try_import()
     return _module is not None
 
