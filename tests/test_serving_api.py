@@ -265,6 +265,15 @@ def test_bad_requests_are_400(client, body, param):
     assert err["param"] is None or err["param"].split(".")[0] == param
 
 
+def test_prompt_errors_are_the_engines(client):
+    """The server refuses a prompt with the engine's own check (sequence.check_prompt) and its words."""
+    err = check_envelope(complete(client, prompt=[[1], [2, VOCAB]]), 400)
+    assert err["message"] == f"prompt[1]: token id {VOCAB} is outside the vocabulary [0, {VOCAB})"
+    err = check_envelope(complete(client, prompt=[1] * 250, max_tokens=7), 400)
+    assert err["param"] == "max_tokens" and err["message"].startswith(
+        "This model's maximum context length (max_model_len) is 256 tokens. However, you requested 257 tokens")
+
+
 def test_malformed_bodies_are_400(client):
     for raw in (b"{", b"[1, 2]", b"null", b'{"prompt": "ab", "temperature": NaN}',
                 b'{"prompt": "ab", "temperature": Infinity}', "é".encode("latin-1")):

@@ -33,7 +33,7 @@ from ..engine.config import EngineConfig
 from ..engine.detokenizer import Codec, as_codec
 from ..engine.dp_coordinator import DPCoordinator, EngineDeadError
 from ..engine.messages import RequestOutput
-from ..engine.sequence import SamplingParams
+from ..engine.sequence import BadRequest, SamplingParams, check_prompt
 from .metrics import ServingMetrics
 from .protocol import (
     CompletionChoice,
@@ -282,8 +282,7 @@ class _Completion:
         return items
 
     def _tokenize(self, items: list[Any]) -> list[list[int]]:
-        """Each prompt's token ids, checked against the vocabulary and max_model_len."""
-        vocab, max_len = self.state.vocab_size, self.state.max_model_len
+        """Each prompt's token ids, checked by sequence.check_prompt (the vocabulary, max_model_len)."""
         token_lists = []
         for i, item in enumerate(items):
             where = "prompt" if len(items) == 1 else f"prompt[{i}]"
@@ -291,36 +290,31 @@ class _Completion:
                 ids = self.state.codec.encode(item) if isinstance(item, str) else list(item)
             except ValueError as e:  # text this tokenizer cannot take (UnicodeError is a ValueError too)
                 raise APIError(400, f"{where}: cannot be tokenized: {e}", "prompt") from None
-            if not ids:
-                raise APIError(400, f"{where}: the prompt is empty (no tokens)", "prompt")
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"{where}: token id {bad} is out of the vocabulary [0, {vocab})", "prompt")
-            want = self.body.max_tokens if self.body.max_tokens is not None else 1
-            if len(ids) + want > max_len:
-                raise APIError(400, f"This model's maximum context length is {max_len} tokens. However, you "
-                               f"requested {len(ids) + want} tokens ({len(ids)} in the prompt, {want} in the "
-                               f"completion). Please reduce the length of the prompt or the completion.",
-                               "max_tokens" if self.body.max_tokens is not None else "prompt")
+            try:
+                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.body.max_tokens, where)
+            except BadRequest as e:
+                raise APIError(400, str(e), e.param) from None
             token_lists.append(ids)
         return token_lists
 
     def _params(self, prompt: list[int], choice: int) -> SamplingParams:
+        """The engine's SamplingParams for one choice; a 400 for a value they refuse."""
         b = self.body
-        stop = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ())
-        if any(not s for s in stop):
-            raise APIError(400, "stop: expected non-empty strings", "stop")
         stop_ids = tuple(b.stop_token_ids or ())
         bad = next((t for t in stop_ids if t >= self.state.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"stop_token_ids: {bad} is out of the vocabulary [0, {self.state.vocab_size})",
+            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.state.vocab_size})",
                            "stop_token_ids")
-        return SamplingParams(
-            max_tokens=b.max_tokens if b.max_tokens is not None else self.state.max_model_len - len(prompt),
-            temperature=1.0 if b.temperature is None else b.temperature,
-            top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0,
-            seed=None if b.seed is None else b.seed + choice, stop=stop, stop_token_ids=stop_ids,
-            ignore_eos=b.ignore_eos)
+        try:
+            return SamplingParams(
+                max_tokens=b.max_tokens if b.max_tokens is not None else self.state.max_model_len - len(prompt),
+                temperature=1.0 if b.temperature is None else b.temperature,
+                top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0,
+                seed=None if b.seed is None else b.seed + choice,
+                stop=(b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ()), stop_token_ids=stop_ids,
+                ignore_eos=b.ignore_eos)
+        except BadRequest as e:
+            raise APIError(400, str(e), e.param) from None
 
     # ------------------------------------------------------------------ outputs
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Any:

@@ -30,7 +30,7 @@ from .messages import EPStats, RequestOutput, SchedulerStats
 from .model_runner import ModelRunner
 from .sampling import Sampler, make_generator
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
+from .sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, check_prompt
 from .step_sync import StepPlan, StepSync, plan_alone
 
 
@@ -83,18 +83,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; ValueError for an id in use, an empty prompt, ids outside the vocab, or
-        more tokens than max_model_len."""
+        """Queue a request; ValueError for an id in use, BadRequest (sequence.check_prompt) for a prompt
+        the engine cannot take."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        if not prompt_token_ids:
-            raise ValueError("prompt: expected at least one token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
-                             f"max_model_len={self.max_model_len}")
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         prompt = list(prompt_token_ids)
         seq = Sequence(request_id, prompt, params, OutputText(self.codec, prompt, params.stop), time.monotonic(),
                        make_generator(params.seed, self.device) if params.seed is not None else None)

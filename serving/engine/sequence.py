@@ -15,6 +15,14 @@ FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 GREEDY_TEMPERATURE = 1e-5
 
 
+class BadRequest(ValueError):
+    """A request the engine refuses; `param`: the request field to blame (an API's 400 names it)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (OpenAI / vLLM meanings). temperature 0 (< 1e-5) = greedy;
@@ -31,17 +39,35 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: expected >= 1, got {self.max_tokens}")
+            raise BadRequest(f"max_tokens: expected >= 1, got {self.max_tokens}", "max_tokens")
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+            raise BadRequest(f"temperature: expected >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+            raise BadRequest(f"top_p: expected in (0, 1], got {self.top_p}", "top_p")
         if any(not s for s in self.stop):
-            raise ValueError("stop: expected non-empty strings")
+            raise BadRequest("stop: expected non-empty strings", "stop")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None = None,
+                 where: str = "prompt") -> None:
+    """The one check of a prompt, wherever requests enter (the HTTP server, LLMEngine.add_request):
+    BadRequest for no tokens, a token id outside the vocabulary, or no room within max_model_len for
+    max_tokens more (None: for one more; the engine ends a sequence at max_model_len)."""
+    if not token_ids:
+        raise BadRequest(f"{where}: expected at least one token", "prompt")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    want = 1 if max_tokens is None else max_tokens
+    if len(token_ids) + want > max_model_len:
+        raise BadRequest(f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, "
+                         f"you requested {len(token_ids) + want} tokens ({len(token_ids)} in the prompt, {want} in "
+                         f"the completion). Please reduce the length of the prompt or the completion.",
+                         "prompt" if max_tokens is None else "max_tokens")
 
 
 class SequenceStatus(enum.Enum):
