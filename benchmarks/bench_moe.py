@@ -41,8 +41,9 @@ from ep_layer import Buffer, native
 from ep_layer.block_fp8 import num_blocks
 from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.emulation import emulated_buffers
+from ep_layer.kernels import triton_support
 from ep_layer.layout import MAX_RANKS
-from ep_layer.moe import CommStreams, FusedMoE, run_interleaved, triton_experts
+from ep_layer.moe import CommStreams, FusedMoE, run_interleaved
 from ep_layer.moe.layer import chain_steps, forward_two_microbatches, microbatches
 from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 
@@ -96,8 +97,8 @@ def require_gpu(script: str = "bench_moe.py") -> None:
         native.load()
     except ImportError as error:
         sys.exit(f"{script} needs the CUDA kernels: {error}")
-    if not triton_experts.available():
-        sys.exit(f"{script} needs Triton for the expert GEMMs: {triton_experts.unavailable_reason()}")
+    if not triton_support.available():
+        sys.exit(f"{script} needs Triton for the expert GEMMs: {triton_support.unavailable_reason()}")
 
 
 # ---------------------------------------------------------------------------- timing

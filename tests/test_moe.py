@@ -409,10 +409,10 @@ def test_shared_mlp_in_two_halves_is_the_routed_mlp(fp8: bool, seed: int) -> Non
 
 
 def test_expert_kernel_selection() -> None:
-    from ep_layer.moe import triton_experts
+    from ep_layer.kernels import triton_support
 
     assert isinstance(make_expert_kernels("auto", torch.device("cpu")), TorchExperts)
-    if not triton_experts.available():
+    if not triton_support.available():
         with pytest.raises(ValueError, match="triton"):
             make_expert_kernels("triton", torch.device("cuda"))
     with pytest.raises(ValueError, match="expert_kernels"):

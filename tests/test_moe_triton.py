@@ -21,6 +21,10 @@ from cuda_graphs import capture_after_warmup
 from moe_helpers import MoeConfig, dense_weights, hf_weights
 
 from ep_layer import Buffer, native
+from ep_layer.kernels import triton_support
+from ep_layer.kernels.fp8_cast import cast_rows_to_fp8
+from ep_layer.kernels.fp8_linear import fp8_block_linear
+from ep_layer.kernels.masked_gemm import BLOCK_M, masked_grouped_gemm
 from ep_layer.moe import (
     CommStreams,
     ExpertWeights,
@@ -35,7 +39,7 @@ from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason()),
+    pytest.mark.skipif(not triton_support.available(), reason=triton_support.unavailable_reason()),
 ]
 
 TOL = {False: 2.0 ** -5, True: 2.0 ** -4}  # by fp8
@@ -302,7 +306,7 @@ def test_triton_experts_read_rows_in_place(fp8: bool, seed: int) -> None:
     packed, in_place = dispatch(False), dispatch(True)  # two results outstanding: both stay valid
     for r, (p, q) in enumerate(zip(packed, in_place)):
         assert torch.equal(p[1], q[1]), f"seed={seed} rank {r}: recv_count"
-        assert max(p[1].tolist()) > triton_experts.BLOCK_M, "the case should have experts of several row tiles"
+        assert max(p[1].tolist()) > BLOCK_M, "the case should have experts of several row tiles"
         want, got = kernels(p[0], p[1], store), kernels(q[0], q[1], store)
         for e, n in enumerate(p[1].tolist()):
             assert torch.equal(got[e, :n], want[e, :n]), f"seed={seed} rank {r} expert {e}: in place != packed"
@@ -319,7 +323,7 @@ def test_rows_past_recv_count_are_not_written(fp8: bool, seed: int) -> None:
     data, scales = x if fp8 else (x, None)
     recv_count = torch.tensor(counts, dtype=torch.int32, device="cuda")
     out = torch.full((len(counts), rows, inter), 7.0, dtype=torch.bfloat16, device="cuda")
-    triton_experts.masked_grouped_gemm(data, scales, store.gate_up, store.gate_up_scale, recv_count, out,
+    masked_grouped_gemm(data, scales, store.gate_up, store.gate_up_scale, recv_count, out,
                                        up_offset=store.padded_intermediate, gated=True)
     for e, n in enumerate(counts):
         assert bool((out[e, n:] == 7.0).all()), f"expert {e}: rows past recv_count={n} were written"
@@ -344,7 +348,7 @@ def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
         assert torch.equal(got_data[e, :count].view(torch.uint8), want_data[e, :count].view(torch.uint8)), \
             f"data of expert {e}"
     # Without counts (the dense layers' cast) every row is cast: as with counts of all rows.
-    all_data, all_scales = triton_experts.cast_rows_to_fp8(x, None)
+    all_data, all_scales = cast_rows_to_fp8(x, None)
     want_data, want_scales = TorchExperts().cast_to_fp8(x, torch.full_like(recv_count, rows))
     assert torch.equal(all_scales, want_scales)
     assert torch.equal(all_data.view(torch.uint8), want_data.view(torch.uint8))
@@ -491,10 +495,10 @@ def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_featu
     tiles, the masked GEMM where its tiles fill the GPU (64 rows x 4352 columns, 256 deep), and split-K
     again for as many tiles when the projection is deep (4096)."""
     x, weight, scales, want = _fp8_linear_case(rows, out_features, in_features, seed)
-    got = triton_experts.fp8_block_linear(x, weight, scales)
+    got = fp8_block_linear(x, weight, scales)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
     assert_close(got, want, 2.0 ** -7, "fp8_block_linear")
-    assert triton_experts.fp8_block_linear(x[:0], weight, scales).shape == (0, out_features)
+    assert fp8_block_linear(x[:0], weight, scales).shape == (0, out_features)
 
 
 @pytest.mark.parametrize(("rows", "intermediate", "in_features"), [(1, 256, 7168), (48, 2048, 1024), (300, 2048, 512)])
@@ -504,11 +508,11 @@ def test_fp8_block_linear_gated_matches_float64(rows: int, intermediate: int, in
     where its tiles fill the GPU (300 rows x 2048 columns)."""
     x, weight, scales, both = _fp8_linear_case(rows, 2 * intermediate, in_features, seed)
     gate, up = both[:, :intermediate], both[:, intermediate:]
-    got = triton_experts.fp8_block_linear(x, weight, scales, gated=True)
+    got = fp8_block_linear(x, weight, scales, gated=True)
     assert got.shape == (rows, intermediate) and got.dtype == torch.bfloat16
     assert_close(got, torch.nn.functional.silu(gate) * up, 2.0 ** -7, "gated fp8_block_linear")
     with pytest.raises(ValueError, match="weight"):
-        triton_experts.fp8_block_linear(x, weight[:-128], scales[:-1], gated=True)
+        fp8_block_linear(x, weight[:-128], scales[:-1], gated=True)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3])

@@ -13,14 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ep_layer.moe import RoutingConfig, noaux_tc_route, route, triton_experts
+from ep_layer.kernels import triton_support
+from ep_layer.moe import RoutingConfig, noaux_tc_route, route
 from ep_layer.moe.triton_routing import noaux_tc_route as fused_noaux_tc_route
 from ep_layer.moe.triton_routing import route as fused_route
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason()),
+    pytest.mark.skipif(not triton_support.available(), reason=triton_support.unavailable_reason()),
 ]
 
 CONFIGS = {

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ep_layer.block_fp8 import block_cast_to_fp8
-from ep_layer.moe import triton_experts
+from ep_layer.kernels import triton_support
 from serving.models.linear import GateUpLinear, StackedLinear
 
 
@@ -88,7 +88,7 @@ def test_a_replaced_part_weight_is_an_error() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason())
+@pytest.mark.skipif(not triton_support.available(), reason=triton_support.unavailable_reason())
 @pytest.mark.parametrize("rows", [1, 8, 40])
 @pytest.mark.parametrize("sizes,hidden", [((1536, 576), 7168), ((96, 96), 256)])
 def test_fp8_stacked_gemm_on_gpu_matches_the_parts(rows: int, sizes: tuple[int, int], hidden: int) -> None:
@@ -106,7 +106,7 @@ def test_fp8_stacked_gemm_on_gpu_matches_the_parts(rows: int, sizes: tuple[int, 
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not triton_experts.available(), reason=triton_experts.unavailable_reason())
+@pytest.mark.skipif(not triton_support.available(), reason=triton_support.unavailable_reason())
 @pytest.mark.parametrize("rows", [1, 40, 300])
 @pytest.mark.parametrize("intermediate,hidden", [(2048, 7168), (96, 256)])
 def test_fp8_gate_up_on_gpu_matches_the_parts(rows: int, intermediate: int, hidden: int) -> None:

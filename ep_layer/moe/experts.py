@@ -192,10 +192,11 @@ def make_expert_kernels(name: str, device: torch.device) -> ExpertKernels:
         raise ValueError(f"expert_kernels: expected one of {EXPERT_KERNELS}, got {name!r}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchExperts()
+    from ..kernels import triton_support
     from . import triton_experts
 
-    if triton_experts.available():
+    if triton_support.available():
         return triton_experts.TritonExperts()
     if name == "triton":
-        raise ValueError(f"expert_kernels: 'triton' is not usable here ({triton_experts.unavailable_reason()})")
+        raise ValueError(f"expert_kernels: 'triton' is not usable here ({triton_support.unavailable_reason()})")
     return TorchExperts()

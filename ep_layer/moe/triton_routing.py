@@ -1,15 +1,14 @@
 """DeepSeek-V3's routing on a GPU: the float32 router logits, then the `noaux_tc` expert selection in one
 Triton kernel. The selection is routing.noaux_tc_route's rule, which takes about a dozen PyTorch kernels
-(sigmoid, two top-k sorts, scatter, gather, sums) and on an H200 ~60 µs per call at 64 tokens, most of it
-launches and tiny sorts.
+(sigmoid, two top-k sorts, scatter, gather, sums), most of their time launches and tiny sorts
+(benchmarks/RESULTS.md, bench_moe.py: ninth session).
 
 The logits come in float32 parts over slices of the hidden channels, which the selection adds in order
 (deterministic). For up to 16 tokens a split GEMV in Triton computes them: each program multiplies 4
-experts' weights by the tokens over 512 channels (products and a fixed tree of adds in float32). cuBLAS's
-float32 GEMM took 18-20 µs there for 2-16 tokens (H = 7168, 256 experts, on an H200; the weight reads in
-1.7 µs), the GEMV 3.5-9.7 µs. Past 16 tokens cuBLAS's batched float32 GEMM computes one part per 256
-channels: its single GEMM has only a few output tiles, each streaming all 7168 channels, and was 15-25 %
-slower for 17-512 tokens.
+experts' weights by the tokens over 512 channels (products and a fixed tree of adds in float32), several
+times faster there than cuBLAS's float32 GEMM. Past 16 tokens cuBLAS's batched float32 GEMM
+computes one part per 256 channels: its single GEMM has only a few output tiles, each streaming all
+7168 channels (benchmarks/RESULTS.md, bench_moe.py: sixteenth and seventeenth sessions).
 
 One program per token holds the token's E scores in registers as [groups, experts per group], then picks
 the kept groups and the top-k experts by repeated arg-max (ties go to the lower expert index). Sigmoid
@@ -17,21 +16,16 @@ and the divisions are IEEE (libdevice exp, div_rn), as PyTorch's CUDA kernels co
 order of the final k-term sum can differ from torch's reduction, so weights agree to float32 rounding.
 A NaN score never wins (torch.topk would take it first): every expert index it writes is in range.
 
-Importing this module needs neither Triton nor a GPU (triton_experts.available() says whether it runs).
+Importing this module needs neither Triton nor a GPU (ep_layer.kernels.triton_support.available() says
+whether it runs).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.triton_support import tl, triton
 from .routing import NORM_EPS, RoutingConfig
-
-try:
-    import triton
-    import triton.language as tl
-    from triton.language.extra.cuda import libdevice
-except ImportError:  # no Triton in this install: routing.noaux_tc_route still works
-    triton = None
 
 GEMV_MAX_TOKENS = 16  # the split GEMV computes the logits of at most this many tokens
 GEMV_BLOCK_E = 4  # experts per GEMV program
@@ -39,6 +33,7 @@ GEMV_BLOCK_H = 512  # channels per GEMV program (one part)
 GEMM_PART_CHANNELS = 256  # past GEMV_MAX_TOKENS: channels per part of cuBLAS's batched GEMM
 
 if triton is not None:
+    from triton.language.extra.cuda import libdevice
 
     @triton.jit
     def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, N, E, H, stride_x, stride_w,

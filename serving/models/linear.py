@@ -11,16 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ep_layer.block_fp8 import WEIGHT_BLOCK, block_dequant, num_blocks
-from ep_layer.moe import triton_experts
+from ep_layer.kernels import triton_support
+from ep_layer.kernels.fp8_linear import fp8_block_linear
 
 
 class Linear(nn.Module):
     """y = x W^T (no bias: DeepSeek-V3 has none).
 
     FP8 weights on a GPU with Triton run as FP8: activations cast per token and 128 channels, block-
-    scaled GEMM with float32 accumulation (DeepSeek-V3's inference scheme, ep_layer.moe's expert
-    kernel). Elsewhere they are dequantised to the activation dtype at each call (exact for the
-    weight values, plain PyTorch).
+    scaled GEMM with float32 accumulation (DeepSeek-V3's inference scheme, ep_layer.kernels.fp8_linear).
+    Elsewhere they are dequantised to the activation dtype at each call (exact for the weight values,
+    plain PyTorch).
     """
 
     weight_scale_inv: torch.Tensor | None
@@ -50,7 +51,7 @@ class Linear(nn.Module):
 
     def runs_fp8(self, x: torch.Tensor) -> bool:
         """Whether forward(x) runs the FP8 GEMM (else the dequantised weight in PyTorch)."""
-        return self.weight_scale_inv is not None and x.is_cuda and triton_experts.available()
+        return self.weight_scale_inv is not None and x.is_cuda and triton_support.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_fp8(x):
@@ -60,8 +61,7 @@ class Linear(nn.Module):
     def fp8_forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """forward on the FP8 GEMM (runs_fp8(x)), in x's dtype; gated: the weight holds gate rows then up
         rows, and the result is SiLU(gate) * up (half the output features)."""
-        y = triton_experts.fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv,
-                                            gated=gated)
+        y = fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, gated=gated)
         return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
     def extra_repr(self) -> str:

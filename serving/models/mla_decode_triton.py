@@ -14,13 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_layer.moe.triton_experts import sm_count
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from ep_layer.kernels.triton_support import sm_count, tl, triton
 
 BLOCK_H = 16  # heads per program (they share every key load)
 BLOCK_T = 32  # keys per step of the online softmax

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from ep_layer.kernels.triton_support import tl, triton
 
 ELEMENTS_PER_WARP = 1024  # a warp per 1024 channels (32 per lane), at most MAX_WARPS
 MAX_WARPS = 16

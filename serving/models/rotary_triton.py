@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from ep_layer.kernels.triton_support import tl, triton
 
 BLOCK_HEADS = 16  # heads per program
 

@@ -1,0 +1,137 @@
+"""The dense linear x @ weight.T for a 128x128 block-FP8 weight, in Triton (GPU only): DeepSeek-V3's
+inference scheme (x cast per token and 128 channels, block-scaled products accumulated in float32), for
+the serving model's FP8 projections and the MoE layer's shared experts. A decode step's few rows take a
+split-K GEMM whose float32 parts a second launch adds in order (deterministic); larger batches take the
+masked GEMM with a single group (masked_gemm).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..block_fp8 import WEIGHT_BLOCK
+from ..quant import FP8_GROUP
+from .fp8_cast import cast_rows_to_fp8
+from .masked_gemm import BLOCK_M, BLOCK_N, BLOCK_N_GATED, masked_grouped_gemm
+from .triton_support import sm_count, tl, triton
+
+BLOCK_N_FEW_ROWS = 32  # at most BLOCK_M rows on the masked GEMM: 4x the programs, each streams less weight
+SPLITK_MAX_ROWS = 16  # at most this many rows: split-K GEMM (one 16-row tile)
+SPLITK_MIN_DEPTH = 4096  # this deep or deeper: split-K GEMM for up to BLOCK_M rows
+SPLITK_BLOCK_N = 64
+SPLITK_PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
+# Outputs per program of the split-K parts' sum: the wide block where it still makes two programs per SM,
+# else the narrow one (a decode step's sums are bound by latency; benchmarks/RESULTS.md, profile_decode.py).
+SUM_BLOCK, SUM_BLOCK_NARROW = 1024, 256
+NUM_WARPS = 4
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
+                           stride_am, stride_sm, stride_bn, stride_tn,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Split-K FP8 GEMM for a decode step's rows: program (n, s, m) sums the 128-deep blocks s, s +
+        SPLIT, ... of out[m tile, n tile] = a [M, K] . b [N, K]^T, each block scaled as in the masked
+        GEMM, into part[s] (float32 [SPLIT, M, N]; _sum_parts_kernel adds them in order:
+        deterministic). (Casting a here instead costs more than the cast's launch: every column tile would
+        cast it.)"""
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for block in range(split, K_BLOCKS, SPLIT):
+            k0 = block * BLOCK_K
+            a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptr + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=col_ok[None, :], other=0.0)
+            a_s = tl.load(a_scale_ptr + rows * stride_sm + block, mask=row_ok, other=0.0)
+            b_s = tl.load(b_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_tn + block)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s)
+        out = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+
+    @triton.jit
+    def _sum_parts_kernel(part_ptr, out_ptr, M, N, SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+        """out [M, N] = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32).
+        GATED: parts are [SPLIT, M, 2N], gate columns [0, N) and up columns [N, 2N), and out = SiLU(gate) *
+        up as the masked GEMM computes it. The loop is unrolled (SPLIT is a constant), so that all parts'
+        loads are in flight at once, not a chain of dependent steps (benchmarks/RESULTS.md, profile_decode.py)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * N
+        width = 2 * N if GATED else N
+        at = (offs // N) * width + offs % N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + s * M * width + at, mask=ok, other=0.0)
+            if GATED:
+                acc_up += tl.load(part_ptr + s * M * width + at + N, mask=ok, other=0.0)
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=ok)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight.T for an FP8 e4m3 weight [N, K] with 128x128 block scales [ceil(N/128), K/128]:
+    x is cast per token and 128 channels as the experts' activations are, the GEMM is split-K or the
+    masked one with a single group of M rows (no host sync). bf16 [M, N]. gated: weight holds gate rows
+    then up rows (N = 2I, I a multiple of 128), and the result is SiLU(gate) * up, bf16 [M, I]."""
+    m, k = x.shape
+    if k % FP8_GROUP:
+        raise ValueError(f"x: expected a multiple of {FP8_GROUP} input features for an FP8 weight, got {k}")
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if gated and (weight.shape[0] % 2 or n % WEIGHT_BLOCK):
+        raise ValueError(f"weight: expected gate and up halves of a multiple of {WEIGHT_BLOCK} rows each, "
+                         f"got {weight.shape[0]} rows")
+    out = torch.empty(1, m, n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out[0]
+    data, scales = cast_rows_to_fp8(x.contiguous()[None], None)  # all m rows: no count to fill first
+    # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs (at
+    # 128 columns a 576- or 7168-wide projection runs on 5 or 56 programs). Where even those tiles are
+    # fewer than the SMs, K is split as well; and for a deep projection in one row tile, where each narrow
+    # tile would stream all of K alone (a 2048-deep one stays masked). The shared expert's gated gate_up
+    # takes split-K too (benchmarks/RESULTS.md, profile_decode.py: fifth, fifteenth and sixteenth sessions).
+    # The gated GEMM keeps its own column tile (two accumulators: wider tiles spill).
+    block_n = BLOCK_N_GATED if gated else BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
+    deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH
+    if m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, n, block_n, x.device):
+        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0], gated)
+    count = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one expert's m rows
+    return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out,
+                               up_offset=n if gated else 0, gated=gated, block_n=block_n)[0]
+
+
+def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
+    """Whether one expert's [rows, columns] output makes fewer masked-GEMM tiles than the GPU has SMs: then
+    the split-K GEMM is the faster (dense projections and the shared expert at decode sizes)."""
+    return triton.cdiv(columns, block_n) * triton.cdiv(rows, BLOCK_M) < sm_count(device)
+
+
+def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                       weight_scale_inv: torch.Tensor, out: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """The split-K path of fp8_block_linear, into out bf16 [M, N]: a decode step's few rows give too few
+    tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well; a second launch
+    adds the parts and rounds to bf16. gated: weight [2N, K] holds gate rows then up rows, and out gets
+    SiLU(gate) * up."""
+    m, k = data.shape
+    n = weight.shape[0]
+    k_blocks = k // FP8_GROUP
+    block_m = SPLITK_MAX_ROWS if m <= SPLITK_MAX_ROWS else BLOCK_M
+    tiles = triton.cdiv(n, SPLITK_BLOCK_N) * triton.cdiv(m, block_m)
+    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), tiles)))
+    parts = torch.empty(split, m, n, dtype=torch.float32, device=data.device)
+    _fp8_splitk_kernel[(triton.cdiv(n, SPLITK_BLOCK_N), split, triton.cdiv(m, block_m))](
+        data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
+        data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
+        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
+    block = SUM_BLOCK if triton.cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
+    _sum_parts_kernel[(triton.cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
+                                                          BLOCK=block, num_warps=NUM_WARPS)
+    return out
