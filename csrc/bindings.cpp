@@ -18,10 +18,36 @@ T* ptr(long long p) {
   return reinterpret_cast<T*>(p);
 }
 
+// One field of a plain struct, by the name Python gives it.
+template <typename T, typename M>
+struct Field {
+  const char* name;
+  M T::*member;
+};
+
+template <typename T, typename M>
+Field<T, M> field(const char* name, M T::*member) {
+  return {name, member};
+}
+
+// Binds plain struct T with a keyword-only constructor that takes every field by its name (a value cannot
+// land in the wrong field, and none can be left out) and a read-only attribute per field.
+template <typename T, typename... M>
+py::class_<T> bind_struct(py::module_& m, const char* name, Field<T, M>... fields) {
+  py::class_<T> cls(m, name);
+  cls.def(py::init([fields...](M... values) {
+            T t{};
+            ((t.*fields.member = values), ...);
+            return t;
+          }),
+          py::kw_only(), py::arg(fields.name)...);
+  (cls.def_readonly(fields.name, fields.member), ...);
+  return cls;
+}
+
 Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
                    bool system_scope, int gpu_share, const std::vector<long long>& peer_bases, long long local_base,
-                   std::tuple<long long, long long, long long, long long, long long, long long, long long> layout,
-                   long long host_error, double timeout_s, long long latency) {
+                   const ep::BufferOffsets& layout, long long host_error, double timeout_s, long long latency) {
   Common c{};
   c.rank = rank;
   c.num_ranks = num_ranks;
@@ -37,8 +63,7 @@ Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_
     throw std::invalid_argument("make_common: one buffer per rank, at most " + std::to_string(ep::kMaxRanks));
   for (int r = 0; r < num_ranks; ++r) c.peer_bases[r] = peer_bases[r];
   c.local_base = ptr<unsigned char>(local_base);
-  c.layout = {std::get<0>(layout), std::get<1>(layout), std::get<2>(layout),
-              std::get<3>(layout), std::get<4>(layout), std::get<5>(layout), std::get<6>(layout)};
+  c.layout = layout;
   c.host_error = ptr<volatile int>(host_error);
   c.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
   c.latency = ptr<unsigned long long>(latency);
@@ -118,6 +143,11 @@ void combine(const Common& common, bool send, long long ticket, int num_tokens, 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ep-layer CUDA kernels: low-latency dispatch/combine over CUDA IPC peer memory";
   py::class_<Common>(m, "Common");
+  using ep::BufferOffsets;
+  bind_struct(m, "BufferOffsets", field("control", &BufferOffsets::control), field("half", &BufferOffsets::half),
+              field("dispatch", &BufferOffsets::dispatch), field("slot", &BufferOffsets::slot),
+              field("combine", &BufferOffsets::combine), field("flags", &BufferOffsets::flags),
+              field("counts", &BufferOffsets::counts));
   m.def("make_common", &make_common);
   m.def("dispatch", &dispatch);
   m.def("combine", &combine);

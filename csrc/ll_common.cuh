@@ -90,8 +90,8 @@ struct DispatchHeader {
 };
 static_assert(sizeof(DispatchHeader) == kHeaderBytes, "header layout");
 
-struct Layout {          // byte offsets, from ep_layer/layout.py
-  long long control;     // = CONTROL_BYTES: start of half 0
+struct BufferOffsets {  // byte offsets: ep_layer/layout.py's BufferOffsets, the same fields
+  long long control;     // = kControlBytes: start of half 0
   long long half;        // bytes of one half
   long long dispatch;    // offset of the dispatch slots inside a half
   long long slot;        // bytes of one dispatch slot
@@ -109,7 +109,7 @@ struct Common {
   int gpu_share;                  // ranks whose kernels run on this GPU at the same time (this one included)
   long long peer_bases[kMaxRanks];  // each rank's buffer, mapped here (kernel parameters: no global load)
   unsigned char* local_base;      // this rank's buffer
-  Layout layout;
+  BufferOffsets layout;
   unsigned* ticket;               // per call: the sequence number its send half used
   volatile int* host_error;       // host-mapped flag: set when error is recorded
   unsigned long long timeout_ns;

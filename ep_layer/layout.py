@@ -18,6 +18,8 @@ without a copy into the slots when the ranks share a GPU (the receivers read the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 # The kernels' copies of MAX_TOPK, MAX_RANKS, MAX_EXPERTS, DISPATCH_HEADER_BYTES and CONTROL_BYTES
 # (csrc/ll_common.cuh) are checked against these when ep_layer._C loads (ep_layer.native).
 MAX_TOPK = 16
@@ -47,6 +49,27 @@ def half_bytes(max_tokens: int, hidden: int, num_ranks: int) -> tuple[int, int, 
     flags = _align(max_tokens * MAX_TOPK * COMBINE_FLAG_BYTES)
     counts = _align(MAX_EXPERTS * COUNT_BYTES)  # [R][E_l] tagged counts: E at most
     return dispatch, combine, flags, counts
+
+
+class BufferOffsets(NamedTuple):
+    """The byte offsets the kernels address the buffer with (csrc/ll_common.cuh: BufferOffsets, the same
+    fields); the dispatch slots, combine slots, combine flags and expert counts are offsets inside a half."""
+
+    control: int  # = CONTROL_BYTES: where half 0 starts
+    half: int  # bytes of one half
+    dispatch: int
+    slot: int  # bytes of one dispatch slot
+    combine: int
+    flags: int
+    counts: int
+
+
+def buffer_offsets(max_tokens: int, hidden: int, num_ranks: int) -> BufferOffsets:
+    """The offsets in a buffer of `num_ranks` ranks that send up to `max_tokens` tokens of `hidden` channels."""
+    dispatch, combine, flags, counts = half_bytes(max_tokens, hidden, num_ranks)
+    return BufferOffsets(control=CONTROL_BYTES, half=dispatch + combine + flags + counts, dispatch=0,
+                         slot=dispatch_slot_bytes(hidden), combine=dispatch, flags=dispatch + combine,
+                         counts=dispatch + combine + flags)
 
 
 def zero_copy_offset(max_tokens: int, hidden: int, num_ranks: int) -> int:

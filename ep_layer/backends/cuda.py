@@ -204,9 +204,7 @@ class CudaBackend(Backend):
             need = layout.low_latency_buffer_bytes(max_tokens, hidden, self.num_ranks, num_experts)
             expect(need <= self.num_rdma_bytes, "num_rdma_bytes", f"at least {need} for T={max_tokens}, "
                    f"H={hidden} (Buffer.get_low_latency_rdma_size_hint)", self.num_rdma_bytes)
-            dispatch, combine, flags, counts = layout.half_bytes(max_tokens, hidden, self.num_ranks)
-            offsets = (layout.CONTROL_BYTES, dispatch + combine + flags + counts, 0,
-                       layout.dispatch_slot_bytes(hidden), dispatch, dispatch + combine, dispatch + combine + flags)
+            offsets = self._c.BufferOffsets(**layout.buffer_offsets(max_tokens, hidden, self.num_ranks)._asdict())
             check = zlib.crc32(repr(key).encode())
             common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
                                          self._system_scope, self._gpu_share, self._peer_bases, self._base, offsets,
