@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ep_layer import Buffer
-from ep_layer.moe import FusedMoE
+from ep_layer.moe import FusedMoE, make_buffer
 
 from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
@@ -119,7 +119,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.max_tokens_per_rank = max_tokens_per_rank
         has_moe = config.first_k_dense_replace < config.num_hidden_layers
         if ep_buffer is None and has_moe:
-            ep_buffer = _make_buffer(group, backend, max_tokens_per_rank, config)
+            ep_buffer = make_buffer(group, max_tokens_per_rank, config.hidden_size, config.n_routed_experts, backend)
         self.ep_buffer = ep_buffer
         self.ep_rank, self.ep_size = (ep_buffer.rank, ep_buffer.group_size) if ep_buffer is not None else (0, 1)
         if config.n_routed_experts % self.ep_size:
@@ -267,14 +267,3 @@ def _unexpected_hint(name: str, config: ModelConfig) -> str:
                 f"num_nextn_predict_layers={config.num_nextn_predict_layers})")
     return ""
 
-
-def _make_buffer(group: dist.ProcessGroup | None, backend: str, max_tokens: int, config: ModelConfig) -> Buffer:
-    if group is not None:
-        ranks = dist.get_world_size(group)
-    else:
-        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if config.n_routed_experts % ranks:
-        raise ValueError(f"n_routed_experts={config.n_routed_experts} is not a multiple of the expert-parallel "
-                         f"size {ranks}")
-    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, config.hidden_size, ranks, config.n_routed_experts)
-    return Buffer(group, num_rdma_bytes=size, low_latency_mode=True, backend=backend)
