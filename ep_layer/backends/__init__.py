@@ -11,16 +11,25 @@ from .reference import ReferenceBackend
 
 BACKENDS = ("auto", "cuda", "reference")
 
-__all__ = ["BACKENDS", "Backend", "DispatchResult", "DispatchSpec", "Handle", "RecvX", "RowsInPlace", "create_backend"]
+__all__ = ["BACKENDS", "Backend", "DispatchResult", "DispatchSpec", "Handle", "RecvX", "RowsInPlace", "create_backend",
+           "resolve_backend"]
+
+
+def resolve_backend(name: str, *, one_node: bool = True) -> str:
+    """The backend `name` stands for, the one place `auto` is decided: `cuda` where our kernels are
+    built, a GPU is present and the ranks share one node (the cuda backend maps its peers' buffers
+    through CUDA IPC), else `reference`."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
+    if name != "auto":
+        return name
+    return "cuda" if one_node and native.available() and torch.cuda.is_available() else "reference"
 
 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                    num_rdma_bytes: int, timeout_s: float) -> Backend:
-    """`auto` picks `cuda` where our kernels are built and a GPU is present, else `reference`."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
-    if name == "auto":
-        name = "cuda" if native.available() and torch.cuda.is_available() else "reference"
+    """The backend resolve_backend(name) names, for this rank of `group`."""
+    name = resolve_backend(name)
     if name == "reference":
         return ReferenceBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s)
     if not torch.cuda.is_available():

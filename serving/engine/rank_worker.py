@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ep_layer.backends import resolve_backend
+
 from .config import EngineConfig
 from .engine import LLMEngine, eos_token_ids
 from .messages import (
@@ -87,9 +89,9 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(config.local_ranks)))
         device = resolve_device(config, rank - config.local_ranks.start)
-        if config.spans_processes and config.ep_backend == "auto":
-            # The cuda backend maps its peers' buffers through CUDA IPC, within one node only.
-            config = dataclasses.replace(config, ep_backend="reference")
+        # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
+        config = dataclasses.replace(config, ep_backend=resolve_backend(config.ep_backend,
+                                                                        one_node=not config.spans_processes))
         group, sync_group = _init_group(config, rank, device)
         model, tokenizer = load_model(config, group, device)
         max_positions = int(model.config.max_position_embeddings)
@@ -133,15 +135,10 @@ def _init_group(config: EngineConfig, rank: int,
     world = config.data_parallel_size
     backend = "gloo"
     if device.type == "cuda":
-        from ep_layer import native
-
-        ep_backend = config.ep_backend
-        if ep_backend == "auto":
-            ep_backend = "cuda" if native.available() else "reference"
         local = len(config.local_ranks)
         if local <= torch.cuda.device_count():
             backend = "nccl"
-        elif ep_backend == "reference":
+        elif config.ep_backend == "reference":
             raise ValueError(f"ep_backend: the reference backend on GPU needs a GPU per rank (NCCL), got {local} "
                              f"ranks on {torch.cuda.device_count()} GPU(s); build the cuda backend for shared GPUs")
     store = dist.TCPStore(config.data_parallel_address, config.dist_port, world, is_master=False,
