@@ -139,5 +139,5 @@ def layer_rank(rank: int, world: int, cfg: MoeConfig, quant: str, weights: dict[
     overlapped = layer.forward_two_microbatches(x)
     topk_idx, topk_weights = layer.route(x)
     results = {"plain": plain, "overlapped": overlapped, "topk_idx": topk_idx, "topk_weights": topk_weights,
-               "expert_load": layer.expert_load}
+               "expert_load": layer.stats().expert_load}
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy() for k, v in results.items()}

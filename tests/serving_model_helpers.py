@@ -214,7 +214,7 @@ def ep_rank(rank: int, world: int, paths: dict[str, str], scripts: list[list[Ste
                 tokens = script_tokens(scripts[s], model.config.vocab_size, seed=100 + s)
                 for (seq, pos), row in PagedRunner(model, tokens, seed=s).run(scripts[s]).items():
                     logits[(kind, s, seq, pos)] = row.numpy().copy()
-            loads[kind] = [int(layer.mlp.expert_load.sum()) for layer in model.model.layers if layer.is_moe]
+            loads[kind] = [int(layer.mlp.stats().expert_load.sum()) for layer in model.model.layers if layer.is_moe]
     finally:
         safetensors.safe_open = original
     return {"logits": logits, "read": read, "expert_load": loads}

@@ -14,6 +14,7 @@ exchanges run beside the shared expert, the overlapped one's under the other hal
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,17 @@ SHARED_UNDER = ("both", "dispatch", "combine")
 # A first micro-batch whose second is empty (one token) runs it under both, as the plain forward does: then
 # nothing else overlaps its combine either (H200, emulated EP = 8: 37 us faster at T = 1).
 MICROBATCH_SHARED_UNDER = ("dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """A FusedMoE's counters, summed over its forwards on its device (live tensors, not copies: reading
+    one waits for the device). The dispatch / combine latency histograms are its Buffer's
+    (`FusedMoE.buffer.latency_stats()`), which layers may share."""
+
+    expert_load: torch.Tensor  # int32 [num_local_experts]: rows each local expert received
+    dispatch_wait_ns: torch.Tensor  # int64 [num_ranks]: nanoseconds dispatch waited for each source rank
+    combine_wait_ns: torch.Tensor  # int64 [num_ranks]: the same for combine
 
 
 class FusedMoE(nn.Module):
@@ -101,6 +113,11 @@ class FusedMoE(nn.Module):
         # Where the backend and the expert kernels allow it, the GEMMs read the dispatched rows where they
         # arrived (Buffer.low_latency_dispatch(rows_in_place=True)): no packed copy of them. False: a copy.
         self.read_rows_in_place = True
+
+    # ------------------------------------------------------------------ metrics
+    def stats(self) -> MoEStats:
+        """This layer's expert-load and wait-cost counters (the Buffer adds to them on device)."""
+        return MoEStats(self.expert_load, self.dispatch_wait_recv_cost_stats, self.combine_wait_recv_cost_stats)
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,8 +1,7 @@
 """Expert-parallel counters read out of the model's MoE layers, at scrape time only (one device sync
-per scrape, none per step): FusedMoE's `expert_load` (tokens each local expert received), where a
-layer keeps them the Buffer wait-cost tensors `dispatch_wait_recv_cost_stats` /
-`combine_wait_recv_cost_stats` (int64 [ranks], ns spent waiting on each source rank), and the
-dispatch / combine latency histograms of the layers' Buffers (`Buffer.latency_stats()`)."""
+per scrape, none per step): each FusedMoE's stats() (tokens each local expert received, and the
+nanoseconds dispatch / combine waited on each source rank), and the dispatch / combine latency
+histograms of the layers' Buffers (`Buffer.latency_stats()`)."""
 
 from __future__ import annotations
 
@@ -12,18 +11,18 @@ import torch
 
 from ep_layer import Buffer
 from ep_layer.latency import LatencyHistogram
+from ep_layer.moe import FusedMoE
 
 from .messages import EPStats
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
-    """(layer index, module) of every module with an `expert_load` counter, in model order."""
+def moe_layers(model: torch.nn.Module) -> list[tuple[int, FusedMoE]]:
+    """(layer index, layer) of every FusedMoE in the model, in model order."""
     found = []
     for name, module in model.named_modules():
-        load = getattr(module, "expert_load", None)
-        if isinstance(load, torch.Tensor):
+        if isinstance(module, FusedMoE):
             m = _LAYER.search(name + ".")
             found.append((int(m.group(1)) if m else len(found), module))
     return found
@@ -31,28 +30,30 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
 
 def read_ep_stats(model: torch.nn.Module, rank: int, num_ranks: int, steps: dict[str, int],
                   step_seconds: dict[str, float]) -> EPStats:
+    """This rank's EPStats: its MoE layers' counters, with the step counts and times given."""
     layers = moe_layers(model)
-    loads = {i: m.expert_load.tolist() for i, m in layers}
-    dispatch_latency, combine_latency = _latencies(layers)
-    return EPStats(rank, num_ranks, loads, _summed(layers, "dispatch_wait_recv_cost_stats", num_ranks),
-                   _summed(layers, "combine_wait_recv_cost_stats", num_ranks), steps, step_seconds,
+    stats = [(i, m.stats()) for i, m in layers]
+    loads = {i: s.expert_load.tolist() for i, s in stats}
+    dispatch_latency, combine_latency = _latencies([m.buffer for _, m in layers])
+    return EPStats(rank, num_ranks, loads, _summed([s.dispatch_wait_ns for _, s in stats], num_ranks),
+                   _summed([s.combine_wait_ns for _, s in stats], num_ranks), steps, step_seconds,
                    dispatch_latency, combine_latency)
 
 
-def _summed(layers: list[tuple[int, torch.nn.Module]], attr: str, num_ranks: int) -> list[int]:
-    tensors = [getattr(m, attr) for _, m in layers if isinstance(getattr(m, attr, None), torch.Tensor)]
+def _summed(tensors: list[torch.Tensor], num_ranks: int) -> list[int]:
+    """The per-source-rank counters summed over layers; [] without layers or for another group size."""
     if not tensors:
         return []
     total = torch.stack([t.to(torch.int64) for t in tensors]).sum(0).tolist()
     return total if len(total) == num_ranks else []
 
 
-def _latencies(layers: list[tuple[int, torch.nn.Module]]) -> tuple[LatencyHistogram | None, LatencyHistogram | None]:
-    """(dispatch, combine) histograms summed over the distinct Buffers of the layers (one shared by all
-    layers, or one each); (None, None) without any."""
-    buffers = {id(b): b for _, m in layers if isinstance(b := getattr(m, "buffer", None), Buffer)}
-    if not buffers:
+def _latencies(buffers: list[Buffer]) -> tuple[LatencyHistogram | None, LatencyHistogram | None]:
+    """(dispatch, combine) histograms summed over the distinct Buffers (one shared by all layers, or one
+    each); (None, None) without any."""
+    distinct = {id(b): b for b in buffers}
+    if not distinct:
         return None, None
-    stats = [b.latency_stats() for b in buffers.values()]
+    stats = [b.latency_stats() for b in distinct.values()]
     return (sum((s["dispatch"] for s in stats), LatencyHistogram.empty()),
             sum((s["combine"] for s in stats), LatencyHistogram.empty()))
