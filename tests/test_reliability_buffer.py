@@ -5,7 +5,7 @@ tests are in tests/test_buffer_cuda.py):
   others raise EPTimeoutError naming exactly that rank, within about timeout_s, instead of hanging;
 - bad arguments to every public function of `ep_layer` (its __all__: Buffer and its methods,
   EventOverlap), drawn by hypothesis: each call with one bad argument raises ValueError naming that
-  argument (DESIGN.md section 2), and the same calls with good arguments work.
+  argument (docs/design.md section 2), and the same calls with good arguments work.
 """
 
 from __future__ import annotations
