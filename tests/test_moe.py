@@ -50,6 +50,7 @@ from ep_layer.moe import (
 )
 from ep_layer.moe.experts import check_rows_in_place
 from ep_layer.moe.layer import forward_two_microbatches
+from ep_layer.moe.loading import scale_slot, weight_slot
 from ep_layer.moe.schedule import (
     COMBINE_HOOKED,
     COMBINE_SENT,
@@ -352,9 +353,9 @@ def test_torch_experts_on_ragged_rows(fp8: bool, seed: int) -> None:
     store = ExpertWeights(num_experts, hidden, inter, fp8)
     for e in range(num_experts):
         for p in ("gate", "up", "down"):
-            store.weight_slot(e, p).copy_(weights[f"experts.{e}.{p}_proj.weight"])
+            weight_slot(store, e, p).copy_(weights[f"experts.{e}.{p}_proj.weight"])
             if fp8:
-                store.scale_slot(e, p).copy_(weights[f"experts.{e}.{p}_proj.weight_scale_inv"])
+                scale_slot(store, e, p).copy_(weights[f"experts.{e}.{p}_proj.weight_scale_inv"])
     counts = torch.tensor([0, rows, int(torch.randint(1, rows, (1,), generator=gen)), 1], dtype=torch.int32)
     x = torch.full((num_experts, rows, hidden), float("nan"), dtype=torch.bfloat16)
     for e, n in enumerate(counts.tolist()):
@@ -387,9 +388,9 @@ def test_shared_mlp_in_two_halves_is_the_routed_mlp(fp8: bool, seed: int) -> Non
     weights = hf_weights(cfg, gen, "fp8" if fp8 else "bf16")
     store = ExpertWeights(1, hidden, inter, fp8)
     for p in ("gate", "up", "down"):
-        store.weight_slot(0, p).copy_(weights[f"experts.0.{p}_proj.weight"])
+        weight_slot(store, 0, p).copy_(weights[f"experts.0.{p}_proj.weight"])
         if fp8:
-            store.scale_slot(0, p).copy_(weights[f"experts.0.{p}_proj.weight_scale_inv"])
+            scale_slot(store, 0, p).copy_(weights[f"experts.0.{p}_proj.weight_scale_inv"])
     kernels = TorchExperts()
     for rows in (0, 1, 2 * ROW_TILE + 3):
         x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)

@@ -34,6 +34,7 @@ from ep_layer.moe import (
     triton_experts,
 )
 from ep_layer.moe.layer import forward_two_microbatches
+from ep_layer.moe.loading import scale_slot, weight_slot
 from ep_layer.quant import FP8_GROUP, per_token_cast_to_fp8
 
 pytestmark = [
@@ -88,9 +89,9 @@ def expert_weights(gen: torch.Generator, num_experts: int, hidden: int, inter: i
     store = ExpertWeights(num_experts, hidden, inter, fp8, device)
     for e in range(num_experts):
         for p in ("gate", "up", "down"):
-            store.weight_slot(e, p).copy_(weights[f"experts.{e}.{p}_proj.weight"])
+            weight_slot(store, e, p).copy_(weights[f"experts.{e}.{p}_proj.weight"])
             if fp8:
-                store.scale_slot(e, p).copy_(weights[f"experts.{e}.{p}_proj.weight_scale_inv"])
+                scale_slot(store, e, p).copy_(weights[f"experts.{e}.{p}_proj.weight_scale_inv"])
     return store, weights
 
 

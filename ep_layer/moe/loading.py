@@ -1,5 +1,6 @@
-"""HF DeepSeek-V3 checkpoint names (under a layer's `mlp.` prefix) to a FusedMoE's storage, strictly:
-unknown, duplicate, mis-shaped, wrongly typed and missing tensors are errors that name the tensor.
+"""A FusedMoE's weight loading: HF DeepSeek-V3 checkpoint names (under a layer's `mlp.` prefix) to its
+storage, strictly: unknown, duplicate, mis-shaped, wrongly typed and missing tensors are errors that name
+the tensor. Where each expert's projection goes in ExpertWeights' layout: weight_slot, scale_slot.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .weights import PROJECTIONS, ExpertWeights
+from ..block_fp8 import WEIGHT_BLOCK
+from .weights import ExpertWeights
+
+_PROJECTIONS = ("gate", "up", "down")
 
 _GATE = {"gate.weight", "gate.e_score_correction_bias"}
 _EXPERT = re.compile(r"experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
@@ -39,9 +43,9 @@ class LoadTargets:
         suffixes = ["weight"] + (["weight_scale_inv"] if self.experts.fp8 else [])
         names = set(_GATE)
         for e in range(self.first_expert, self.first_expert + self.experts.num_experts):
-            names |= {f"experts.{e}.{p}_proj.{s}" for p in PROJECTIONS for s in suffixes}
+            names |= {f"experts.{e}.{p}_proj.{s}" for p in _PROJECTIONS for s in suffixes}
         if self.shared_experts is not None:
-            names |= {f"shared_experts.{p}_proj.{s}" for p in PROJECTIONS for s in suffixes}
+            names |= {f"shared_experts.{p}_proj.{s}" for p in _PROJECTIONS for s in suffixes}
         return names
 
 
@@ -85,7 +89,27 @@ def _destination(name: str, targets: LoadTargets) -> torch.Tensor | None:
         hint = (" (names are relative to the layer's `mlp.` prefix)" if name.startswith("mlp.") else
                 " (this layer has no shared experts)" if shared_match else "")
         raise ValueError(f"load_weights: unexpected tensor {name}{hint}")
-    return store.weight_slot(local, projection) if kind == "weight" else store.scale_slot(local, projection)
+    return weight_slot(store, local, projection) if kind == "weight" else scale_slot(store, local, projection)
+
+
+def weight_slot(store: ExpertWeights, expert: int, projection: str) -> torch.Tensor:
+    """The view of `store` that holds this expert's `{projection}_proj.weight` (gate, up or down)."""
+    i, padded = store.intermediate, store.padded_intermediate
+    if projection == "down":
+        return store.down[expert, :, :i]
+    start = padded if projection == "up" else 0
+    return store.gate_up[expert, start:start + i]
+
+
+def scale_slot(store: ExpertWeights, expert: int, projection: str) -> torch.Tensor:
+    """The view of `store`'s block scales for this expert's projection (FP8 only)."""
+    if store.gate_up_scale is None or store.down_scale is None:
+        raise ValueError("weight_scale_inv: this layer stores bf16 weights, which have no block scales")
+    if projection == "down":
+        return store.down_scale[expert]
+    blocks = store.padded_intermediate // WEIGHT_BLOCK
+    start = blocks if projection == "up" else 0
+    return store.gate_up_scale[expert, start:start + blocks]
 
 
 def _check_kind(name: str, kind: str, store: ExpertWeights) -> None:

@@ -14,8 +14,6 @@ from torch import nn
 
 from ..block_fp8 import WEIGHT_BLOCK, block_dequant, num_blocks
 
-PROJECTIONS = ("gate", "up", "down")
-
 
 class ExpertWeights(nn.Module):
     """Weights of `num_experts` experts (hidden H, intermediate I), bf16 or FP8 with block scales."""
@@ -39,35 +37,6 @@ class ExpertWeights(nn.Module):
             down_scale = torch.ones(num_experts, blocks_h, blocks_i, device=device)
         self.register_buffer("gate_up_scale", gate_up_scale)
         self.register_buffer("down_scale", down_scale)
-
-    # ------------------------------------------------------------------ where a checkpoint tensor goes
-    def weight_shape(self, projection: str) -> tuple[int, int]:
-        """[rows, cols] of one expert's `{projection}_proj.weight` in an HF checkpoint."""
-        h, i = self.hidden, self.intermediate
-        return (h, i) if projection == "down" else (i, h)
-
-    def scale_shape(self, projection: str) -> tuple[int, int]:
-        """[rows, cols] of its `weight_scale_inv`: one float32 per 128x128 block."""
-        rows, cols = self.weight_shape(projection)
-        return num_blocks(rows), num_blocks(cols)
-
-    def weight_slot(self, expert: int, projection: str) -> torch.Tensor:
-        """The view of the storage that holds this expert's projection weight."""
-        i, padded = self.intermediate, self.padded_intermediate
-        if projection == "down":
-            return self.down[expert, :, :i]
-        start = padded if projection == "up" else 0
-        return self.gate_up[expert, start:start + i]
-
-    def scale_slot(self, expert: int, projection: str) -> torch.Tensor:
-        """The view of the block-scale storage for this expert's projection (FP8 only)."""
-        if self.gate_up_scale is None or self.down_scale is None:
-            raise ValueError("weight_scale_inv: this layer stores bf16 weights, which have no block scales")
-        if projection == "down":
-            return self.down_scale[expert]
-        blocks = self.padded_intermediate // WEIGHT_BLOCK
-        start = blocks if projection == "up" else 0
-        return self.gate_up_scale[expert, start:start + blocks]
 
     # ------------------------------------------------------------------ float32 views for the PyTorch path
     def gate_up_fp32(self, experts: slice | int) -> torch.Tensor:
