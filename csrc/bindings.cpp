@@ -45,97 +45,164 @@ py::class_<T> bind_struct(py::module_& m, const char* name, Field<T, M>... field
   return cls;
 }
 
-Common make_common(int rank, int num_ranks, int max_tokens, int hidden, int num_experts, unsigned spec_check,
-                   bool system_scope, int gpu_share, const std::vector<long long>& peer_bases, long long local_base,
-                   const ep::BufferOffsets& layout, long long host_error, double timeout_s, long long latency) {
-  Common c{};
-  c.rank = rank;
-  c.num_ranks = num_ranks;
-  c.max_tokens = max_tokens;
-  c.hidden = hidden;
-  c.num_experts = num_experts;
-  c.spec_check = spec_check;
-  c.system_scope = system_scope;
-  if (gpu_share < 1 || gpu_share > num_ranks)
+// What a rank's Common is made of: its place among the ranks, the shape they agree on, its buffers.
+struct CommonArgs {
+  int rank, num_ranks, max_tokens, hidden, num_experts;
+  unsigned spec_check;  // hash of what ranks must agree on
+  bool system_scope;
+  int gpu_share;
+  std::vector<long long> peer_bases;
+  long long local_base;
+  ep::BufferOffsets layout;
+  long long host_error;  // device pointer of the host-mapped error flag
+  double timeout_s;
+  long long latency;  // the latency histogram (ll_common.cuh: Common::latency)
+};
+
+Common make_common(const CommonArgs& a) {
+  if (a.gpu_share < 1 || a.gpu_share > a.num_ranks)
     throw std::invalid_argument("make_common: gpu_share must be in [1, num_ranks]");
-  c.gpu_share = gpu_share;
-  if (peer_bases.size() != static_cast<size_t>(num_ranks) || num_ranks > ep::kMaxRanks)
+  if (a.peer_bases.size() != static_cast<size_t>(a.num_ranks) || a.num_ranks > ep::kMaxRanks)
     throw std::invalid_argument("make_common: one buffer per rank, at most " + std::to_string(ep::kMaxRanks));
-  for (int r = 0; r < num_ranks; ++r) c.peer_bases[r] = peer_bases[r];
-  c.local_base = ptr<unsigned char>(local_base);
-  c.layout = layout;
-  c.host_error = ptr<volatile int>(host_error);
-  c.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
-  c.latency = ptr<unsigned long long>(latency);
+  Common c{};
+  c.rank = a.rank;
+  c.num_ranks = a.num_ranks;
+  c.max_tokens = a.max_tokens;
+  c.hidden = a.hidden;
+  c.num_experts = a.num_experts;
+  c.spec_check = a.spec_check;
+  c.system_scope = a.system_scope;
+  c.gpu_share = a.gpu_share;
+  for (int r = 0; r < a.num_ranks; ++r) c.peer_bases[r] = a.peer_bases[r];
+  c.local_base = ptr<unsigned char>(a.local_base);
+  c.layout = a.layout;
+  c.host_error = ptr<volatile int>(a.host_error);
+  c.timeout_ns = static_cast<unsigned long long>(a.timeout_s * 1e9);
+  c.latency = ptr<unsigned long long>(a.latency);
   return c;
 }
 
-// Kernels of a dispatch call: the send half, the receive half (the hook), or both as one kernel.
-enum DispatchLaunch : int { kSendHalf = 1, kReceiveHalf = 2, kBothHalves = 3 };
+// One dispatch call (ll_common.cuh: DispatchCall, the same names): device pointers as ints, 0 = none.
+struct DispatchArgs {
+  long long ticket;
+  int num_tokens, num_topk;
+  bool use_fp8, round_scale, use_ue8m0;
+  int chunks_per_slot;
+  long long x, topk_idx, recv_x, recv_scales, recv_rows, recv_count, src_info, layout_range, combine_map,
+      recv_stats, wait_stats;
+};
 
-void dispatch(const Common& common, int halves, long long ticket, int num_tokens, int num_topk, bool use_fp8,
-              bool round_scale, bool use_ue8m0, int chunks_per_slot, long long x, long long topk_idx,
-              long long recv_x, long long recv_scales, long long recv_rows, long long recv_count, long long src_info,
-              long long layout_range, long long combine_map, long long recv_stats, long long wait_stats,
-              long long stream) {
+ep::DispatchCall dispatch_call(const Common& common, const DispatchArgs& a) {
   ep::DispatchCall call{};
   call.c = common;
-  call.c.ticket = ptr<unsigned>(ticket);
-  call.num_tokens = num_tokens;
-  call.num_topk = num_topk;
-  call.use_fp8 = use_fp8;
-  call.round_scale = round_scale;
-  call.use_ue8m0 = use_ue8m0;
-  call.chunks_per_slot = chunks_per_slot;
-  call.x = ptr<const __nv_bfloat16>(x);
-  call.topk_idx = ptr<const long long>(topk_idx);
-  call.recv_x = ptr<void>(recv_x);
-  call.recv_scales = ptr<void>(recv_scales);
-  call.recv_rows = ptr<long long>(recv_rows);
-  call.recv_count = ptr<int>(recv_count);
-  call.src_info = ptr<int>(src_info);
-  call.layout_range = ptr<long long>(layout_range);
-  call.combine_map = ptr<int>(combine_map);
-  call.recv_stats = ptr<int>(recv_stats);
-  call.wait_stats = ptr<long long>(wait_stats);
-  if (halves == kSendHalf) {
-    ep::dispatch_send(call, ptr<CUstream_st>(stream));
-    ep::check_launch("dispatch send kernel");
-  } else if (halves == kReceiveHalf) {
-    ep::dispatch_recv(call, ptr<CUstream_st>(stream));
-    ep::check_launch("dispatch receive kernel");
-  } else if (halves == kBothHalves) {
-    ep::dispatch_fused(call, ptr<CUstream_st>(stream));
-    ep::check_launch("dispatch kernel");
-  } else {
-    throw std::invalid_argument("ep_layer._C.dispatch: halves must be 1, 2 or 3");
-  }
+  call.c.ticket = ptr<unsigned>(a.ticket);
+  call.num_tokens = a.num_tokens;
+  call.num_topk = a.num_topk;
+  call.use_fp8 = a.use_fp8;
+  call.round_scale = a.round_scale;
+  call.use_ue8m0 = a.use_ue8m0;
+  call.chunks_per_slot = a.chunks_per_slot;
+  call.x = ptr<const __nv_bfloat16>(a.x);
+  call.topk_idx = ptr<const long long>(a.topk_idx);
+  call.recv_x = ptr<void>(a.recv_x);
+  call.recv_scales = ptr<void>(a.recv_scales);
+  call.recv_rows = ptr<long long>(a.recv_rows);
+  call.recv_count = ptr<int>(a.recv_count);
+  call.src_info = ptr<int>(a.src_info);
+  call.layout_range = ptr<long long>(a.layout_range);
+  call.combine_map = ptr<int>(a.combine_map);
+  call.recv_stats = ptr<int>(a.recv_stats);
+  call.wait_stats = ptr<long long>(a.wait_stats);
+  return call;
 }
 
-void combine(const Common& common, bool send, long long ticket, int num_tokens, int num_topk,
-             int blocks_per_expert, long long x, long long x_row, long long recv_count, long long combine_map,
-             long long topk_idx, long long topk_weights, long long out, long long wait_stats, long long stream) {
+// One combine call (ll_common.cuh: CombineCall, the same names): device pointers as ints, 0 = none;
+// x_row is a row index (or -1), not a pointer.
+struct CombineArgs {
+  long long ticket;
+  int num_tokens, num_topk, blocks_per_expert;
+  long long x, x_row, recv_count, combine_map, topk_idx, topk_weights, out, wait_stats;
+};
+
+ep::CombineCall combine_call(const Common& common, const CombineArgs& a) {
   ep::CombineCall call{};
   call.c = common;
-  call.c.ticket = ptr<unsigned>(ticket);
-  call.num_tokens = num_tokens;
-  call.num_topk = num_topk;
-  call.blocks_per_expert = blocks_per_expert;
-  call.x = ptr<const __nv_bfloat16>(x);
-  call.x_row = x_row;
-  call.recv_count = ptr<const int>(recv_count);
-  call.combine_map = ptr<const int>(combine_map);
-  call.topk_idx = ptr<const long long>(topk_idx);
-  call.topk_weights = ptr<const float>(topk_weights);
-  call.out = ptr<__nv_bfloat16>(out);
-  call.wait_stats = ptr<long long>(wait_stats);
-  if (send) {
-    ep::combine_send(call, ptr<CUstream_st>(stream));
-    ep::check_launch("combine send kernel");
-  } else {
-    ep::combine_recv(call, ptr<CUstream_st>(stream));
-    ep::check_launch("combine receive kernel");
-  }
+  call.c.ticket = ptr<unsigned>(a.ticket);
+  call.num_tokens = a.num_tokens;
+  call.num_topk = a.num_topk;
+  call.blocks_per_expert = a.blocks_per_expert;
+  call.x = ptr<const __nv_bfloat16>(a.x);
+  call.x_row = a.x_row;
+  call.recv_count = ptr<const int>(a.recv_count);
+  call.combine_map = ptr<const int>(a.combine_map);
+  call.topk_idx = ptr<const long long>(a.topk_idx);
+  call.topk_weights = ptr<const float>(a.topk_weights);
+  call.out = ptr<__nv_bfloat16>(a.out);
+  call.wait_stats = ptr<long long>(a.wait_stats);
+  return call;
+}
+
+// Launches `call` on `stream` with one of ep's launchers; a failed launch raises, naming `kernel`.
+template <typename Call>
+void launch(void (*launcher)(const Call&, cudaStream_t), const Call& call, long long stream, const char* kernel) {
+  launcher(call, ptr<CUstream_st>(stream));
+  ep::check_launch(kernel);
+}
+
+void bind_arguments(py::module_& m) {
+  using ep::BufferOffsets;
+  bind_struct(m, "BufferOffsets", field("control", &BufferOffsets::control), field("half", &BufferOffsets::half),
+              field("dispatch", &BufferOffsets::dispatch), field("slot", &BufferOffsets::slot),
+              field("combine", &BufferOffsets::combine), field("flags", &BufferOffsets::flags),
+              field("counts", &BufferOffsets::counts));
+  bind_struct(m, "CommonArgs", field("rank", &CommonArgs::rank), field("num_ranks", &CommonArgs::num_ranks),
+              field("max_tokens", &CommonArgs::max_tokens), field("hidden", &CommonArgs::hidden),
+              field("num_experts", &CommonArgs::num_experts), field("spec_check", &CommonArgs::spec_check),
+              field("system_scope", &CommonArgs::system_scope), field("gpu_share", &CommonArgs::gpu_share),
+              field("peer_bases", &CommonArgs::peer_bases), field("local_base", &CommonArgs::local_base),
+              field("layout", &CommonArgs::layout), field("host_error", &CommonArgs::host_error),
+              field("timeout_s", &CommonArgs::timeout_s), field("latency", &CommonArgs::latency));
+  bind_struct(m, "DispatchArgs", field("ticket", &DispatchArgs::ticket),
+              field("num_tokens", &DispatchArgs::num_tokens), field("num_topk", &DispatchArgs::num_topk),
+              field("use_fp8", &DispatchArgs::use_fp8), field("round_scale", &DispatchArgs::round_scale),
+              field("use_ue8m0", &DispatchArgs::use_ue8m0), field("chunks_per_slot", &DispatchArgs::chunks_per_slot),
+              field("x", &DispatchArgs::x), field("topk_idx", &DispatchArgs::topk_idx),
+              field("recv_x", &DispatchArgs::recv_x), field("recv_scales", &DispatchArgs::recv_scales),
+              field("recv_rows", &DispatchArgs::recv_rows), field("recv_count", &DispatchArgs::recv_count),
+              field("src_info", &DispatchArgs::src_info), field("layout_range", &DispatchArgs::layout_range),
+              field("combine_map", &DispatchArgs::combine_map), field("recv_stats", &DispatchArgs::recv_stats),
+              field("wait_stats", &DispatchArgs::wait_stats));
+  bind_struct(m, "CombineArgs", field("ticket", &CombineArgs::ticket), field("num_tokens", &CombineArgs::num_tokens),
+              field("num_topk", &CombineArgs::num_topk), field("blocks_per_expert", &CombineArgs::blocks_per_expert),
+              field("x", &CombineArgs::x), field("x_row", &CombineArgs::x_row),
+              field("recv_count", &CombineArgs::recv_count), field("combine_map", &CombineArgs::combine_map),
+              field("topk_idx", &CombineArgs::topk_idx), field("topk_weights", &CombineArgs::topk_weights),
+              field("out", &CombineArgs::out), field("wait_stats", &CombineArgs::wait_stats));
+}
+
+// Binds a launcher taking (common, args, stream), the same for every kernel of dispatch and combine.
+template <typename Launcher>
+void def_launcher(py::module_& m, const char* name, Launcher launcher) {
+  m.def(name, launcher, py::arg("common"), py::arg("args"), py::arg("stream"));
+}
+
+// A dispatch call runs its send half and its receive half (the hook) as two kernels, or both as one.
+void bind_launchers(py::module_& m) {
+  def_launcher(m, "dispatch_send", [](const Common& c, const DispatchArgs& a, long long stream) {
+    launch(ep::dispatch_send, dispatch_call(c, a), stream, "dispatch send kernel");
+  });
+  def_launcher(m, "dispatch_receive", [](const Common& c, const DispatchArgs& a, long long stream) {
+    launch(ep::dispatch_recv, dispatch_call(c, a), stream, "dispatch receive kernel");
+  });
+  def_launcher(m, "dispatch_both_halves", [](const Common& c, const DispatchArgs& a, long long stream) {
+    launch(ep::dispatch_fused, dispatch_call(c, a), stream, "dispatch kernel");
+  });
+  def_launcher(m, "combine_send", [](const Common& c, const CombineArgs& a, long long stream) {
+    launch(ep::combine_send, combine_call(c, a), stream, "combine send kernel");
+  });
+  def_launcher(m, "combine_receive", [](const Common& c, const CombineArgs& a, long long stream) {
+    launch(ep::combine_recv, combine_call(c, a), stream, "combine receive kernel");
+  });
 }
 
 }  // namespace
@@ -143,14 +210,9 @@ void combine(const Common& common, bool send, long long ticket, int num_tokens, 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ep-layer CUDA kernels: low-latency dispatch/combine over CUDA IPC peer memory";
   py::class_<Common>(m, "Common");
-  using ep::BufferOffsets;
-  bind_struct(m, "BufferOffsets", field("control", &BufferOffsets::control), field("half", &BufferOffsets::half),
-              field("dispatch", &BufferOffsets::dispatch), field("slot", &BufferOffsets::slot),
-              field("combine", &BufferOffsets::combine), field("flags", &BufferOffsets::flags),
-              field("counts", &BufferOffsets::counts));
+  bind_arguments(m);
   m.def("make_common", &make_common);
-  m.def("dispatch", &dispatch);
-  m.def("combine", &combine);
+  bind_launchers(m);
   m.def("alloc_buffer", &ep::alloc_buffer);
   m.def("free_buffer", &ep::free_buffer);
   m.def("ipc_handle", [](long long p) { return py::bytes(ep::ipc_handle(p)); });

@@ -43,7 +43,6 @@ def _set_latency_bounds(c, device: torch.device) -> None:
 
 _TIMING_RECORDS = 4  # per op, by sequence number (ll_common.cuh: kTimingRecords)
 _LAUNCH_SHIFT = 20  # a launch counter is 1 << 20 per call (ll_common.cuh: kLaunchShift)
-_SEND_HALF, _RECEIVE_HALF, _BOTH_HALVES = 1, 2, 3  # kernels of a dispatch launch (bindings.cpp)
 
 
 def _record_ns(record: tuple[int, int, int, int]) -> int | None:
@@ -70,6 +69,11 @@ def _unaccounted_rows(timing: list[int]) -> list[list[int]]:
                 row[latency.bucket_of(ns)] += 1
                 row[-1] += ns
     return rows
+
+
+def _data_ptr(t: torch.Tensor | None) -> int:
+    """A tensor's device address for the kernels; 0 (none) for an optional tensor not given."""
+    return t.data_ptr() if t is not None else 0
 
 
 def _ranks(mask: int) -> list[int]:
@@ -205,10 +209,11 @@ class CudaBackend(Backend):
             expect(need <= self.num_rdma_bytes, "num_rdma_bytes", f"at least {need} for T={max_tokens}, "
                    f"H={hidden} (Buffer.get_low_latency_rdma_size_hint)", self.num_rdma_bytes)
             offsets = self._c.BufferOffsets(**layout.buffer_offsets(max_tokens, hidden, self.num_ranks)._asdict())
-            check = zlib.crc32(repr(key).encode())
-            common = self._c.make_common(self.rank, self.num_ranks, max_tokens, hidden, num_experts, check,
-                                         self._system_scope, self._gpu_share, self._peer_bases, self._base, offsets,
-                                         self._device_flag, self.timeout_s, self._latency.data_ptr())
+            common = self._c.make_common(self._c.CommonArgs(
+                rank=self.rank, num_ranks=self.num_ranks, max_tokens=max_tokens, hidden=hidden,
+                num_experts=num_experts, spec_check=zlib.crc32(repr(key).encode()), system_scope=self._system_scope,
+                gpu_share=self._gpu_share, peer_bases=self._peer_bases, local_base=self._base, layout=offsets,
+                host_error=self._device_flag, timeout_s=self.timeout_s, latency=self._latency.data_ptr()))
             self._commons[key] = common
         return common
 
@@ -252,16 +257,17 @@ class CudaBackend(Backend):
             data_ptr, scales_ptr = ((recv_x[0].data_ptr(), recv_x[1].data_ptr()) if spec.use_fp8
                                     else (recv_x.data_ptr(), 0))
             rows_ptr, chunks = 0, self._chunks_per_slot(rows)
-        args = (ticket.data_ptr(), x.shape[0], topk_idx.shape[1], spec.use_fp8, spec.round_scale,
-                spec.use_ue8m0, chunks, x.data_ptr(), topk_idx.data_ptr(), data_ptr, scales_ptr, rows_ptr,
-                recv_count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
-                combine_map.data_ptr(), recv_stats.data_ptr() if recv_stats is not None else 0,
-                wait_stats.data_ptr() if wait_stats is not None else 0)
+        args = self._c.DispatchArgs(
+            ticket=ticket.data_ptr(), num_tokens=x.shape[0], num_topk=topk_idx.shape[1], use_fp8=spec.use_fp8,
+            round_scale=spec.round_scale, use_ue8m0=spec.use_ue8m0, chunks_per_slot=chunks, x=x.data_ptr(),
+            topk_idx=topk_idx.data_ptr(), recv_x=data_ptr, recv_scales=scales_ptr, recv_rows=rows_ptr,
+            recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
+            combine_map=combine_map.data_ptr(), recv_stats=_data_ptr(recv_stats), wait_stats=_data_ptr(wait_stats))
         handle: Handle = (src_info, layout_range, t, h, e)
         if not hook:  # one kernel does both halves
-            self._c.dispatch(common, _BOTH_HALVES, *args, self._stream())
+            self._c.dispatch_both_halves(common, args, self._stream())
             return DispatchResult(recv_x, recv_count, handle, lambda: None, private=(combine_map, recv_count))
-        self._c.dispatch(common, _SEND_HALF, *args, self._stream())
+        self._c.dispatch_send(common, args, self._stream())
         # Everything the receive half writes stays alive until it has been launched, even if the caller
         # drops recv_x first: the allocator would hand its memory to the next tensor of this stream, which
         # the hook's kernel would then overwrite.
@@ -271,7 +277,7 @@ class CudaBackend(Backend):
 
         def receive() -> None:
             stream = self._stream()
-            self._c.dispatch(common, _RECEIVE_HALF, *args, stream)
+            self._c.dispatch_receive(common, args, stream)
             keep.release(stream)
 
         return DispatchResult(recv_x, recv_count, handle, receive, private=(combine_map, recv_count))
@@ -286,18 +292,20 @@ class CudaBackend(Backend):
         common = self._common(t, h, e, 0)
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         ticket = torch.empty(1, dtype=torch.int32, device=self._device)
-        args = (ticket.data_ptr(), topk_idx.shape[0], topk_idx.shape[1],
-                self._blocks_per_expert(e // self.num_ranks), x.data_ptr(), self._row_in_buffer(x),
-                recv_count.data_ptr(), combine_map.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
-                out.data_ptr(), wait_stats.data_ptr() if wait_stats is not None else 0)
-        self._c.combine(common, True, *args, self._stream())
+        args = self._c.CombineArgs(
+            ticket=ticket.data_ptr(), num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
+            blocks_per_expert=self._blocks_per_expert(e // self.num_ranks), x=x.data_ptr(),
+            x_row=self._row_in_buffer(x), recv_count=recv_count.data_ptr(), combine_map=combine_map.data_ptr(),
+            topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), out=out.data_ptr(),
+            wait_stats=_data_ptr(wait_stats))
+        self._c.combine_send(common, args, self._stream())
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
         keep = _KeptForHook(self._stream(), x, topk_idx, topk_weights, ticket, out, wait_stats)
 
         def receive() -> None:
             stream = self._stream()
-            self._c.combine(common, False, *args, stream)
+            self._c.combine_receive(common, args, stream)
             keep.release(stream)
 
         return receive
