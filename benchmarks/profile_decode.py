@@ -20,9 +20,9 @@ from bench_ll import event_us  # this script's folder is on sys.path
 from bench_serving import H200_HBM_BYTES_PER_S, decode_step_bytes
 
 from serving.engine.engine import LLMEngine
-from serving.engine.loading import tiny_checkpoint
 from serving.engine.sequence import SamplingParams
 from serving.loader import load_model, load_tokenizer
+from serving.tiny_model import tiny_checkpoint
 
 PROMPT_LEN = 16
 TOKENS_PER_STEP = 256  # ep-serve's default --max-tokens-per-rank

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model is None:
-        from .engine.loading import tiny_checkpoint
+        from .tiny_model import tiny_checkpoint
 
         model, default_name = tiny_checkpoint(), DEFAULT_TINY_NAME
         log.info("no MODEL given: serving the built-in tiny DeepSeek-V3 from %s", model)

@@ -1,5 +1,8 @@
-"""Load an HF DeepSeek-V3 checkpoint directory: config.json, safetensors weights (sharded with
-`model.safetensors.index.json`, or one `model.safetensors`), BF16 or FP8 block weights, tokenizer.json.
+"""Load an HF DeepSeek-V3 checkpoint into DeepseekV3ForCausalLM: the checkpoint directory (config.json,
+safetensors weights sharded with `model.safetensors.index.json` or one `model.safetensors`, BF16 or FP8
+block weights, tokenizer.json), and the model's side of it: which tensors a rank reads (needs_tensor)
+and where each checkpoint name goes (load_tensors; a FusedMoE layer takes its own through
+FusedMoE.load_weights, ep_layer.moe.loading).
 
 Each rank reads only the tensors it keeps (safetensors opens files lazily and reads tensor by
 tensor): other ranks' routed experts and the multi-token-prediction layer are never read.
@@ -12,9 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -24,17 +29,27 @@ from ep_layer import Buffer
 
 from .config import ModelConfig
 from .engine.config import LOAD_FORMATS
-from .models import CheckpointError, DeepseekV3ForCausalLM
+from .models import DeepseekV3ForCausalLM
 from .random_weights import random_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 DUMMY_SEED = 0
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
+_MOE_PREFIX = "mlp."
+_MISSING_SHOWN = 8  # missing tensors listed in an error
 _PROGRESS_EVERY_S = 0.5
 
-__all__ = ["CheckpointError", "checkpoint_tensor_files", "load_config", "load_model", "load_tokenizer",
-           "load_weights"]
+__all__ = ["CheckpointError", "checkpoint_tensor_files", "load_config", "load_model", "load_tensors", "load_tokenizer",
+           "load_weights", "needs_tensor"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model: a tensor is missing, unexpected, mis-shaped or mistyped,
+    or a file is missing or unreadable. The message names the tensor or file."""
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -70,21 +85,81 @@ def load_model(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = None,
                                   max_tokens_per_rank=max_tokens_per_rank, device=device, dtype=dtype,
                                   expert_kernels=expert_kernels)
     if load_format == "dummy":
-        model.load_weights(random_weights(config, DUMMY_SEED, model.device, wanted=model.needs_weight))
+        load_tensors(model, random_weights(config, DUMMY_SEED, model.device, wanted=partial(needs_tensor, model)))
     else:
         load_weights(model, path, progress=progress)
     return model
 
 
 def load_weights(model: DeepseekV3ForCausalLM, path: str | os.PathLike[str], *, progress: bool = True) -> None:
-    """Read the tensors `model.needs_weight` accepts, shard by shard, into `model.load_weights`."""
+    """Read the tensors `needs_tensor` accepts from the checkpoint directory, shard by shard, into
+    `load_tensors`."""
     files = checkpoint_tensor_files(path)
     wanted: dict[str, list[str]] = {}
     for name, file in files.items():
-        if model.needs_weight(name):
+        if needs_tensor(model, name):
             wanted.setdefault(file, []).append(name)
     total = sum(len(names) for names in wanted.values())
-    model.load_weights(_read_tensors(wanted, _make_progress(total, progress)))
+    load_tensors(model, _read_tensors(wanted, _make_progress(total, progress)))
+
+
+def needs_tensor(model: DeepseekV3ForCausalLM, name: str) -> bool:
+    """False for checkpoint tensors this rank skips without reading: the multi-token-prediction
+    layer(s) and other ranks' routed experts. Everything else goes to `load_tensors`."""
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return True
+    layer, rest = int(match[1]), match[2]
+    c = model.config
+    if c.num_hidden_layers <= layer < c.num_hidden_layers + c.num_nextn_predict_layers:
+        return False
+    expert = _EXPERT.match(rest) if layer < c.num_hidden_layers and c.is_moe_layer(layer) else None
+    if expert is None:
+        return True
+    first = model.ep_rank * model.experts_per_rank
+    e = int(expert[1])
+    return first <= e < first + model.experts_per_rank or e >= c.n_routed_experts  # bad ids fail in load
+
+
+def load_tensors(model: DeepseekV3ForCausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load every tensor of an HF DeepSeek-V3 checkpoint into `model`, by its checkpoint name, in any
+    order (tensors `needs_tensor` rejects are ignored). Raises CheckpointError naming the tensor for an
+    unexpected, duplicate, mis-shaped or mistyped tensor, and listing any that are missing.
+
+    A MoE layer's tensors go to its FusedMoE together once all of them (router, this rank's experts,
+    shared experts) have arrived, so a loader reading shard by shard holds at most the layers that
+    straddle the shards it is reading."""
+    direct = _direct_targets(model)
+    per_moe_layer = _moe_tensor_count(model)
+    pending: dict[int, list[tuple[str, torch.Tensor]]] = {
+        i: [] for i, layer in enumerate(model.model.layers) if layer.is_moe}
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name in seen:
+            raise CheckpointError(f"{name}: given twice")
+        seen.add(name)
+        if not needs_tensor(model, name):
+            continue
+        match = _LAYER.fullmatch(name)
+        layer = int(match[1]) if match else -1
+        if layer in pending and match[2].startswith(_MOE_PREFIX):
+            pending[layer].append((match[2][len(_MOE_PREFIX):], tensor))
+            if len(pending[layer]) == per_moe_layer:
+                _load_moe(model, layer, pending.pop(layer))
+            continue
+        target = direct.pop(name, None)
+        if target is None:
+            raise CheckpointError(f"unexpected tensor {name}" + _unexpected_hint(name, model.config))
+        _copy_checked(name, tensor, target)
+    for layer, moe_tensors in pending.items():
+        _load_moe(model, layer, moe_tensors)  # raises: some of the layer's tensors are missing
+    if direct:
+        missing = sorted(direct)
+        shown = ", ".join(missing[:_MISSING_SHOWN]) + (", ..." if len(missing) > _MISSING_SHOWN else "")
+        raise CheckpointError(f"{len(missing)} tensor(s) missing from the checkpoint: {shown}")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.absorb_weights()
 
 
 def checkpoint_tensor_files(path: str | os.PathLike[str]) -> dict[str, str]:
@@ -135,6 +210,55 @@ def _open(file: str, safe_open: Any) -> Any:
         return safe_open(file, framework="pt", device="cpu")
     except Exception as e:
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+# ---------------------------------------------------------------------------- where each tensor goes
+def _direct_targets(model: DeepseekV3ForCausalLM) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> storage, for every tensor outside the FusedMoE layers."""
+    moe = tuple(f"model.layers.{i}.mlp." for i, layer in enumerate(model.model.layers) if layer.is_moe)
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if not name.startswith(moe)}
+
+
+def _moe_tensor_count(model: DeepseekV3ForCausalLM) -> int:
+    """Tensors one MoE layer takes on this rank: router weight and bias, 3 projections per own expert
+    and for the shared experts, each with its block scales for FP8."""
+    per_projection = 2 if model.config.fp8 else 1
+    experts = model.experts_per_rank + (1 if model.config.n_shared_experts else 0)
+    return 2 + 3 * per_projection * experts
+
+
+def _load_moe(model: DeepseekV3ForCausalLM, layer: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    try:
+        model.model.layers[layer].mlp.load_weights(tensors)
+    except ValueError as e:
+        raise CheckpointError(f"model.layers.{layer}.mlp: {e}") from None
+
+
+def _unexpected_hint(name: str, config: ModelConfig) -> str:
+    if name.endswith("weight_scale_inv") and not config.fp8:
+        return " (FP8 block scales, but config.json has no FP8 quantization_config)"
+    match = _LAYER.fullmatch(name)
+    if match and int(match[1]) >= config.num_hidden_layers:
+        return (f" (layer {match[1]}: the config has num_hidden_layers={config.num_hidden_layers} and "
+                f"num_nextn_predict_layers={config.num_nextn_predict_layers})")
+    return ""
+
+
+def _copy_checked(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    """target.copy_(tensor) after checking shape and kind (FP8 into FP8 storage, float into float)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(f"{name}: expected shape {list(target.shape)}, got {list(tensor.shape)}")
+    if target.dtype == torch.float8_e4m3fn:
+        if tensor.dtype != torch.float8_e4m3fn:
+            raise CheckpointError(f"{name}: expected dtype torch.float8_e4m3fn (config.json has an FP8 "
+                                  f"quantization_config), got {tensor.dtype}")
+    elif not tensor.is_floating_point() or tensor.dtype in _FP8_DTYPES:
+        hint = (" (an FP8 checkpoint: config.json needs its quantization_config)" if tensor.dtype in _FP8_DTYPES
+                else "")
+        raise CheckpointError(f"{name}: expected a bf16, fp16 or fp32 tensor, got {tensor.dtype}{hint}")
+    target.copy_(tensor)
 
 
 # ---------------------------------------------------------------------------- progress

@@ -1,5 +1,6 @@
 """A built-in tiny DeepSeek-V3-architecture checkpoint with deterministic weights, so that `ep-serve`
-works on any machine and the built-in model goes through the same loading code as real ones.
+works on any machine and the built-in model goes through the same loading code as real ones
+(tiny_checkpoint writes it once to a cache directory).
 
 Same structure as V3 at toy sizes: MLA with a query LoRA, YaRN RoPE, one dense layer then MoE layers
 (16 routed experts, top-4 of 2 of 4 groups, one shared expert), a multi-token-prediction layer that
@@ -13,8 +14,11 @@ variant (e4m3 weights with 128x128 block scales, partial blocks included, as V3 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -24,6 +28,7 @@ from .config import ModelConfig
 from .random_weights import random_weights
 
 SEED = 20240917
+TINY_PREFIX = "tiny-deepseek-v3"  # the cache directory's name, before the key of this file's source
 # DeepSeek-V3's own special tokens, full-width bars included.
 BOS_TOKEN, EOS_TOKEN = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # noqa: RUF001
 NUM_SHARDS = 3
@@ -138,6 +143,29 @@ def write_tiny_checkpoint(directory: str | os.PathLike[str], fp8: bool = False) 
     save_sharded(root, weights)
     write_config_and_tokenizer(root, raw)
     return root
+
+
+def tiny_checkpoint(cache_dir: str | None = None) -> str:
+    """The built-in tiny checkpoint's directory, written on first use under `cache_dir` (default
+    $EP_LAYER_CACHE, else ~/.cache/ep-layer), keyed by this file's source so that a change rewrites it;
+    a temporary directory if the cache is not writable."""
+    with open(__file__, "rb") as f:
+        key = hashlib.sha256(f.read()).hexdigest()[:12]
+    root = cache_dir or os.environ.get("EP_LAYER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ep-layer")
+    target = os.path.join(root, f"{TINY_PREFIX}-{key}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    try:
+        os.makedirs(root, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{TINY_PREFIX}-", dir=root)
+    except OSError:
+        return write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"{TINY_PREFIX}-"))
+    write_tiny_checkpoint(staging)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process got there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def write_v3_shaped(directory: str | os.PathLike[str], num_layers: int) -> str:

@@ -36,7 +36,7 @@ LONG = 1500  # tokens: far more than a test waits for
 
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory) -> str:
-    from serving.engine.loading import tiny_checkpoint
+    from serving.tiny_model import tiny_checkpoint
 
     cache = str(tmp_path_factory.mktemp("tiny-cache"))
     tiny_checkpoint(cache)  # written once, before any server starts

@@ -383,7 +383,7 @@ def test_expert_parallel_fake_two_ranks_and_a_dead_rank():
 # ---------------------------------------------------------------------------- ep-serve on the tiny model
 def test_ep_serve_tiny_model_ep2_matches_ep1(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tiny-cache"))
-    from serving.engine.loading import tiny_checkpoint
+    from serving.tiny_model import tiny_checkpoint
 
     tiny_checkpoint(cache)  # written once, up front, for both servers
     prompts = ["The quick brown fox", "Expert parallelism keeps", "Hello! How are you", "def forward(self, x):"]

@@ -55,7 +55,7 @@ from serving_model_helpers import (
 
 from serving.config import ConfigError, ModelConfig
 from serving.forward_batch import ForwardBatch
-from serving.loader import CheckpointError, load_model, load_tokenizer
+from serving.loader import CheckpointError, load_model, load_tensors, load_tokenizer
 from serving.models.rotary import RotaryEmbedding, inv_freq_and_attention_factor, softmax_scale
 from serving.tiny_model import TINY_CONFIG, V3_CONFIG, main, write_tiny_checkpoint
 
@@ -467,14 +467,14 @@ def test_loader_file_errors(checkpoints: dict[str, str], tmp_path) -> None:
         ours(str(tmp_path / "nowhere"))
 
 
-def test_load_weights_duplicates_and_single_file(checkpoints: dict[str, str], tmp_path) -> None:
+def test_load_tensors_duplicates_and_single_file(checkpoints: dict[str, str], tmp_path) -> None:
     from safetensors.torch import save_file
 
     tensors = read_checkpoint(checkpoints["bf16"])
     model = ours(checkpoints["bf16"])
     name = "model.norm.weight"
     with pytest.raises(CheckpointError, match=f"{name}: given twice"):
-        model.load_weights([(name, tensors[name]), (name, tensors[name])])
+        load_tensors(model, [(name, tensors[name]), (name, tensors[name])])
     # One model.safetensors, tensors in another order: the same model.
     single = tmp_path / "single"
     single.mkdir()

@@ -40,7 +40,7 @@ def steps(url: str, engine: str) -> float:
 
 
 def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
-    from serving.engine.loading import tiny_checkpoint
+    from serving.tiny_model import tiny_checkpoint
 
     cache = tmp_path / "cache"
     tiny_checkpoint(str(cache))  # written once, up front, for all three servers
@@ -91,7 +91,7 @@ def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
 def test_a_lost_host_takes_the_job_down(tmp_path: Path):
     """A host killed outright (its server and ranks): the other host's ranks fail in their next
     collective, and its /health turns 503 (what a liveness probe restarts on)."""
-    from serving.engine.loading import tiny_checkpoint
+    from serving.tiny_model import tiny_checkpoint
 
     tiny_checkpoint(str(tmp_path / "cache"))
     common = ["--enable-expert-parallel", "--data-parallel-size", "2"]

@@ -1,6 +1,5 @@
 """Model code for serving: DeepSeek-V3 (MLA + dense/MoE MLP) and its layers."""
 
 from .deepseek_v3 import DeepseekV3ForCausalLM
-from .weights import CheckpointError
 
-__all__ = ["CheckpointError", "DeepseekV3ForCausalLM"]
+__all__ = ["DeepseekV3ForCausalLM"]

@@ -8,9 +8,6 @@ called on every rank, even with no tokens).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,12 +22,6 @@ from .mla import MLAttention
 from .norm import Embedding, RMSNorm
 from .paged_attention import AttentionMetadata, DecodeMetadata
 from .rotary import RotaryEmbedding
-from .weights import CheckpointError, copy_checked
-
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
-_MOE_PREFIX = "mlp."
-_SHOWN = 8  # missing tensors listed in an error
 
 
 class DenseMLP(nn.Module):
@@ -101,8 +92,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     `group` (None: the default process group if torch.distributed is initialised, else one rank)
     with `backend` ("auto" | "cuda" | "reference"). max_tokens_per_rank: the most tokens one step may
     hold (every rank dispatches with this T). dtype: activations and unquantised weights; FP8
-    checkpoints keep e4m3 weights with their block scales. Weights start at zero: load them with
-    `load_weights` (serving.loader does it from a checkpoint directory).
+    checkpoints keep e4m3 weights with their block scales. Weights start at zero: serving.loader loads
+    them (load_tensors by checkpoint name, load_weights from a checkpoint directory).
     """
 
     kv_cache: torch.Tensor | None
@@ -180,90 +171,3 @@ class DeepseekV3ForCausalLM(nn.Module):
         if t > self.max_tokens_per_rank:
             raise ValueError(f"batch: {t} tokens, expected at most max_tokens_per_rank={self.max_tokens_per_rank} "
                              "(every rank's MoE dispatch is sized for it; schedule fewer tokens per step)")
-
-    # ------------------------------------------------------------------ weights
-    def needs_weight(self, name: str) -> bool:
-        """False for checkpoint tensors this rank skips without reading: the multi-token-prediction
-        layer(s) and other ranks' routed experts. Everything else goes to `load_weights`."""
-        match = _LAYER.fullmatch(name)
-        if match is None:
-            return True
-        layer, rest = int(match[1]), match[2]
-        c = self.config
-        if c.num_hidden_layers <= layer < c.num_hidden_layers + c.num_nextn_predict_layers:
-            return False
-        expert = _EXPERT.match(rest) if layer < c.num_hidden_layers and c.is_moe_layer(layer) else None
-        if expert is None:
-            return True
-        first = self.ep_rank * self.experts_per_rank
-        e = int(expert[1])
-        return first <= e < first + self.experts_per_rank or e >= c.n_routed_experts  # bad ids fail in load
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load every tensor of an HF DeepSeek-V3 checkpoint, by its checkpoint name, in any order
-        (tensors `needs_weight` rejects are ignored). Raises CheckpointError naming the tensor for an
-        unexpected, duplicate, mis-shaped or mistyped tensor, and listing any that are missing.
-
-        A MoE layer's tensors go to its FusedMoE together once all of them (router, this rank's
-        experts, shared experts) have arrived, so a loader reading shard by shard holds at most the
-        layers that straddle the shards it is reading."""
-        direct = self._direct_weights()
-        per_moe_layer = self._moe_tensor_count()
-        pending: dict[int, list[tuple[str, torch.Tensor]]] = {
-            i: [] for i, layer in enumerate(self.model.layers) if layer.is_moe}
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name in seen:
-                raise CheckpointError(f"{name}: given twice")
-            seen.add(name)
-            if not self.needs_weight(name):
-                continue
-            match = _LAYER.fullmatch(name)
-            layer = int(match[1]) if match else -1
-            if layer in pending and match[2].startswith(_MOE_PREFIX):
-                pending[layer].append((match[2][len(_MOE_PREFIX):], tensor))
-                if len(pending[layer]) == per_moe_layer:
-                    self._load_moe(layer, pending.pop(layer))
-                continue
-            target = direct.pop(name, None)
-            if target is None:
-                raise CheckpointError(f"unexpected tensor {name}" + _unexpected_hint(name, self.config))
-            copy_checked(name, tensor, target)
-        for layer, tensors in pending.items():
-            self._load_moe(layer, tensors)  # raises: some of the layer's tensors are missing
-        if direct:
-            missing = sorted(direct)
-            shown = ", ".join(missing[:_SHOWN]) + (", ..." if len(missing) > _SHOWN else "")
-            raise CheckpointError(f"{len(missing)} tensor(s) missing from the checkpoint: {shown}")
-        with torch.no_grad():
-            for layer in self.model.layers:
-                layer.self_attn.absorb_weights()
-
-    def _direct_weights(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> storage, for every tensor outside the FusedMoE layers."""
-        moe = tuple(f"model.layers.{i}.mlp." for i, layer in enumerate(self.model.layers) if layer.is_moe)
-        return {name: t for name, t in self.state_dict(keep_vars=True).items() if not name.startswith(moe)}
-
-    def _moe_tensor_count(self) -> int:
-        """Tensors one MoE layer takes on this rank: router weight and bias, 3 projections per own
-        expert and for the shared experts, each with its block scales for FP8."""
-        per_projection = 2 if self.config.fp8 else 1
-        experts = self.experts_per_rank + (1 if self.config.n_shared_experts else 0)
-        return 2 + 3 * per_projection * experts
-
-    def _load_moe(self, layer: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        try:
-            self.model.layers[layer].mlp.load_weights(tensors)
-        except ValueError as e:
-            raise CheckpointError(f"model.layers.{layer}.mlp: {e}") from None
-
-
-def _unexpected_hint(name: str, config: ModelConfig) -> str:
-    if name.endswith("weight_scale_inv") and not config.fp8:
-        return " (FP8 block scales, but config.json has no FP8 quantization_config)"
-    match = _LAYER.fullmatch(name)
-    if match and int(match[1]) >= config.num_hidden_layers:
-        return (f" (layer {match[1]}: the config has num_hidden_layers={config.num_hidden_layers} and "
-                f"num_nextn_predict_layers={config.num_nextn_predict_layers})")
-    return ""
-
