@@ -147,8 +147,7 @@ class LLMEngine:
     def flush_if_prompt_next(self) -> list[RequestOutput]:
         """flush, where the next step may take a prompt (async scheduling): such a step runs eagerly and
         its launch takes the host longer than a decode step takes the GPU, so the pending outputs (first
-        tokens among them) go out before it, not after (benchmarks/RESULTS.md, first tokens under async
-        scheduling)."""
+        tokens among them) go out before it, not after (benchmarks/RESULTS.md, bench_serving.py)."""
         if self._pending is None or not self.scheduler.has_prompt_work():
             return []
         return self.flush()
