@@ -63,6 +63,16 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
 // memory. Either way the destination's slot gets the header, and its flag publishes the payload.
 __device__ __forceinline__ bool pull_payloads(const Common& c) { return !c.system_scope; }
 
+// Rank 0's own tokens skip the slots: its send half writes them straight to their rows of recv_x (with rows
+// in place, the payload to its own slot, which the rows name), and its receive half has none to wait for.
+// Source 0's rows come first in every expert, so rank 0 places them without any other rank's counts; any
+// other rank needs the counts of the ranks before it, so its own tokens go through a slot like a peer's.
+__host__ __device__ __forceinline__ bool own_tokens_skip_slots(const Common& c) { return c.rank == 0; }
+
+// The sources whose tokens arrive in slots are ranks first_slot_source(c) onward: on rank 0 all but itself
+// (own_tokens_skip_slots: it is source 0), elsewhere all of them.
+__host__ __device__ __forceinline__ int first_slot_source(const Common& c) { return own_tokens_skip_slots(c); }
+
 // Rank `sender`'s slot for its token `token` in rank `owner`'s buffer: its slot at a destination, or, with
 // pulled payloads, its own slot in its own buffer, where the receives read the payload.
 __device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int owner, int sender, unsigned seq,
@@ -261,7 +271,7 @@ __device__ __forceinline__ void route_token(const DispatchCall& a, long long own
   const unsigned same = __match_any_sync(0xffffffffu, e);  // lanes that chose the same expert
   const bool entry = e >= 0 && __ffs(same) - 1 == k;
   const int dest = entry ? e / num_local : -1;
-  const bool self = dest == c.rank && c.rank == 0;
+  const bool self = dest == c.rank && own_tokens_skip_slots(c);
   const unsigned slot_ranks = __reduce_or_sync(0xffffffffu, entry && !self ? 1u << dest : 0u);
   const unsigned self_mask = __ballot_sync(0xffffffffu, self);
   if (k < kMaxTopk) {
@@ -354,13 +364,11 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
 // while this one is stored, then releases all their slots at once: a token's chain of dependent steps
 // (loads, routing, row offsets, cast, stores, flags) is long, so a block with several tokens overlaps
 // them rather than running the chain once per token (ranks sharing a GPU give each rank few blocks).
-// Rank 0's entries on itself go straight to their rows of recv_x (with rows in place, the payload goes to
-// its own slot and the rows name it): its rows come first in every expert, so it places them without
-// any other rank's counts. Every other destination, a higher rank's own
-// included, gets the token in a slot: a send never waits for a peer (a send whose blocks spin on a peer
-// that has no SM left would stall until the timeout). An SM stores about 32 bytes per clock, so the
-// stores are what a token costs: they are 16 bytes per lane, and a row's scales go out in one
-// instruction for up to 8 rows.
+// Rank 0's entries on itself go straight to their rows (own_tokens_skip_slots). Every other destination,
+// a higher rank's own included, gets the token in a slot: a send never waits for a peer (a send whose
+// blocks spin on a peer that has no SM left would stall until the timeout). An SM stores about 32 bytes
+// per clock, so the stores are what a token costs: they are 16 bytes per lane, and a row's scales go out
+// in one instruction for up to 8 rows.
 template <int kPairs>
 __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, unsigned& seq) {
   const Common& c = a.c;
@@ -423,7 +431,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
     // Every other rank gets a header for each of this call's tokens (no entries if no expert there), flag
     // last: the receive waits for the slots of the tokens the counts announced, not for all max_tokens.
     const int j = threadIdx.x / kMaxRanks, r = threadIdx.x % kMaxRanks;
-    if (j < n && r < c.num_ranks && !(r == 0 && c.rank == 0)) {
+    if (j < n && r < c.num_ranks && !(r == 0 && own_tokens_skip_slots(c))) {  // none from rank 0 to itself
       auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, c.rank, seq, first + j));
       unsigned m = 0;
       for (int k = 0; k < a.num_topk; ++k) {
@@ -479,11 +487,11 @@ __device__ bool receive_counts(const DispatchCall& a, unsigned seq, int* counts,
   return failed == 0;
 }
 
-// Work items of the receive half at most: (slot, channel chunk) of every source's max_tokens slots, rank
-// 0's own excepted (rank 0's own tokens went straight to their rows). The launcher sizes the grid from
-// it; the sources' counts then say how many of the slots they filled.
+// Work items of the receive half at most: (slot, channel chunk) of the max_tokens slots of every source
+// that fills slots (first_slot_source). The launcher sizes the grid from it; the sources' counts then say
+// how many of the slots they filled.
 __host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
-  return (a.c.num_ranks - (a.c.rank == 0)) * a.c.max_tokens * a.chunks_per_slot;
+  return (a.c.num_ranks - first_slot_source(a.c)) * a.c.max_tokens * a.chunks_per_slot;
 }
 
 // The receive half's work; every thread returns here, so that all of them reach finish_recv. Block 0
@@ -497,7 +505,7 @@ __host__ __device__ __forceinline__ int receive_items(const DispatchCall& a) {
 __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_claim) {
   const Common& c = a.c;
   const int max_tokens = c.max_tokens, num_ranks = c.num_ranks, num_rows = num_ranks * max_tokens;
-  const int num_local = c.num_experts / num_ranks, num_sources = num_ranks - (c.rank == 0);
+  const int num_local = c.num_experts / num_ranks, num_sources = num_ranks - first_slot_source(c);
   const int warps = gridDim.x * kWarps, chunks = a.chunks_per_slot;
   const bool writes_layout = blockIdx.x == 0;
   if (!writes_layout && static_cast<int>(blockIdx.x) * kWarps >= receive_items(a)) return;  // no slot here
@@ -509,7 +517,7 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   if (threadIdx.x == 0) {
     items_before[0] = 0;
     for (int o = 0; o < num_sources; ++o)
-      items_before[o + 1] = items_before[o] + tokens[o + (c.rank == 0)] * chunks;
+      items_before[o + 1] = items_before[o] + tokens[o + first_slot_source(c)] * chunks;
   }
   for (int l = threadIdx.x; l < num_local; l += kThreads) {
     int rows = 0;
@@ -541,10 +549,10 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   int item = claim(-1);
   for (int next; item < items; item = next) {
     next = claim(item);  // in flight while this item is copied
-    int other = 0;  // the item's source, counting from rank 0's first one (a short scan of at most 8)
+    int other = 0;  // the item's source, counting from first_slot_source (a short scan of at most 8)
     while (item >= items_before[other + 1]) ++other;
     const int chunk = (item - items_before[other]) % chunks, token = (item - items_before[other]) / chunks;
-    const int source = other + (c.rank == 0), i = source * max_tokens + token;
+    const int source = other + first_slot_source(c), i = source * max_tokens + token;
     const auto* header = reinterpret_cast<const DispatchHeader*>(dispatch_slot(c, c.rank, source, seq, token));
     unsigned long long waited = 0, flag = 0;
     if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
@@ -665,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel
 // grid for every slot left 446 of 448 blocks idle at T = 1 of 256 (EP = 8): they polled the counts and
 // left, on SMs that the compute beside them was waiting for.
 int receive_blocks(const DispatchCall& call, int sms) {
-  const int sources = call.c.num_ranks - (call.c.rank == 0);
+  const int sources = call.c.num_ranks - first_slot_source(call.c);
   const int expected = (sources * call.num_tokens * call.chunks_per_slot + kWarps - 1) / kWarps;
   const int all_slots = std::min((receive_items(call) + kWarps - 1) / kWarps, 1024);
   return std::max(1, std::min(all_slots, std::max(expected, sms / call.c.gpu_share)));
