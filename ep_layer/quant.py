@@ -1,4 +1,4 @@
-"""FP8 per-token, per-128-channel cast (DESIGN.md section 2) and its inverse.
+"""FP8 per-token, per-128-channel cast (docs/design.md section 2) and its inverse.
 
 All arithmetic is IEEE float32 so that every backend (this file, the CUDA kernels) produces the
 same bytes: amax = max(max|x|, 1e-4); scale = amax / 448 (or its power-of-two ceiling);

@@ -97,7 +97,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     # 128 columns a 576- or 7168-wide projection runs on 5 or 56 programs). Where even those tiles are
     # fewer than the SMs, K is split as well; and for a deep projection in one row tile, where each narrow
     # tile would stream all of K alone (a 2048-deep one stays masked). The shared expert's gated gate_up
-    # takes split-K too (benchmarks/RESULTS.md, profile_decode.py: fifth, fifteenth and sixteenth sessions).
+    # takes split-K too (benchmarks/RESULTS.md, profile_decode.py).
     # The gated GEMM keeps its own column tile (two accumulators: wider tiles spill).
     block_n = BLOCK_N_GATED if gated else BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
     deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH

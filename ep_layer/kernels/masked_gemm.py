@@ -5,10 +5,10 @@ and with a single group the dense FP8 linear's GEMM for larger batches (fp8_line
 A fixed grid of programs (two per SM) reads the counts on the device and shares out the (row tile,
 column tile) items of the received rows only, so no host sync is needed, the launch shape depends only
 on the GPU (CUDA-graph friendly) and a group without rows costs nothing (at decode most experts get few
-rows or none); the fixed grid beat one program per possible tile (benchmarks/RESULTS.md, bench_moe.py,
-eighth session). bf16, or FP8 e4m3 with per-token-per-128 activation scales and 128x128 block weight
-scales (DeepGEMM's scheme: each 128-deep partial product is scaled, then accumulated in float32). The
-gated GEMM computes gate and up tiles side by side and writes SiLU(gate) * up.
+rows or none); the fixed grid beat one program per possible tile (benchmarks/RESULTS.md, bench_moe.py).
+bf16, or FP8 e4m3 with per-token-per-128 activation scales and 128x128 block weight scales (DeepGEMM's
+scheme: each 128-deep partial product is scaled, then accumulated in float32). The gated GEMM computes
+gate and up tiles side by side and writes SiLU(gate) * up.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ BLOCK_N = 128  # not gated: output columns per program
 BLOCK_K_BF16 = 64
 NUM_WARPS = 4
 # Tiles in flight per program: four (96 KB of shared memory; two programs per SM leave 36 KB), faster
-# than three at every expert size (benchmarks/RESULTS.md, bench_moe.py, eighteenth session).
+# than three (benchmarks/RESULTS.md, bench_moe.py).
 NUM_STAGES = 4
 # The fixed grid: two programs per SM, each held to 224 registers per thread (it takes ~250 unbounded).
 # Two fill an SM but for 8K registers, where the combine's receive blocks still fit; a third program per
-# SM would wait for one of the two, and at 192 registers they spill (benchmarks/RESULTS.md, bench_moe.py,
-# eighth session).
+# SM would wait for one of the two, and at 192 registers they spill (benchmarks/RESULTS.md, bench_moe.py).
 GEMM_PROGRAMS_PER_SM = 2
 GEMM_MAX_REGISTERS = 224
 

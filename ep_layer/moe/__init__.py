@@ -1,4 +1,4 @@
-"""DeepSeek-V3's fused MoE layer on ep_layer's low-latency dispatch and combine (DESIGN.md section 4)."""
+"""DeepSeek-V3's fused MoE layer on ep_layer's low-latency dispatch and combine (docs/design.md section 4)."""
 
 from .experts import ExpertKernels, TorchExperts, make_expert_kernels
 from .layer import QUANT_MODES, FusedMoE, MoEStats, make_buffer

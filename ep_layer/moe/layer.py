@@ -1,5 +1,5 @@
 """`FusedMoE`: DeepSeek-V3's MoE layer (router, routed experts over expert parallelism, shared experts)
-on top of `ep_layer.Buffer`'s low-latency dispatch and combine (DESIGN.md section 4).
+on top of `ep_layer.Buffer`'s low-latency dispatch and combine (docs/design.md section 4).
 
 One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route; send the dispatch;
 then the shared expert's gate_up projection while the tokens travel, the dispatch hook, the expert GEMMs
@@ -48,7 +48,7 @@ SHARED_UNDER = ("both", "dispatch", "combine")
 # Where each micro-batch of the overlapped forward runs its shared expert (`steps`' shared_under): the
 # second one's dispatch already runs under the first one's experts, and its combine has nothing else to run under.
 # A first micro-batch whose second is empty (one token) runs it under both, as the plain forward does: then
-# nothing else overlaps its combine either (H200, emulated EP = 8: 37 us faster at T = 1).
+# nothing else overlaps its combine either (benchmarks/RESULTS.md, bench_moe.py).
 MICROBATCH_SHARED_UNDER = ("dispatch", "combine")
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 `noaux_tc` routing (DESIGN.md section 4): sigmoid scores, group-limited top-k with a
+"""DeepSeek-V3 `noaux_tc` routing (docs/design.md section 4): sigmoid scores, group-limited top-k with a
 selection-only correction bias, weights from the unbiased scores.
 
 Every step is a row-wise tensor op (no host sync, no data-dependent shape), so routing runs inside

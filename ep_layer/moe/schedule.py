@@ -63,8 +63,8 @@ def run_two_microbatches(first: Sequence[Steps[Result]], second: Sequence[Steps[
     emulated rank, or one) and take turns, every generator of a group one step per turn; a group that
     has just sent keeps the turn to queue that op's hook, and one that has just queued its shared expert
     keeps it to go on with its compute. Both halves route before the first dispatch send: routing the
-    second half under the first one's dispatch made the overlapped layer slower (H200, emulated EP;
-    measured with the many-kernel router and again with the one-kernel one). On a side
+    second half under the first one's dispatch made the overlapped layer slower, with the many-kernel
+    router and the one-kernel one alike (benchmarks/RESULTS.md, bench_moe.py). On a side
     stream a hook runs right after its send, not behind the other micro-batch's send: the first half's
     dispatch travels while its shared expert computes, its combine under the second half's experts, and
     the second half's combine under the second half's shared expert (FusedMoE.steps with

@@ -1,14 +1,14 @@
 """DeepSeek-V3's routing on a GPU: the float32 router logits, then the `noaux_tc` expert selection in one
 Triton kernel. The selection is routing.noaux_tc_route's rule, which takes about a dozen PyTorch kernels
 (sigmoid, two top-k sorts, scatter, gather, sums), most of their time launches and tiny sorts
-(benchmarks/RESULTS.md, bench_moe.py: ninth session).
+(benchmarks/RESULTS.md, bench_moe.py).
 
 The logits come in float32 parts over slices of the hidden channels, which the selection adds in order
 (deterministic). For up to 16 tokens a split GEMV in Triton computes them: each program multiplies 4
 experts' weights by the tokens over 512 channels (products and a fixed tree of adds in float32), several
 times faster there than cuBLAS's float32 GEMM. Past 16 tokens cuBLAS's batched float32 GEMM
 computes one part per 256 channels: its single GEMM has only a few output tiles, each streaming all
-7168 channels (benchmarks/RESULTS.md, bench_moe.py: sixteenth and seventeenth sessions).
+7168 channels (benchmarks/RESULTS.md, bench_moe.py).
 
 One program per token holds the token's E scores in registers as [groups, experts per group], then picks
 the kept groups and the top-k experts by repeated arg-max (ties go to the lower expert index). Sigmoid

@@ -9,9 +9,8 @@ Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
 - `AttentionMetadata` (any batch: prefill chunks and decodes), which reads and checks the batch layout
   on the host (the engine's copy of it, else the device's, which waits for the device). A sequence with
   several new tokens attends on its own; those with one new token attend together, as a decode batch
-  (below), so that a step mixing a new prompt into many decodes costs about what its prompt does (a
-  sequence at a time: 65 against 19 ms for 64 decodes and a 40-token prompt, H200, the 4-layer
-  V3-shaped model).
+  (below), so that a step mixing a new prompt into many decodes costs about what its prompt does, not
+  a sequence's kernels for each decode (benchmarks/RESULTS.md, bench_serving.py).
 - `DecodeMetadata` (one new token per sequence): no host sync, so a decode step can be captured in a
   CUDA graph. On a GPU with Triton, serving.models.mla_decode_triton reads each sequence's own keys
   (flash-decoding over its block table); elsewhere every sequence is read over its whole block table
