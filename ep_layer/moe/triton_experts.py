@@ -1,7 +1,7 @@
-"""The expert MLP on dispatch's masked layout on ep_layer.kernels' Triton kernels (GPU only): the gate_up
-GEMM with SiLU(gate) * up, the FP8 cast of the intermediate for FP8 weights, and the down GEMM, on the
-masked grouped GEMM's fixed grid (no host sync, CUDA-graph friendly); the router's selection in one
-Triton kernel (triton_routing); the shared experts' MLP on the dense FP8 linear.
+"""TritonExperts: the expert MLP on dispatch's masked layout, run by ep_layer.kernels' Triton kernels (GPU
+only): the gate_up GEMM with SiLU(gate) * up, the FP8 cast of the intermediate for FP8 weights and the
+down GEMM, all on the masked grouped GEMM's fixed grid (no host sync, CUDA-graph friendly); the router's
+selection in one Triton kernel (triton_routing); the shared experts' MLP on the dense FP8 linear.
 
 Importing this module needs neither Triton nor a GPU; ep_layer.kernels.triton_support.available() says
 whether it can run.
