@@ -130,7 +130,7 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
   __syncthreads();
   if (aborted || vec >= c.hidden / 8) return;
 
-  // Ascending k, float32, one rounding at the end: the summation order the design fixes.
+  // Ascending k, float32, one rounding at the end: the summation order of docs/design.md section 2.
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const unsigned long long read_once = evict_first_policy();
 #pragma unroll

@@ -44,8 +44,8 @@ enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 constexpr int kTokensShift = 48;
 constexpr unsigned kCountMask = 0xffffu;
 
-// DESIGN.md's FP8 rule in IEEE float32: scale = max(amax, 1e-4) / 448, optionally rounded up to a
-// power of two (exact: bump the exponent unless the mantissa is already zero).
+// The FP8 rule (docs/design.md section 2) in IEEE float32: scale = max(amax, 1e-4) / 448, optionally
+// rounded up to a power of two (exact: bump the exponent unless the mantissa is already zero).
 __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
   float scale = __fdiv_rn(fmaxf(amax, kAmaxFloor), kFp8Max);
   if (round_scale) {
@@ -184,7 +184,7 @@ __device__ __forceinline__ float divide(float x, float s, float r, bool finite) 
   return finite ? copysignf(__fmaf_rn(__fmaf_rn(-s, q0, x), r, q0), x) : q0;
 }
 
-// FP8 cast of a thread's share (DESIGN.md's rule per 128-channel group): 16 FP8 bytes per pair and the
+// FP8 cast of a thread's share (docs/design.md section 2, per 128-channel group): 16 FP8 bytes per pair and the
 // group's scale. The kPairs casts are independent chains the compiler interleaves. A pair past the row
 // is skipped by its whole 8-lane group (H is a multiple of 128), so the shuffles name only live groups.
 template <int kPairs>

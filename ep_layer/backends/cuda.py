@@ -218,7 +218,8 @@ class CudaBackend(Backend):
         return common
 
     def _stream(self) -> int:
-        """The current CUDA stream as a raw pointer (torch.cuda.current_stream() costs ~20 us of host time)."""
+        """The current CUDA stream as a raw pointer: torch.cuda.current_stream() costs far more host time
+        (benchmarks/RESULTS.md, bench_ll.py)."""
         return torch._C._cuda_getCurrentRawStream(self._device.index)
 
     def _chunks_per_slot(self, slots: int) -> int:
@@ -226,8 +227,8 @@ class CudaBackend(Backend):
         return max(1, min(8, math.ceil(16 * (self._num_sms // self._gpu_share) / slots)))
 
     def _blocks_per_expert(self, num_local: int) -> int:
-        # About one block per SM in total (measured on H200: fewer blocks leave the copies latency-bound,
-        # more re-read every slot header once per extra block).
+        # About one block per SM in total: fewer blocks leave the copies latency-bound, more re-read every
+        # slot header once per extra block (benchmarks/RESULTS.md, bench_ll.py).
         return max(1, min(16, math.ceil(self._num_sms / num_local)))
 
     # ------------------------------------------------------------------ dispatch
