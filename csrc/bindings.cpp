@@ -1,4 +1,5 @@
-// pybind11 module ep_layer._C: pointers, sizes and the CUDA stream in; no libtorch ABI involved.
+// pybind11 module ep_layer._C: named structs of pointers (as ints) and sizes, and the CUDA stream, in; no
+// libtorch ABI involved.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -33,7 +34,7 @@ Field<T, M> field(const char* name, M T::*member) {
 // Binds plain struct T with a keyword-only constructor that takes every field by its name (a value cannot
 // land in the wrong field, and none can be left out) and a read-only attribute per field.
 template <typename T, typename... M>
-py::class_<T> bind_struct(py::module_& m, const char* name, Field<T, M>... fields) {
+void bind_struct(py::module_& m, const char* name, Field<T, M>... fields) {
   py::class_<T> cls(m, name);
   cls.def(py::init([fields...](M... values) {
             T t{};
@@ -42,7 +43,6 @@ py::class_<T> bind_struct(py::module_& m, const char* name, Field<T, M>... field
           }),
           py::kw_only(), py::arg(fields.name)...);
   (cls.def_readonly(fields.name, fields.member), ...);
-  return cls;
 }
 
 // What a rank's Common is made of: its place among the ranks, the shape they agree on, its buffers.
