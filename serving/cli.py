@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from .engine.config import DEFAULT_LOADER, EP_BACKENDS, LOAD_FORMATS, EngineConfig
+from .engine.engine_config import DEFAULT_LOADER, EP_BACKENDS, LOAD_FORMATS, EngineConfig
 
 DEFAULT_TINY_NAME = "ep-layer-tiny"
 DEFAULT_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port

@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ep_layer import Buffer
 
-from .config import ModelConfig
-from .engine.config import LOAD_FORMATS
+from .engine.engine_config import LOAD_FORMATS
+from .model_config import ModelConfig
 from .models import DeepseekV3ForCausalLM
 from .random_weights import random_weights
 

@@ -17,7 +17,7 @@ import torch
 
 from ep_layer.block_fp8 import block_cast_to_fp8, num_blocks
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 
 FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
                    "gate_proj", "up_proj", "down_proj")

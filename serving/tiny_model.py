@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 from .random_weights import random_weights
 
 SEED = 20240917

@@ -27,7 +27,7 @@ from serving_fakes import VOCAB, FakeTokenizer, reference_greedy
 
 from serving.api.metrics import INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 from serving.api.server import ServerState, build_app, make_server_state
-from serving.engine.config import EngineConfig
+from serving.engine.engine_config import EngineConfig
 
 TOK = FakeTokenizer()
 NAME = "fake-model"

@@ -53,9 +53,9 @@ from serving_model_helpers import (
     script_tokens,
 )
 
-from serving.config import ConfigError, ModelConfig
 from serving.forward_batch import ForwardBatch
 from serving.loader import CheckpointError, load_model, load_tensors, load_tokenizer
+from serving.model_config import ConfigError, ModelConfig
 from serving.models.rotary import RotaryEmbedding, inv_freq_and_attention_factor, softmax_scale
 from serving.tiny_model import TINY_CONFIG, V3_CONFIG, main, write_tiny_checkpoint
 

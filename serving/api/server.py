@@ -29,9 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ep_layer import __version__
 
-from ..engine.config import EngineConfig
 from ..engine.detokenizer import Codec, as_codec
 from ..engine.dp_coordinator import DPCoordinator, EngineDeadError
+from ..engine.engine_config import EngineConfig
 from ..engine.messages import RequestOutput
 from ..engine.sequence import BadRequest, SamplingParams, check_prompt
 from .metrics import ServingMetrics

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 from .messages import (
     AbortRequest,
     AddRequest,

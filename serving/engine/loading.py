@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import EngineConfig
+from .engine_config import EngineConfig
 
 
 def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from ep_layer.backends import resolve_backend
 
-from .config import EngineConfig
 from .engine import LLMEngine, eos_token_ids
+from .engine_config import EngineConfig
 from .messages import (
     AbortRequest,
     AddRequest,

@@ -15,8 +15,8 @@ from torch import nn
 from ep_layer import Buffer
 from ep_layer.moe import FusedMoE, make_buffer
 
-from ..config import ModelConfig
 from ..forward_batch import ForwardBatch
+from ..model_config import ModelConfig
 from .linear import GateUpLinear, Linear
 from .mla import MLAttention
 from .norm import Embedding, RMSNorm

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 from .linear import Linear, StackedLinear
 from .norm import RMSNorm
 from .paged_attention import AttentionMetadata, DecodeMetadata, paged_mla_attention, write_kv

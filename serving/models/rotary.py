@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig, RopeScaling
+from ..model_config import ModelConfig, RopeScaling
 from . import rotary_triton
 
 
