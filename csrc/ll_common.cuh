@@ -252,7 +252,7 @@ __device__ __forceinline__ void finish_send(const Common& c, Op op, unsigned seq
 // Receive kernels: block 0 notes the kernel's start (one store; it starts with the first wave), and
 // thread 0 of every block its block's end after the block's work, with one fire-and-forget atomic (RED:
 // nothing waits for it, no fence, no block counter). No RED from every block at the start as well: they
-// queue on one address and slow the combine (benchmarks/RESULTS.md, bench_ll.py). The start is kept
+// queue on one address and slow the combine (benchmarks/RESULTS.md, tried and not kept). The start is kept
 // inverted so that 0 means "none yet".
 __device__ __forceinline__ void mark_recv_start(const Common& c, Op op, unsigned seq, unsigned long long now) {
   if (first_block() && threadIdx.x == 0) timing_record(c, op, seq).recv_start = ~now;

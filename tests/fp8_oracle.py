@@ -1,4 +1,4 @@
-"""An independent numpy model of DESIGN.md's FP8 cast, used as the oracle by the tests.
+"""An independent numpy model of docs/design.md's FP8 cast (section 2), used as the oracle by the tests.
 
 Nothing here calls torch: bf16 inputs arrive as their raw uint16 bit patterns, all arithmetic is
 numpy float32 (IEEE, correctly rounded) or exact float64, and the e4m3 encoder is written out by
@@ -77,7 +77,7 @@ def pow2_ceil(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def cast_to_fp8(bits: np.ndarray, round_scale: bool = False, use_ue8m0: bool = False
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md section 2 on bf16 bit patterns [N, H] -> (uint8 codes [N, H], scales).
+    """docs/design.md section 2 on bf16 bit patterns [N, H] -> (uint8 codes [N, H], scales).
 
     Scales are float32 [N, H/128], or with use_ue8m0 int32 [N, H/512] (four biased exponents each,
     group g in byte g % 4 of int g // 4).

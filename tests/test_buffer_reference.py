@@ -1,7 +1,7 @@
 """`ep_layer.Buffer` with the reference backend on 1, 2 and 4 gloo ranks, against independent oracles.
 
 Every rank draws its own random inputs (fresh seed per run, named in every assertion message), the
-group all-gathers them, and a plain-Python loop computes what DESIGN.md section 2 says each rank must
+group all-gathers them, and a plain-Python loop computes what docs/design.md section 2 says each rank must
 receive: rows per local expert ordered by (source rank, token), src_info, layout_range, the bf16 rows
 or the FP8 bytes and scales (numpy oracle in fp8_oracle.py), and each token's combined output
 (float64 weighted sum). The rank functions run in child processes through dist_harness.run_ranks;
@@ -489,7 +489,7 @@ def raises(exc: type[BaseException], *names: str) -> Iterator[None]:
 
 def error_cases(grp: Group, buf: Buffer, case: Case, other_device: torch.device | None
                 ) -> list[tuple[str, type[BaseException], tuple[str, ...], Callable[[], Any]]]:
-    """(label, exception, names, call) for every bad input DESIGN.md lists. Every rank makes the same
+    """(label, exception, names, call) for every bad input docs/design.md lists (section 2). Every rank makes the same
     mistake, so every rank raises before any traffic."""
     t, h, e, el, r = case.t, case.h, case.e, case.num_local, grp.size
     x, idx, w = case.x, case.topk_idx, case.topk_weights

@@ -36,8 +36,9 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def fake_config(**overrides) -> EngineConfig:
+    # The fakes are CPU models: device="cpu" keeps these tests the same on a machine with a GPU.
     base = dict(model="fake-slow", served_model_name=NAME, loader="serving_fakes", max_tokens_per_rank=32,
-                max_num_seqs=32, block_size=4, num_kv_blocks=2048)
+                max_num_seqs=32, block_size=4, num_kv_blocks=2048, device="cpu")
     return EngineConfig(**{**base, **overrides})
 
 

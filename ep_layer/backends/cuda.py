@@ -218,8 +218,8 @@ class CudaBackend(Backend):
         return common
 
     def _stream(self) -> int:
-        """The current CUDA stream as a raw pointer: torch.cuda.current_stream() costs far more host time
-        (benchmarks/RESULTS.md, bench_ll.py)."""
+        """The current CUDA stream as a raw pointer, without the Stream object that
+        torch.cuda.current_stream() builds on every call (host time on every eager call)."""
         return torch._C._cuda_getCurrentRawStream(self._device.index)
 
     def _chunks_per_slot(self, slots: int) -> int:
@@ -228,7 +228,7 @@ class CudaBackend(Backend):
 
     def _blocks_per_expert(self, num_local: int) -> int:
         # About one block per SM in total: fewer blocks leave the copies latency-bound, more re-read every
-        # slot header once per extra block (benchmarks/RESULTS.md, bench_ll.py).
+        # slot header once per extra block.
         return max(1, min(16, math.ceil(self._num_sms / num_local)))
 
     # ------------------------------------------------------------------ dispatch

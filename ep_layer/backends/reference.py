@@ -1,6 +1,6 @@
 """The reference backend: plain PyTorch and torch.distributed point-to-point messages.
 
-It is the executable form of DESIGN.md section 2 and the oracle of every test: each step is the
+It is the executable form of docs/design.md section 2 and the oracle of every test: each step is the
 obvious one, in the order the design states it. Works on CPU (gloo), on GPU (NCCL) and alone.
 
 Latency stats are host wall time (time.perf_counter_ns) of the send half plus the receive half,

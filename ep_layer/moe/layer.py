@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..backends import resolve_backend
 from ..backends.exchange import group_rank_and_size
 from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
@@ -88,7 +89,8 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.hidden, self.intermediate = num_experts, top_k, hidden, intermediate
         self.quant, self.fp8 = quant, quant == "fp8-block"
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.buffer = buffer if buffer is not None else make_buffer(group, max_tokens_per_rank, hidden, num_experts)
+        self.buffer = buffer if buffer is not None else make_buffer(group, max_tokens_per_rank, hidden,
+                                                                    num_experts, device=device)
         if group is not None and buffer is not None and dist.get_world_size(group) != self.buffer.group_size:
             raise ValueError(f"group: has {dist.get_world_size(group)} ranks but buffer has "
                              f"{self.buffer.group_size}; pass the buffer's own group")
@@ -317,11 +319,12 @@ def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_toke
 
 
 def make_buffer(group: dist.ProcessGroup | None, max_tokens_per_rank: int, hidden: int, num_experts: int,
-                backend: str = "auto") -> Buffer:
-    """A low-latency Buffer for `group` (None: the default group, else one rank) sized for MoE layers that
-    dispatch up to max_tokens_per_rank tokens of `hidden` channels to num_experts experts."""
+                backend: str = "auto", device: torch.device | str | None = None) -> Buffer:
+    """A low-latency Buffer for `group` (None: the default group, else one rank) sized for MoE layers on
+    `device` that dispatch up to max_tokens_per_rank tokens of `hidden` channels to num_experts experts."""
     _, ranks = group_rank_and_size(group)
     if num_experts % ranks:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ranks}, got {num_experts}")
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, ranks, num_experts)
+    backend = resolve_backend(backend, device=torch.empty(0, device=device).device)
     return Buffer(group, num_rdma_bytes=size, low_latency_mode=True, backend=backend)

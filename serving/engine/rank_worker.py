@@ -90,7 +90,7 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(config.local_ranks)))
         device = resolve_device(config, rank - config.local_ranks.start)
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
-        config = dataclasses.replace(config, ep_backend=resolve_backend(config.ep_backend,
+        config = dataclasses.replace(config, ep_backend=resolve_backend(config.ep_backend, device=device,
                                                                         one_node=not config.spans_processes))
         group, sync_group = _init_group(config, rank, device)
         model, tokenizer = load_model(config, group, device)

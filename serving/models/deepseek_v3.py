@@ -110,7 +110,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.max_tokens_per_rank = max_tokens_per_rank
         has_moe = config.first_k_dense_replace < config.num_hidden_layers
         if ep_buffer is None and has_moe:
-            ep_buffer = make_buffer(group, max_tokens_per_rank, config.hidden_size, config.n_routed_experts, backend)
+            ep_buffer = make_buffer(group, max_tokens_per_rank, config.hidden_size, config.n_routed_experts, backend,
+                                    self.device)
         self.ep_buffer = ep_buffer
         self.ep_rank, self.ep_size = (ep_buffer.rank, ep_buffer.group_size) if ep_buffer is not None else (0, 1)
         if config.n_routed_experts % self.ep_size:
