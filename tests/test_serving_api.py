@@ -186,6 +186,18 @@ def test_streaming_matches_non_streaming(client):
     assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
 
 
+def test_one_stream_has_one_created_time(client):
+    """Every chunk of a stream that runs past a second boundary carries the response's one `created`."""
+    body = {"model": NAME, "prompt": "a long one", "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.time()
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        events = sse_events(resp.iter_lines())
+    assert int(time.time()) > int(start), "the stream ended within one second: it tests nothing"
+    created = {c["created"] for c in events[:-1]}
+    assert len(created) == 1 and int(start) <= created.pop() <= int(time.time()), events[:2]
+
+
 def test_32_concurrent_requests(server):
     url = server[0]
     letters = "abcdefghijklmnopqrstuvwxyz"

@@ -221,6 +221,7 @@ class _Completion:
     def __init__(self, state: ServerState, body: CompletionRequest, raw: Request) -> None:
         self.state, self.body, self.raw = state, body, raw
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())  # one time for the response and every chunk of its stream, as OpenAI's
 
     async def run(self) -> Response:
         self._check_model()
@@ -370,7 +371,8 @@ class _Completion:
         completion_tokens = sum(f.num_output_tokens for f in finals if f is not None)
         usage = UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=self.prompt_tokens + completion_tokens)
-        response = CompletionResponse(id=self.id, model=self.state.served_model_name, choices=choices, usage=usage)
+        response = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                      choices=choices, usage=usage)
         return JSONResponse(response.model_dump())
 
     async def _stream(self) -> AsyncIterator[str]:
@@ -392,15 +394,16 @@ class _Completion:
                 if out.new_text or out.new_token_ids or out.finished:
                     choice = CompletionChoice(index=index, text=out.new_text, finish_reason=out.finish_reason,
                                               stop_reason=out.stop_reason)
-                    chunk = CompletionResponse(id=self.id, model=self.state.served_model_name, choices=[choice])
+                    chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                               choices=[choice])
                     yield _sse(chunk.model_dump(exclude={"usage"}))
             else:
                 options = self.body.stream_options
                 if options is not None and options.include_usage:
                     usage = UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
                                       total_tokens=self.prompt_tokens + completion_tokens)
-                    chunk = CompletionResponse(id=self.id, model=self.state.served_model_name, choices=[],
-                                               usage=usage)
+                    chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                               choices=[], usage=usage)
                     yield _sse(chunk.model_dump())
             yield "data: [DONE]\n\n"
         finally:
