@@ -86,18 +86,21 @@ def tool(name: str) -> str | None:
 
 # ---------------------------------------------------------------------------- ep-serve as a process
 class EPServe:
-    """`python -m serving.cli` on HOST; output goes to a log file. It binds a port the OS picks (--port 0)
-    and logs it: a port picked here and closed could be taken (by a rank's rendezvous, another server)
-    before ep-serve binds it. url and port are known once wait_healthy returns."""
+    """ep-serve on HOST (`command`: `python -m serving.cli` unless given, e.g. scripts/serve.sh); output goes
+    to a log file. It binds a port the OS picks (--port 0) and logs it: a port picked here and closed could
+    be taken (by a rank's rendezvous, another server) before ep-serve binds it. url and port are known once
+    wait_healthy returns."""
 
-    def __init__(self, args: list[str], cache: str | os.PathLike[str], log: Path) -> None:
+    def __init__(self, args: list[str], cache: str | os.PathLike[str], log: Path,
+                 command: list[str] | None = None) -> None:
         self.log = log
         self.port: int | None = None
         self.url: str | None = None
         env = {**os.environ, "EP_LAYER_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+        command = command or [sys.executable, "-m", "serving.cli"]
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--port", "0", "--log-level", "info",
-                                          *args], env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen([*command, "--port", "0", "--log-level", "info", *args], env=env,
+                                         stdout=out, stderr=subprocess.STDOUT)
 
     def logged(self, pattern: str, timeout_s: float = 90.0) -> re.Match[str]:
         """The first match of `pattern` in the log, waiting until ep-serve has written it."""
@@ -149,8 +152,9 @@ def _children(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def ep_serve(args: list[str], cache: str | os.PathLike[str], log: Path) -> Iterator[EPServe]:
-    server = EPServe(args, cache, log)
+def ep_serve(args: list[str], cache: str | os.PathLike[str], log: Path,
+             command: list[str] | None = None) -> Iterator[EPServe]:
+    server = EPServe(args, cache, log, command)
     try:
         server.wait_healthy()
         yield server
