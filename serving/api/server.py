@@ -192,7 +192,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         if state.coordinator.alive:
             return Response(status_code=200)
-        return _error(503, f"engine is dead: {_public(state.coordinator.dead_reason or 'a rank exited')}")
+        return _error(503, f"engine is dead: {_public(state.coordinator.why_dead())}")
 
     @app.get("/version")
     async def version() -> dict[str, str]:

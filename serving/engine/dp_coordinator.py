@@ -165,6 +165,10 @@ class DPCoordinator:
     def alive(self) -> bool:
         return self.dead_reason is None and all(p.is_alive() for p in self._procs)
 
+    def why_dead(self) -> str:
+        """Why the engine is not alive, also before the reader thread has noticed a rank's exit."""
+        return self.dead_reason or self._exited_reason() or "a rank exited"
+
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> int:
         """Send a request to the least-loaded local rank; `sink` gets its outputs (from the reader thread).
@@ -236,7 +240,9 @@ class DPCoordinator:
                         self._replies[msg.token].append(msg.stats)
                         self._replies_cv.notify_all()
             elif isinstance(msg, RankFailed):
-                self._mark_dead(f"engine rank {msg.rank} failed:\n{msg.error}")
+                # A rank whose collective broke because a peer died reports a library error about a
+                # closed connection; the peer that exited is the news.
+                self._mark_dead(self._exited_reason(but=msg.rank) or f"engine rank {msg.rank} failed:\n{msg.error}")
             self._check_ranks()
 
     def _deliver(self, msg: StepOutputs, now: float) -> None:
@@ -257,10 +263,16 @@ class DPCoordinator:
     def _check_ranks(self) -> None:
         if self._stopping.is_set() or self.dead_reason is not None:
             return
-        dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
-        if dead:
-            self._mark_dead(f"engine rank(s) {[self.first_rank + i for i in dead]} exited (exit code "
-                            f"{[self._procs[i].exitcode for i in dead]})")
+        if (reason := self._exited_reason()) is not None:
+            self._mark_dead(reason)
+
+    def _exited_reason(self, but: int | None = None) -> str | None:
+        """Which local ranks' processes have exited, other than (global) rank `but`; None if none has."""
+        dead = [i for i, p in enumerate(self._procs) if not p.is_alive() and self.first_rank + i != but]
+        if not dead:
+            return None
+        return (f"engine rank(s) {[self.first_rank + i for i in dead]} exited (exit code "
+                f"{[self._procs[i].exitcode for i in dead]})")
 
     def _mark_dead(self, reason: str) -> None:
         with self._lock:
