@@ -1,7 +1,9 @@
-// pybind11 module ep_layer._C: named structs of pointers (as ints) and sizes, and the CUDA stream, in; no
-// libtorch ABI involved.
+// pybind11 module ep_layer._C: named structs of sizes, tuples of device pointers (as ints) in the order of
+// names it exports, and the CUDA stream, in; no libtorch ABI involved.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <array>
 
 #include <stdexcept>
 #include <string>
@@ -10,6 +12,9 @@
 #include "runtime.h"
 
 namespace py = pybind11;
+
+#define EP_STRINGIFY_(x) #x
+#define EP_STRINGIFY(x) EP_STRINGIFY_(x)
 using ep::Common;
 
 namespace {
@@ -82,64 +87,86 @@ Common make_common(const CommonArgs& a) {
   return c;
 }
 
-// One dispatch call (ll_common.cuh: DispatchCall, the same names): device pointers as ints, 0 = none.
-struct DispatchArgs {
-  long long ticket;
+// A dispatch call's sizes and flags (ll_common.cuh: DispatchCall, the same names), the same from call to
+// call of one shape: the caller keeps one per shape.
+struct DispatchShape {
   int num_tokens, num_topk;
   bool use_fp8, round_scale, use_ue8m0;
   int chunks_per_slot;
-  long long x, topk_idx, recv_x, recv_scales, recv_rows, recv_count, src_info, layout_range, combine_map,
-      recv_stats, wait_stats;
 };
 
-ep::DispatchCall dispatch_call(const Common& common, const DispatchArgs& a) {
+// A call's device pointers (as ints, 0 = none; combine's x_row is a row index or -1) arrive as one tuple,
+// in the order of these names; Python builds it from a NamedTuple of the same field names, and
+// ep_layer/native.py checks at load that both orders agree.
+enum DispatchPointer {
+  kDispatchTicket, kDispatchX, kDispatchTopkIdx, kRecvX, kRecvScales, kRecvRows, kRecvCount, kSrcInfo,
+  kLayoutRange, kDispatchCombineMap, kRecvStats, kDispatchWaitStats, kNumDispatchPointers
+};
+const char* const kDispatchPointerNames[kNumDispatchPointers] = {
+    "ticket", "x", "topk_idx", "recv_x", "recv_scales", "recv_rows", "recv_count", "src_info",
+    "layout_range", "combine_map", "recv_stats", "wait_stats"};
+using DispatchPointers = std::array<long long, kNumDispatchPointers>;
+
+ep::DispatchCall dispatch_call(const Common& common, const DispatchShape& s, const DispatchPointers& p) {
   ep::DispatchCall call{};
   call.c = common;
-  call.c.ticket = ptr<unsigned>(a.ticket);
-  call.num_tokens = a.num_tokens;
-  call.num_topk = a.num_topk;
-  call.use_fp8 = a.use_fp8;
-  call.round_scale = a.round_scale;
-  call.use_ue8m0 = a.use_ue8m0;
-  call.chunks_per_slot = a.chunks_per_slot;
-  call.x = ptr<const __nv_bfloat16>(a.x);
-  call.topk_idx = ptr<const long long>(a.topk_idx);
-  call.recv_x = ptr<void>(a.recv_x);
-  call.recv_scales = ptr<void>(a.recv_scales);
-  call.recv_rows = ptr<long long>(a.recv_rows);
-  call.recv_count = ptr<int>(a.recv_count);
-  call.src_info = ptr<int>(a.src_info);
-  call.layout_range = ptr<long long>(a.layout_range);
-  call.combine_map = ptr<int>(a.combine_map);
-  call.recv_stats = ptr<int>(a.recv_stats);
-  call.wait_stats = ptr<long long>(a.wait_stats);
+  call.c.ticket = ptr<unsigned>(p[kDispatchTicket]);
+  call.num_tokens = s.num_tokens;
+  call.num_topk = s.num_topk;
+  call.use_fp8 = s.use_fp8;
+  call.round_scale = s.round_scale;
+  call.use_ue8m0 = s.use_ue8m0;
+  call.chunks_per_slot = s.chunks_per_slot;
+  call.x = ptr<const __nv_bfloat16>(p[kDispatchX]);
+  call.topk_idx = ptr<const long long>(p[kDispatchTopkIdx]);
+  call.recv_x = ptr<void>(p[kRecvX]);
+  call.recv_scales = ptr<void>(p[kRecvScales]);
+  call.recv_rows = ptr<long long>(p[kRecvRows]);
+  call.recv_count = ptr<int>(p[kRecvCount]);
+  call.src_info = ptr<int>(p[kSrcInfo]);
+  call.layout_range = ptr<long long>(p[kLayoutRange]);
+  call.combine_map = ptr<int>(p[kDispatchCombineMap]);
+  call.recv_stats = ptr<int>(p[kRecvStats]);
+  call.wait_stats = ptr<long long>(p[kDispatchWaitStats]);
   return call;
 }
 
-// One combine call (ll_common.cuh: CombineCall, the same names): device pointers as ints, 0 = none;
-// x_row is a row index (or -1), not a pointer.
-struct CombineArgs {
-  long long ticket;
+// A combine call's sizes (ll_common.cuh: CombineCall, the same names), kept per shape as DispatchShape.
+struct CombineShape {
   int num_tokens, num_topk, blocks_per_expert;
-  long long x, x_row, recv_count, combine_map, topk_idx, topk_weights, out, wait_stats;
 };
 
-ep::CombineCall combine_call(const Common& common, const CombineArgs& a) {
+enum CombinePointer {
+  kCombineTicket, kCombineX, kXRow, kCombineRecvCount, kCombineMap, kCombineTopkIdx, kTopkWeights, kOut,
+  kCombineWaitStats, kNumCombinePointers
+};
+const char* const kCombinePointerNames[kNumCombinePointers] = {
+    "ticket", "x", "x_row", "recv_count", "combine_map", "topk_idx", "topk_weights", "out", "wait_stats"};
+using CombinePointers = std::array<long long, kNumCombinePointers>;
+
+ep::CombineCall combine_call(const Common& common, const CombineShape& s, const CombinePointers& p) {
   ep::CombineCall call{};
   call.c = common;
-  call.c.ticket = ptr<unsigned>(a.ticket);
-  call.num_tokens = a.num_tokens;
-  call.num_topk = a.num_topk;
-  call.blocks_per_expert = a.blocks_per_expert;
-  call.x = ptr<const __nv_bfloat16>(a.x);
-  call.x_row = a.x_row;
-  call.recv_count = ptr<const int>(a.recv_count);
-  call.combine_map = ptr<const int>(a.combine_map);
-  call.topk_idx = ptr<const long long>(a.topk_idx);
-  call.topk_weights = ptr<const float>(a.topk_weights);
-  call.out = ptr<__nv_bfloat16>(a.out);
-  call.wait_stats = ptr<long long>(a.wait_stats);
+  call.c.ticket = ptr<unsigned>(p[kCombineTicket]);
+  call.num_tokens = s.num_tokens;
+  call.num_topk = s.num_topk;
+  call.blocks_per_expert = s.blocks_per_expert;
+  call.x = ptr<const __nv_bfloat16>(p[kCombineX]);
+  call.x_row = p[kXRow];
+  call.recv_count = ptr<const int>(p[kCombineRecvCount]);
+  call.combine_map = ptr<const int>(p[kCombineMap]);
+  call.topk_idx = ptr<const long long>(p[kCombineTopkIdx]);
+  call.topk_weights = ptr<const float>(p[kTopkWeights]);
+  call.out = ptr<__nv_bfloat16>(p[kOut]);
+  call.wait_stats = ptr<long long>(p[kCombineWaitStats]);
   return call;
+}
+
+template <size_t N>
+py::tuple names(const char* const (&list)[N]) {
+  py::tuple t(N);
+  for (size_t i = 0; i < N; ++i) t[i] = py::str(list[i]);
+  return t;
 }
 
 // Launches `call` on `stream` with one of ep's launchers; a failed launch raises, naming `kernel`.
@@ -162,46 +189,45 @@ void bind_arguments(py::module_& m) {
               field("peer_bases", &CommonArgs::peer_bases), field("local_base", &CommonArgs::local_base),
               field("layout", &CommonArgs::layout), field("host_error", &CommonArgs::host_error),
               field("timeout_s", &CommonArgs::timeout_s), field("latency", &CommonArgs::latency));
-  bind_struct(m, "DispatchArgs", field("ticket", &DispatchArgs::ticket),
-              field("num_tokens", &DispatchArgs::num_tokens), field("num_topk", &DispatchArgs::num_topk),
-              field("use_fp8", &DispatchArgs::use_fp8), field("round_scale", &DispatchArgs::round_scale),
-              field("use_ue8m0", &DispatchArgs::use_ue8m0), field("chunks_per_slot", &DispatchArgs::chunks_per_slot),
-              field("x", &DispatchArgs::x), field("topk_idx", &DispatchArgs::topk_idx),
-              field("recv_x", &DispatchArgs::recv_x), field("recv_scales", &DispatchArgs::recv_scales),
-              field("recv_rows", &DispatchArgs::recv_rows), field("recv_count", &DispatchArgs::recv_count),
-              field("src_info", &DispatchArgs::src_info), field("layout_range", &DispatchArgs::layout_range),
-              field("combine_map", &DispatchArgs::combine_map), field("recv_stats", &DispatchArgs::recv_stats),
-              field("wait_stats", &DispatchArgs::wait_stats));
-  bind_struct(m, "CombineArgs", field("ticket", &CombineArgs::ticket), field("num_tokens", &CombineArgs::num_tokens),
-              field("num_topk", &CombineArgs::num_topk), field("blocks_per_expert", &CombineArgs::blocks_per_expert),
-              field("x", &CombineArgs::x), field("x_row", &CombineArgs::x_row),
-              field("recv_count", &CombineArgs::recv_count), field("combine_map", &CombineArgs::combine_map),
-              field("topk_idx", &CombineArgs::topk_idx), field("topk_weights", &CombineArgs::topk_weights),
-              field("out", &CombineArgs::out), field("wait_stats", &CombineArgs::wait_stats));
+  bind_struct(m, "DispatchShape", field("num_tokens", &DispatchShape::num_tokens),
+              field("num_topk", &DispatchShape::num_topk), field("use_fp8", &DispatchShape::use_fp8),
+              field("round_scale", &DispatchShape::round_scale), field("use_ue8m0", &DispatchShape::use_ue8m0),
+              field("chunks_per_slot", &DispatchShape::chunks_per_slot));
+  bind_struct(m, "CombineShape", field("num_tokens", &CombineShape::num_tokens),
+              field("num_topk", &CombineShape::num_topk), field("blocks_per_expert", &CombineShape::blocks_per_expert));
+  m.attr("DISPATCH_POINTERS") = names(kDispatchPointerNames);
+  m.attr("COMBINE_POINTERS") = names(kCombinePointerNames);
 }
 
-// Binds a launcher taking (common, args, stream), the same for every kernel of dispatch and combine.
+// Binds a launcher taking (common, shape, pointers, stream), the same for every kernel of an op.
 template <typename Launcher>
 void def_launcher(py::module_& m, const char* name, Launcher launcher) {
-  m.def(name, launcher, py::arg("common"), py::arg("args"), py::arg("stream"));
+  m.def(name, launcher, py::arg("common"), py::arg("shape"), py::arg("pointers"), py::arg("stream"));
 }
 
-// A dispatch call runs its send half and its receive half (the hook) as two kernels, or both as one.
+// A call runs its send half and its receive half (the hook) as two kernels, or both as one.
 void bind_launchers(py::module_& m) {
-  def_launcher(m, "dispatch_send", [](const Common& c, const DispatchArgs& a, long long stream) {
-    launch(ep::dispatch_send, dispatch_call(c, a), stream, "dispatch send kernel");
+  using DS = const DispatchShape&;
+  using DP = const DispatchPointers&;
+  using CS = const CombineShape&;
+  using CP = const CombinePointers&;
+  def_launcher(m, "dispatch_send", [](const Common& c, DS s, DP p, long long stream) {
+    launch(ep::dispatch_send, dispatch_call(c, s, p), stream, "dispatch send kernel");
   });
-  def_launcher(m, "dispatch_receive", [](const Common& c, const DispatchArgs& a, long long stream) {
-    launch(ep::dispatch_recv, dispatch_call(c, a), stream, "dispatch receive kernel");
+  def_launcher(m, "dispatch_receive", [](const Common& c, DS s, DP p, long long stream) {
+    launch(ep::dispatch_recv, dispatch_call(c, s, p), stream, "dispatch receive kernel");
   });
-  def_launcher(m, "dispatch_both_halves", [](const Common& c, const DispatchArgs& a, long long stream) {
-    launch(ep::dispatch_fused, dispatch_call(c, a), stream, "dispatch kernel");
+  def_launcher(m, "dispatch_both_halves", [](const Common& c, DS s, DP p, long long stream) {
+    launch(ep::dispatch_fused, dispatch_call(c, s, p), stream, "dispatch kernel");
   });
-  def_launcher(m, "combine_send", [](const Common& c, const CombineArgs& a, long long stream) {
-    launch(ep::combine_send, combine_call(c, a), stream, "combine send kernel");
+  def_launcher(m, "combine_send", [](const Common& c, CS s, CP p, long long stream) {
+    launch(ep::combine_send, combine_call(c, s, p), stream, "combine send kernel");
   });
-  def_launcher(m, "combine_receive", [](const Common& c, const CombineArgs& a, long long stream) {
-    launch(ep::combine_recv, combine_call(c, a), stream, "combine receive kernel");
+  def_launcher(m, "combine_both_halves", [](const Common& c, CS s, CP p, long long stream) {
+    launch(ep::combine_fused, combine_call(c, s, p), stream, "combine kernel");
+  });
+  def_launcher(m, "combine_receive", [](const Common& c, CS s, CP p, long long stream) {
+    launch(ep::combine_recv, combine_call(c, s, p), stream, "combine receive kernel");
   });
 }
 
@@ -227,6 +253,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_latency_bounds", &ep::set_latency_bounds);
   m.def("read_timing", &ep::read_timing);
   m.def("memset_async", &ep::memset_async);
+  m.def("create_stream", &ep::create_stream);
   m.def("num_sms", &ep::num_sms);
   m.attr("CONTROL_BYTES") = ep::kControlBytes;
   m.attr("MAX_RANKS") = ep::kMaxRanks;
@@ -234,4 +261,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_EXPERTS") = ep::kMaxExperts;
   m.attr("DISPATCH_HEADER_BYTES") = ep::kHeaderBytes;
   m.attr("MAX_LATENCY_BOUNDS") = ep::kMaxLatencyBounds;
+  m.attr("CUDA_ARCHS") = EP_STRINGIFY(__CUDA_ARCH_LIST__);  // e.g. "800,900": the GPU targets of this build
 }

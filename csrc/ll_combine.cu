@@ -10,6 +10,13 @@
 //
 // A flag's reference: >= 0, a row of the receiver's own x; -1 - k, combine slot [token][k]; below
 // -kMaxTopk, row -ref - kMaxTopk - 1 of the sending rank's buffer (2H bytes a row).
+//
+// Without a hook both halves run in one kernel (combine_fused): send blocks first, reducers after.
+#include <algorithm>
+#include <stdexcept>
+
+#include "runtime.h"
+
 #include "ll_common.cuh"
 
 namespace ep {
@@ -31,29 +38,17 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
   return half + c.layout.combine + (static_cast<long long>(token) * kMaxTopk + k) * c.hidden * 2;
 }
 
-// kCopies: rows of other ranks' tokens are copied into their slots (a warp per row); else every row is
-// read where it lies and only its flags go out (a thread per row).
+// The send half's rows of one (expert, row group) work item: kCopies, rows of other ranks' tokens are
+// copied into their slots (a warp per row); else every row is read where it lies and only its flags go
+// out (a thread per row). `workers` rows per pass, `row_groups` groups per expert.
 template <bool kCopies>
-__global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
-    combine_send_kernel(const __grid_constant__ CombineCall a) {
-  const unsigned long long start = globaltimer();
+__device__ __forceinline__ void send_rows(const CombineCall& a, unsigned seq, int expert, int group, int row_groups) {
   const Common& c = a.c;
-  const int expert = blockIdx.x, num_rows = c.num_ranks * c.max_tokens;
+  const int num_rows = c.num_ranks * c.max_tokens;
   const int count = a.recv_count[expert];  // in flight with the ticket
-  __shared__ SendTiming timing;
-  __shared__ unsigned seq;
-  if (threadIdx.x == 0) {
-    seq = take_ticket(c, kCombine);
-    if (first_block()) begin_call_timing(c, kCombine, seq, start, false, timing);
-  }
-  __syncthreads();
-  if (first_block()) {
-    say_hello(c, kCombine, seq);
-    if (threadIdx.x == 0) *c.ticket = seq;
-  }
-  constexpr int kWorkers = kCopies ? kSendThreads / 32 : kFlagThreads;  // rows per block and pass
+  const int workers = kCopies ? blockDim.x / 32 : blockDim.x;
   const int worker = kCopies ? threadIdx.x / 32 : threadIdx.x, lane = kCopies ? threadIdx.x % 32 : 0;
-  for (int row = blockIdx.y * kWorkers + worker; row < count; row += gridDim.y * kWorkers) {
+  for (int row = group * workers + worker; row < count; row += row_groups * workers) {
     const long long in_row = static_cast<long long>(expert) * num_rows + row;
     const unsigned map = static_cast<unsigned>(a.combine_map[in_row]);
     const int i = static_cast<int>(map & ((1u << kMapTokenBits) - 1));
@@ -77,22 +72,44 @@ __global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
       for (unsigned m = kmask; m; m &= m - 1) st_release(c, combine_flag(c, half, token, __ffs(m) - 1), flag);
     }
   }
-  // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
-  if (threadIdx.x == 0) finish_send(c, kCombine, seq, timing);
 }
 
-// The receive half's work for one (token, channel chunk); threads return here, so that all of them
-// reach finish_recv. With no tokens the kernel runs one block that waits for the peers' hellos and
-// marks the receive span: the wait is what keeps a rank from reusing a buffer half too early. With two
+// Thread 0 of every block of a launch that starts a combine: the call's sequence number, and for block 0
+// the start of its timing record (`fused`: the launch does both halves).
+__device__ __forceinline__ unsigned start_combine(const CombineCall& a, unsigned long long start, bool fused,
+                                                  SendTiming& timing) {
+  const unsigned seq = take_ticket(a.c, kCombine);
+  if (first_block()) begin_call_timing(a.c, kCombine, seq, start, fused, timing);
+  return seq;
+}
+
+template <bool kCopies>
+__global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
+    combine_send_kernel(const __grid_constant__ CombineCall a) {
+  const unsigned long long start = globaltimer();
+  __shared__ SendTiming timing;
+  __shared__ unsigned seq;
+  if (threadIdx.x == 0) seq = start_combine(a, start, false, timing);
+  __syncthreads();
+  if (first_block()) {
+    say_hello(a.c, kCombine, seq);
+    if (threadIdx.x == 0) *a.c.ticket = seq;
+  }
+  send_rows<kCopies>(a, seq, blockIdx.x, blockIdx.y, gridDim.y);
+  // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
+  if (threadIdx.x == 0) finish_send(a.c, kCombine, seq, timing);
+}
+
+// The receive half's work for one (token, channel chunk), after the block has checked the peers'
+// hellos; threads return here, so that all of them reach the caller's next barrier. With no tokens a
+// receive still runs one block that waits for the hellos and marks the receive span: the wait is what
+// keeps a rank from reusing a buffer half too early. With two
 // micro-batches (send A, send B, ..., combine A, combine B) a rank whose micro-batch B is empty would
 // otherwise leave combine B at once and send the next B into the half its peers may still be reading.
-__device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq) {
+__device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq, int token, int chunk) {
   const Common& c = a.c;
-  if (!check_hellos(c, kCombine, seq)) return;
-  if (static_cast<int>(blockIdx.x) >= a.num_tokens) return;
-
-  const int token = blockIdx.x, num_local = c.num_experts / c.num_ranks;
-  const int vec = blockIdx.y * kRecvThreads + threadIdx.x;
+  const int num_local = c.num_experts / c.num_ranks;
+  const int vec = chunk * blockDim.x + threadIdx.x;
   unsigned char* half = half_base(c, reinterpret_cast<long long>(c.local_base), seq);
   __shared__ const int4* rows[kMaxTopk];  // per k: where its expert output is, null if no expert
   __shared__ float weights[kMaxTopk];
@@ -121,7 +138,7 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq)
         else
           row = reinterpret_cast<const int4*>(c.peer_bases[rank] + (-static_cast<long long>(ref) - kMaxTopk - 1) *
                                                                        c.hidden * 2);
-        if (a.wait_stats && blockIdx.y == 0)
+        if (a.wait_stats && chunk == 0)
           atomicAdd(reinterpret_cast<unsigned long long*>(&a.wait_stats[rank]), waited);
       }
     }
@@ -152,8 +169,37 @@ __global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(const __grid
   const unsigned long long start = globaltimer();
   const unsigned seq = *a.c.ticket;  // written by the send kernel, which ran before this one
   mark_recv_start(a.c, kCombine, seq, start);
-  reduce_token(a, seq);
+  if (check_hellos(a.c, kCombine, seq) && static_cast<int>(blockIdx.x) < a.num_tokens)
+    reduce_token(a, seq, blockIdx.x, blockIdx.y);
   finish_recv(a.c, kCombine, seq);
+}
+
+// Both halves in one launch (no hook): the first `send_blocks` blocks send (as the send kernel's grid,
+// flattened), the rest reduce (token, chunk) items in turn. Senders never wait and come first in block
+// order, and the grid is capped at what the GPU holds at once, so every reducer's wait has its senders
+// running.
+template <bool kCopies>
+__global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
+    combine_fused_kernel(const __grid_constant__ CombineCall a, int send_blocks) {
+  const unsigned long long start = globaltimer();
+  __shared__ SendTiming timing;
+  __shared__ unsigned seq;
+  if (threadIdx.x == 0) seq = start_combine(a, start, true, timing);
+  __syncthreads();
+  const int block = blockIdx.x;
+  if (block < send_blocks) {
+    if (block == 0) say_hello(a.c, kCombine, seq);
+    send_rows<kCopies>(a, seq, block / a.blocks_per_expert, block % a.blocks_per_expert, a.blocks_per_expert);
+    if (threadIdx.x == 0) red_max(&timing_record(a.c, kCombine, seq).recv_end, globaltimer());
+  } else if (check_hellos(a.c, kCombine, seq)) {
+    const int chunks = (a.c.hidden / 8 + blockDim.x - 1) / blockDim.x;
+    for (int item = block - send_blocks; item < a.num_tokens * chunks; item += gridDim.x - send_blocks) {
+      reduce_token(a, seq, item / chunks, item % chunks);
+      __syncthreads();  // the next item reuses the shared rows, weights and abort flag
+    }
+    finish_recv(a.c, kCombine, seq);
+  }
+  if (block == 0 && threadIdx.x == 0) account_previous_call(a.c, kCombine, timing);
 }
 
 }  // namespace
@@ -164,6 +210,30 @@ void combine_send(const CombineCall& call, cudaStream_t stream) {
     combine_send_kernel<false><<<grid, kFlagThreads, 0, stream>>>(call);
   else
     combine_send_kernel<true><<<grid, kSendThreads, 0, stream>>>(call);
+}
+
+// The fused kernel's grid: the send kernel's blocks, then a reducer per (token, chunk) item, up to what
+// the GPU holds at once (reducers then take several items each); at least one reducer, which with no
+// tokens waits for the peers' hellos as the receive kernel does.
+void combine_fused(const CombineCall& call, cudaStream_t stream) {
+  const bool copies = !(call.x_row >= 0 || call.c.num_ranks == 1);
+  const auto kernel = copies ? combine_fused_kernel<true> : combine_fused_kernel<false>;
+  const int threads = copies ? kSendThreads : kFlagThreads;
+  static thread_local int resident[2][64] = {};  // per variant and device: the occupancy query costs microseconds
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  int& fits = resident[copies][device % 64];
+  if (fits == 0) {
+    int sms = 0, per_sm = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0), "the occupancy query");
+    fits = sms * per_sm;
+  }
+  const int send_blocks = call.c.num_experts / call.c.num_ranks * call.blocks_per_expert;
+  const int items = call.num_tokens * ((call.c.hidden / 8 + threads - 1) / threads);
+  if (fits < send_blocks + 1)
+    throw std::runtime_error("ep_layer._C: the GPU cannot hold the combine kernel's send blocks and a reducer");
+  kernel<<<send_blocks + std::max(1, std::min(items, fits - send_blocks)), threads, 0, stream>>>(call, send_blocks);
 }
 
 cudaError_t set_combine_latency_bounds(const unsigned long long* ns, int n) {

@@ -422,6 +422,8 @@ void dispatch_recv(const DispatchCall& call, cudaStream_t stream);
 void dispatch_fused(const DispatchCall& call, cudaStream_t stream);
 void combine_send(const CombineCall& call, cudaStream_t stream);
 void combine_recv(const CombineCall& call, cudaStream_t stream);
+// Both halves in one kernel (no hook).
+void combine_fused(const CombineCall& call, cudaStream_t stream);
 // Copy the latency bounds (ascending ns, n <= kMaxLatencyBounds) into each kernel file's __constant__
 // table on the current device (runtime.cu: set_latency_bounds).
 cudaError_t set_dispatch_latency_bounds(const unsigned long long* ns, int n);

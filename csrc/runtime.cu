@@ -96,6 +96,12 @@ void memset_async(long long ptr, long long bytes, long long stream) {
              "cudaMemsetAsync");
 }
 
+long long create_stream() {
+  cudaStream_t stream = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  return reinterpret_cast<long long>(stream);
+}
+
 int num_sms() {
   int device = 0, sms = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");

@@ -27,6 +27,7 @@ void clear_error(long long base);
 void set_latency_bounds(const std::vector<unsigned long long>& bounds_ns);
 std::vector<unsigned long long> read_timing(long long base);
 void memset_async(long long ptr, long long bytes, long long stream);
+long long create_stream();  // a non-blocking stream of the current device, never destroyed
 int num_sms();
 
 }  // namespace ep

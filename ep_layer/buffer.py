@@ -2,21 +2,25 @@
 
 The class validates every argument, then forwards to the backend (`reference` or `cuda`); it owns what
 is the same for all backends: hooks, `async_finish` events, and per-dispatch state such as the
-zero-copy combine buffer.
+zero-copy combine buffer. It has every name of DeepEP's `Buffer` that vLLM and SGLang use, so that the
+`deep_ep` drop-in (dropin/) is this class; DeepEP's normal mode raises NotImplementedError.
+
+Eager calls are on the host's critical path (every call of an engine that runs without CUDA graphs),
+so a call validates its arguments once per combination of shapes, dtypes, devices and flags and
+remembers the outcome, and runs with torch's function hooks off (a default-device mode, such as
+`torch.set_default_device('cuda')`, otherwise intercepts every tensor operation of the call).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .backends import Backend, DispatchResult, DispatchSpec, Handle, create_backend
+from .backends import Backend, DispatchSpec, Handle, create_backend
 from .backends.exchange import group_rank_and_size
 from .checks import (
     MAX_TOKENS_PER_RANK,
@@ -27,15 +31,39 @@ from .checks import (
     check_topk,
     expect,
 )
+from .config import Config
 from .event import EventOverlap
 from .latency import LatencyHistogram
 from .layout import low_latency_buffer_bytes
 
 DEFAULT_TIMEOUT_S = 100.0
 _OUTSTANDING = 2  # results that may be pending at once (double buffering, as in DeepEP)
+_MAX_CACHED_CHECKS = 256  # argument combinations remembered per op (a serving engine uses a handful)
+
+# Keyword arguments that only DeepEP forks know (NVFP4 dispatch, single-batch overlap): named in the error.
+_FORK_ONLY = {
+    "low_latency_dispatch": ("use_nvfp4", "x_global_scale"),
+    "low_latency_combine": ("overlap", "src_signals", "src_signal_expect_value", "packed_recv_count",
+                            "comp_signal", "block_m", "threshold", "num_sms"),
+}
+_NORMAL_MODE = ("DeepEP's normal (high-throughput) mode is not implemented in ep-layer yet; use the "
+                "low-latency calls (low_latency_dispatch / low_latency_combine)")
 
 Hook = Callable[[], None]
-Result = TypeVar("Result")
+_no_torch_function = torch._C.DisableTorchFunction  # our tensors always name their device
+
+
+def _refuse_unknown(op: str, given: dict) -> None:
+    fork = sorted(k for k in given if k in _FORK_ONLY[op])
+    if fork:
+        raise NotImplementedError(f"{op}: {', '.join(fork)} exist only in forks of DeepEP; ep-layer does not "
+                                  "support them")
+    raise TypeError(f"{op}() got unexpected keyword argument(s) {', '.join(sorted(given))}")
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What the checks of an optional tensor argument depend on."""
+    return None if t is None else (type(t), t.shape, t.dtype, t.device)
 
 
 def _once(receive: Hook, op: str) -> Hook:
@@ -48,50 +76,68 @@ def _once(receive: Hook, op: str) -> Hook:
         if done:
             raise RuntimeError(f"{op}: this hook has already run (each call's receive half runs once)")
         done = True
-        receive()
+        with _no_torch_function():
+            receive()
 
     return hook
 
 
+class _CombineCheck(NamedTuple):
+    """What combine's argument checks established for one combination of arguments."""
+
+    device: torch.device
+    num_local: int
+
+
 class _DispatchRecord:
-    """What the Buffer remembers about one dispatch, found again from its handle in combine."""
+    """What the Buffer remembers about one dispatch, found again from its handle in combine. It holds
+    the handle (small index tensors) until the dispatch two calls later replaces it."""
+
+    __slots__ = ("handle", "private", "slot")
 
     def __init__(self, handle: Handle, slot: int, private: object) -> None:
-        self.src_info = weakref.ref(handle[0])
-        self.layout_range = weakref.ref(handle[1])
-        self.sizes = handle[2:]  # (T, H, E)
+        self.handle = handle
         self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
         self.private = private  # backend state that combine needs (e.g. row -> source slot map)
 
     def matches(self, handle: tuple) -> bool:
-        """`handle` is the one this dispatch returned, unaltered."""
-        return (self.src_info() is handle[0] and self.layout_range() is handle[1]
-                and all(a is b or (type(a) is int and a == b) for a, b in zip(handle[2:], self.sizes)))
+        """`handle` is the one this dispatch returned, or a tuple of the same objects."""
+        mine = self.handle
+        return handle is mine or (handle[0] is mine[0] and handle[1] is mine[1] and handle[2:] == mine[2:]
+                                  and all(type(v) is int for v in handle[2:]))
 
 
 class Buffer:
     """Expert-parallel communication buffer with DeepEP's low-latency interface.
 
-    `group` is the EP process group (None = a single rank). DeepEP's tuning arguments are accepted
-    and ignored. `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or
-    "reference"; `timeout_s` bounds every wait for a peer rank.
+    `group` is the EP process group (None = a single rank). DeepEP's tuning arguments are accepted and
+    ignored (`num_nvl_bytes`: no normal-mode buffer is allocated). `enable_shrink` is DeepEP's rank
+    masking (fault tolerance): a peer that misses a wait is masked instead of failing the call.
+    `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or "reference";
+    `timeout_s` bounds every wait for a peer rank.
     """
 
-    num_sms = 0
+    num_sms: int = 20  # DeepEP's SM budget of its normal-mode kernels; the low-latency kernels size themselves
 
     def __init__(self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, backend: str = "auto",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        expect(low_latency_mode, "low_latency_mode", "True (only DeepEP's low-latency mode is supported)",
-               low_latency_mode)
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
+                 backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if comm is not None:
+            raise NotImplementedError("comm: an MPI communicator is not supported; pass the torch.distributed "
+                                      "group of the EP ranks as `group`")
+        if not low_latency_mode:
+            raise NotImplementedError(f"low_latency_mode=False: {_NORMAL_MODE}")
+        expect(type(num_nvl_bytes) is int and num_nvl_bytes >= 0, "num_nvl_bytes", "a non-negative int",
+               num_nvl_bytes)
         expect(type(num_rdma_bytes) is int and num_rdma_bytes >= 0, "num_rdma_bytes", "a non-negative int",
                num_rdma_bytes)
         expect(type(timeout_s) in (int, float) and 0 < timeout_s < math.inf, "timeout_s",
                "a positive, finite number of seconds", timeout_s)
         rank, size = group_rank_and_size(group)
-        self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s)))
+        self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s),
+                                    shrink=bool(enable_shrink)))
         self.num_nvl_bytes = num_nvl_bytes
         self.explicitly_destroy = explicitly_destroy
 
@@ -110,11 +156,14 @@ class Buffer:
         self.rank, self.group_size = backend.rank, backend.num_ranks
         self.num_rdma_bytes = backend.num_rdma_bytes
         self.low_latency_mode = True
+        self.enable_shrink = backend.shrink
         self.timeout_s = backend.timeout_s
         self._backend: Backend | None = backend
         self.backend_name = backend.name
-        self._dispatches: OrderedDict[int, _DispatchRecord] = OrderedDict()
+        self._records: list[_DispatchRecord | None] = [None] * _OUTSTANDING
         self._num_dispatches = 0
+        self._dispatch_checks: dict[tuple, DispatchSpec] = {}
+        self._combine_checks: dict[tuple, _CombineCheck] = {}
         self._combine_buffers: dict[int, torch.Tensor] = {}
         self._comm_stream: torch.cuda.Stream | None = None
 
@@ -132,8 +181,39 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """DeepEP's SM budget for its normal kernels; the low-latency kernels size themselves."""
-        Buffer.num_sms = check_positive_int(new_num_sms, "new_num_sms")
+        """DeepEP's SM budget for its normal kernels (even, as DeepEP's); the low-latency kernels size
+        themselves."""
+        check_positive_int(new_num_sms, "new_num_sms")
+        expect(new_num_sms % 2 == 0, "new_num_sms", "an even number of SMs", new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current CUDA stream (DeepEP's `previous_event`); None on CPU."""
+        if not torch.cuda.is_available():
+            return EventOverlap(None)
+        event = torch.cuda.Event()
+        event.record()
+        return EventOverlap(event)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """DeepEP's normal-mode tuning for `num_ranks`: accepted and ignored here (the defaults)."""
+        check_positive_int(num_ranks, "num_ranks")
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """DeepEP's normal-mode tuning for `num_ranks`: accepted and ignored here (the defaults)."""
+        check_positive_int(num_ranks, "num_ranks")
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """Whether our CUDA kernels were built for Hopper (sm_90a)."""
+        from . import native
+
+        return native.available() and "900" in native.load().CUDA_ARCHS.split(",")
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -142,9 +222,36 @@ class Buffer:
         check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", MAX_TOKENS_PER_RANK)
         check_positive_int(hidden, "hidden")
         check_experts(num_experts, self.group_size)
-        self._dispatches.clear()
+        self._records = [None] * _OUTSTANDING
         self._combine_buffers.clear()
         backend.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's communication buffer as a flat `dtype` tensor from byte `offset` (or its first
+        `size` elements viewed as `size`). Only the low-latency ("RDMA") buffer exists here."""
+        if not use_rdma_buffer:
+            raise NotImplementedError(f"get_local_buffer_tensor(use_rdma_buffer=False): the NVLink buffer "
+                                      f"belongs to normal mode. {_NORMAL_MODE}")
+        expect(isinstance(dtype, torch.dtype), "dtype", "a torch.dtype", dtype)
+        expect(type(offset) is int and 0 <= offset <= self.num_rdma_bytes, "offset",
+               f"a byte offset in [0, {self.num_rdma_bytes}]", offset)
+        flat = self._live().local_buffer(offset)
+        if flat.numel() % dtype.itemsize:
+            flat = flat[:flat.numel() // dtype.itemsize * dtype.itemsize]
+        flat = flat.view(dtype)
+        if size is None:
+            return flat
+        want = math.prod(size)
+        expect(want <= flat.numel(), "size", f"at most {flat.numel()} elements of {dtype} from offset {offset}",
+               tuple(size))
+        return flat[:want].view(size)
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        """The side stream on which `async_finish` calls run."""
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream()
+        return self._comm_stream
 
     def check(self) -> None:
         """Raise any error the device recorded (e.g. `EPTimeoutError`) since the last check."""
@@ -164,7 +271,7 @@ class Buffer:
         if self._backend is not None:
             self._backend.destroy()
         self._backend = None
-        self._dispatches.clear()
+        self._records = [None] * _OUTSTANDING
         self._combine_buffers.clear()
 
     def _live(self) -> Backend:
@@ -172,8 +279,41 @@ class Buffer:
             raise RuntimeError("Buffer: used after destroy()")
         return self._backend
 
-    def _device(self, x: torch.Tensor) -> torch.device:
-        return self._live().device or x.device
+    # ------------------------------------------------------------------ rank masking (enable_shrink)
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write into int32 `mask_status` [num_ranks] which ranks this rank has masked (1) or not (0)."""
+        backend = self._shrinking("low_latency_query_mask_buffer")
+        expect(isinstance(mask_status, torch.Tensor), "mask_status", "a torch.Tensor", type(mask_status).__name__)
+        device = backend.device or mask_status.device
+        check_tensor(mask_status, "mask_status", torch.int32, (self.group_size,), device)
+        backend.query_mask(mask_status)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask rank `rank_to_mask` (no more sends to or receives from it) or, with mask=False, unmask it."""
+        backend = self._shrinking("low_latency_update_mask_buffer")
+        expect(type(rank_to_mask) is int and 0 <= rank_to_mask < self.group_size, "rank_to_mask",
+               f"a rank in [0, {self.group_size})", rank_to_mask)
+        backend.update_mask(rank_to_mask, bool(mask))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._shrinking("low_latency_clean_mask_buffer").clean_mask()
+
+    def _shrinking(self, op: str) -> Backend:
+        backend = self._live()
+        if not backend.shrink:
+            raise RuntimeError(f"{op}: rank masking is off; build the Buffer with enable_shrink=True")
+        return backend
+
+    # ------------------------------------------------------------------ DeepEP's normal mode
+    def get_dispatch_layout(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(f"get_dispatch_layout: {_NORMAL_MODE}")
+
+    def dispatch(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(f"dispatch: {_NORMAL_MODE}")
+
+    def combine(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError(f"combine: {_NORMAL_MODE}")
 
     # ------------------------------------------------------------------ dispatch
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -182,85 +322,149 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False, *,
-                             rows_in_place: bool = False):
+                             rows_in_place: bool = False, **unknown: object):
         """Send each token to the ranks of its experts; returns (recv_x, recv_count, handle, event, hook).
 
         rows_in_place (ours, not DeepEP's; see `supports_rows_in_place`): recv_x is a `RowsInPlace` that
         names where each received row lies in the communication buffer, instead of a packed copy of the
         rows (one pass over HBM fewer, for GEMMs that read rows where they lie: ep_layer.moe's Triton
         kernels). Float32 scales only (not with use_ue8m0)."""
-        backend = self._live()
+        if unknown:
+            _refuse_unknown("low_latency_dispatch", unknown)
+        recv_stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
+        with _no_torch_function():
+            backend = self._live()
+            try:
+                key = (type(x), x.shape, x.dtype, x.device, type(topk_idx), topk_idx.shape, topk_idx.dtype,
+                       topk_idx.device, type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank,
+                       type(num_experts), num_experts, _meta(recv_stats), _meta(wait_stats), bool(use_fp8),
+                       bool(round_scale), bool(use_ue8m0), bool(async_finish), bool(return_recv_hook),
+                       bool(rows_in_place))
+                spec = self._dispatch_checks.get(key)
+            except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say which
+                key, spec = None, None
+            if spec is None:
+                spec = self._check_dispatch(backend, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                            recv_stats, wait_stats, use_fp8, round_scale, use_ue8m0, async_finish,
+                                            return_recv_hook, rows_in_place)
+                if key is not None:
+                    _remember_check(self._dispatch_checks, key, spec)
+            if async_finish:
+                return self._dispatch_async(backend, x, topk_idx, spec, recv_stats, wait_stats, rows_in_place)
+            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=return_recv_hook,
+                                      rows_in_place=rows_in_place)
+            self._remember(result.handle, result.private)
+            if return_recv_hook:
+                return result.recv_x, result.recv_count, result.handle, None, _once(result.receive,
+                                                                                    "low_latency_dispatch")
+            result.receive()
+            return result.recv_x, result.recv_count, result.handle, None, None
+
+    def _check_dispatch(self, backend: Backend, x: object, topk_idx: object, max_tokens: object,
+                        num_experts: object, recv_stats: object, wait_stats: object, use_fp8: bool,
+                        round_scale: bool, use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
+                        rows_in_place: bool) -> DispatchSpec:
+        """Every check of a dispatch's arguments (raises ValueError naming the argument); the spec."""
         expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
-        device = self._device(x)
+        assert isinstance(x, torch.Tensor)
+        device = backend.device or x.device
         x = check_tensor(x, "x", torch.bfloat16, (None, None), device)
         num_tokens, hidden = x.shape
-        t = check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank",
-                               MAX_TOKENS_PER_RANK)
+        t = check_positive_int(max_tokens, "num_max_dispatch_tokens_per_rank", MAX_TOKENS_PER_RANK)
         e = check_experts(num_experts, self.group_size)
         check_topk(topk_idx, num_tokens, t, device)
         check_fp8_options(hidden, use_fp8, round_scale, use_ue8m0)
         num_local = e // self.group_size
-        if cumulative_local_expert_recv_stats is not None:
-            check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats",
-                         torch.int32, (num_local,), device)
-        if dispatch_wait_recv_cost_stats is not None:
-            check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", torch.int64,
-                         (self.group_size,), device)
-        self._check_modes(async_finish, return_recv_hook)
+        if recv_stats is not None:
+            check_tensor(recv_stats, "cumulative_local_expert_recv_stats", torch.int32, (num_local,), device)
+        if wait_stats is not None:
+            check_tensor(wait_stats, "dispatch_wait_recv_cost_stats", torch.int64, (self.group_size,), device)
+        _check_modes(async_finish, return_recv_hook)
         if rows_in_place:
             expect(backend.supports_rows_in_place, "rows_in_place", f"False for the {backend.name} backend "
                    "(only the cuda backend leaves rows in place)", rows_in_place)
             expect(not use_ue8m0, "rows_in_place", "False with use_ue8m0 (rows in place keep float32 scales)",
                    rows_in_place)
-        spec = DispatchSpec(t, hidden, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+        return DispatchSpec(t, hidden, e, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
 
-        def send() -> tuple[DispatchResult, Hook]:
-            result = backend.dispatch(x, topk_idx, spec, cumulative_local_expert_recv_stats,
-                                      dispatch_wait_recv_cost_stats, hook=return_recv_hook,
-                                      rows_in_place=bool(rows_in_place))
+    def _dispatch_async(self, backend: Backend, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
+                        recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, rows_in_place: bool):
+        def call():
+            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=False,
+                                      rows_in_place=rows_in_place)
             self._remember(result.handle, result.private)
-            return result, result.receive
+            result.receive()
+            return result
 
-        result, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx), "low_latency_dispatch")
-        return result.recv_x, result.recv_count, result.handle, event, hook
+        result, event = self._on_comm_stream(call, (x, topk_idx))
+        return result.recv_x, result.recv_count, result.handle, event, None
 
     # ------------------------------------------------------------------ combine
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None, **unknown: object):
         """Weighted sum of each token's expert outputs back on its rank; returns (combined_x, event, hook)."""
-        backend = self._live()
+        if unknown:
+            _refuse_unknown("low_latency_combine", unknown)
+        wait_stats = combine_wait_recv_cost_stats
+        with _no_torch_function():
+            backend = self._live()
+            record = self._record(handle)
+            try:
+                key = (type(x), x.shape, x.dtype, x.device, type(topk_idx), topk_idx.shape, topk_idx.dtype,
+                       topk_idx.device, type(topk_weights), topk_weights.shape, topk_weights.dtype,
+                       topk_weights.device, handle[2:], _meta(out), _meta(wait_stats), bool(use_logfmt),
+                       bool(zero_copy), bool(async_finish), bool(return_recv_hook))
+                checked = self._combine_checks.get(key)
+            except (AttributeError, TypeError):
+                key, checked = None, None
+            if checked is None:
+                checked = self._check_combine(backend, x, topk_idx, topk_weights, handle, use_logfmt, async_finish,
+                                              return_recv_hook, out, wait_stats)
+                if key is not None:
+                    _remember_check(self._combine_checks, key, checked)
+            if out is None:
+                out = torch.empty(topk_idx.shape[0], handle[3], dtype=torch.bfloat16, device=checked.device)
+            if zero_copy:
+                x = self._combine_buffer(record, handle, checked.device)
+            combined = out
+            if async_finish:
+                def call() -> None:
+                    backend.combine(x, topk_idx, topk_weights, handle, record.private, combined, wait_stats,
+                                    hook=False)()
+
+                _, event = self._on_comm_stream(call, (x, topk_idx, topk_weights))
+                return out, event, None
+            receive = backend.combine(x, topk_idx, topk_weights, handle, record.private, out, wait_stats,
+                                      hook=return_recv_hook)
+            if return_recv_hook:
+                return out, None, _once(receive, "low_latency_combine")
+            receive()
+            return out, None, None
+
+    def _check_combine(self, backend: Backend, x: object, topk_idx: object, topk_weights: object, handle: Handle,
+                       use_logfmt: bool, async_finish: bool, return_recv_hook: bool, out: object,
+                       wait_stats: object) -> _CombineCheck:
+        """Every check of a combine's arguments (raises ValueError naming the argument)."""
         expect(not use_logfmt, "use_logfmt", "False (LogFMT combine is not supported)", use_logfmt)
-        record = self._record(handle)
         _, _, t, hidden, e = handle
         num_local, rows = e // self.group_size, self.group_size * t
         expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
-        device = self._device(x)
+        assert isinstance(x, torch.Tensor)
+        device = backend.device or x.device
         check_tensor(x, "x", torch.bfloat16, (num_local, rows, hidden), device)
         expect(isinstance(topk_idx, torch.Tensor), "topk_idx", "a torch.Tensor", type(topk_idx).__name__)
+        assert isinstance(topk_idx, torch.Tensor)
         num_tokens, k = check_topk(topk_idx, topk_idx.shape[0], t, device, "topk_idx").shape
         check_tensor(topk_weights, "topk_weights", torch.float32, (num_tokens, k), device)
-        if out is None:
-            out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
-        else:
+        if out is not None:
             check_tensor(out, "out", torch.bfloat16, (num_tokens, hidden), device)
-        if combine_wait_recv_cost_stats is not None:
-            check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", torch.int64,
-                         (self.group_size,), device)
-        self._check_modes(async_finish, return_recv_hook)
-        if zero_copy:
-            x = self._combine_buffer(record, handle, device)
-        combined = out
-
-        def send() -> tuple[torch.Tensor, Hook]:
-            return combined, backend.combine(x, topk_idx, topk_weights, handle, record.private, combined,
-                                             combine_wait_recv_cost_stats)
-
-        _, event, hook = self._run(send, async_finish, return_recv_hook, (x, topk_idx, topk_weights),
-                                   "low_latency_combine")
-        return out, event, hook
+        if wait_stats is not None:
+            check_tensor(wait_stats, "combine_wait_recv_cost_stats", torch.int64, (self.group_size,), device)
+        _check_modes(async_finish, return_recv_hook)
+        return _CombineCheck(device, num_local)
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """The bf16 [E_l, R*T, H] buffer that `low_latency_combine(..., zero_copy=True)` reads for `handle`."""
@@ -274,49 +478,38 @@ class Buffer:
         return self._live().supports_rows_in_place
 
     # ------------------------------------------------------------------ shared plumbing
-    @staticmethod
-    def _check_modes(async_finish: bool, return_recv_hook: bool) -> None:
-        expect(not (async_finish and return_recv_hook), "async_finish",
-               "False when return_recv_hook=True (the two are exclusive)", async_finish)
-
-    def _run(self, send: Callable[[], tuple[Result, Hook]], async_finish: bool, return_recv_hook: bool,
-             inputs: tuple[torch.Tensor, ...], op: str) -> tuple[Result, EventOverlap | None, Hook | None]:
-        """Run the send half, then the receive half now (plain), later (hook) or on a side stream."""
-        if async_finish and inputs[0].is_cuda:
-            stream = self._comm_stream = self._comm_stream or torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                result, receive = send()
-                receive()
-                event = torch.cuda.Event()
-                event.record(stream)
-            for t in inputs:
-                t.record_stream(stream)
-            return result, EventOverlap(event, inputs), None
-        result, receive = send()
-        if return_recv_hook:
-            return result, None, _once(receive, op)
-        receive()
-        return result, (EventOverlap(None, inputs) if async_finish else None), None
+    def _on_comm_stream(self, call: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, EventOverlap]:
+        """`async_finish`: run both halves of `call` on the comm stream (GPU tensors) or now (CPU); the
+        event marks its end, and holds the inputs until the caller has waited for it."""
+        if not inputs[0].is_cuda:
+            return call(), EventOverlap(None, inputs)
+        stream = self.get_comm_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            result = call()
+            event = torch.cuda.Event()
+            event.record(stream)
+        for t in inputs:
+            t.record_stream(stream)
+        return result, EventOverlap(event, inputs)
 
     def _remember(self, handle: Handle, private: object) -> None:
         slot = self._num_dispatches % _OUTSTANDING
         self._num_dispatches += 1
-        # A dead handle's id can come back: drop its stale entry so the new one is the newest.
-        self._dispatches.pop(id(handle[0]), None)
-        self._dispatches[id(handle[0])] = _DispatchRecord(handle, slot, private)
-        while len(self._dispatches) > _OUTSTANDING:
-            self._dispatches.popitem(last=False)
+        self._records[slot] = _DispatchRecord(handle, slot, private)
 
     def _record(self, handle: object) -> _DispatchRecord:
+        for record in self._records:
+            if record is not None and record.handle is handle:
+                return record
         ok = isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
         expect(ok, "handle", "the handle returned by low_latency_dispatch", type(handle).__name__)
         assert isinstance(handle, tuple)
-        record = self._dispatches.get(id(handle[0]))
-        if record is None or not record.matches(handle):
-            raise ValueError(f"handle: not from one of this Buffer's last {_OUTSTANDING} dispatches "
-                             "(at most two results may be outstanding)")
-        return record
+        for record in self._records:
+            if record is not None and record.matches(handle):
+                return record
+        raise ValueError(f"handle: not from one of this Buffer's last {_OUTSTANDING} dispatches "
+                         "(at most two results may be outstanding)")
 
     def _combine_buffer(self, record: _DispatchRecord, handle: Handle, device: torch.device) -> torch.Tensor:
         own = self._live().combine_buffer(record.slot, handle)
@@ -330,3 +523,14 @@ class Buffer:
                 buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
             self._combine_buffers[record.slot] = buf
         return buf
+
+
+def _check_modes(async_finish: bool, return_recv_hook: bool) -> None:
+    expect(not (async_finish and return_recv_hook), "async_finish",
+           "False when return_recv_hook=True (the two are exclusive)", async_finish)
+
+
+def _remember_check(cache: dict, key: tuple, value: object) -> None:
+    if len(cache) >= _MAX_CACHED_CHECKS:
+        cache.clear()
+    cache[key] = value

@@ -36,6 +36,21 @@ def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEF
             for rank in range(num_ranks)]
 
 
+_streams_of_device: dict[int, list[torch.cuda.ExternalStream]] = {}
+
+
+def _dedicated_streams(n: int) -> list[torch.cuda.ExternalStream]:
+    """`n` streams of the current GPU that no other code is handed. Not torch's pool: it hands its 32
+    streams out round-robin, so past 32 requests a rank's stream can be the one torch.cuda.graph captures
+    on, and a captured phase then runs two ranks one after the other. Kept for the process, as the
+    pool's are."""
+    device = torch.cuda.current_device()
+    streams = _streams_of_device.setdefault(device, [])
+    while len(streams) < n:
+        streams.append(torch.cuda.ExternalStream(native.load().create_stream(), device=device))
+    return streams[:n]
+
+
 class RankStreams:
     """One CUDA stream per emulated rank. `run(calls)` runs calls[r]() on rank r's stream, all of them
     after the work already queued on the current stream, which then waits for all of them: one phase
@@ -43,10 +58,11 @@ class RankStreams:
 
     Tensors a call allocates belong to its rank's stream; keep them until the current stream has used
     them (or synchronise) before dropping them. Within a phase no rank's kernel waits for another's:
-    sends never wait, and a hook's receive waits only for sends of the phase before."""
+    sends never wait, and a hook's receive waits only for sends of the phase before. Rank r's stream is
+    the same one in every RankStreams of the process."""
 
     def __init__(self, num_ranks: int) -> None:
-        self.streams = [torch.cuda.Stream() for _ in range(num_ranks)]
+        self.streams = _dedicated_streams(num_ranks)
 
     def run(self, calls: Sequence[Callable[[], T]]) -> list[T]:
         if len(calls) != len(self.streams):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import layout
+from . import kernel_args, layout
 
 _module: ModuleType | None = None
 _error: str | None = None
@@ -23,6 +23,16 @@ def _check_constants(module: ModuleType) -> None:
                               f"{expected}: rebuild the CUDA kernels (`pip install -e .`)")
 
 
+def _check_pointer_orders(module: ModuleType) -> None:
+    """Raise ImportError if the launchers' pointer tuples and ep_layer.kernel_args name fields differently."""
+    for name, fields in (("DISPATCH_POINTERS", kernel_args.DispatchPointers._fields),
+                         ("COMBINE_POINTERS", kernel_args.CombinePointers._fields)):
+        built = tuple(getattr(module, name, ()))
+        if built != fields:
+            raise ImportError(f"ep_layer._C takes {name} in the order {built}, but ep_layer.kernel_args has "
+                              f"{fields}: rebuild the CUDA kernels (`pip install -e .`)")
+
+
 def _try_import() -> None:
     global _module, _error
     if _module is not None or _error is not None:
@@ -33,6 +43,7 @@ def _try_import() -> None:
         _error = str(e)
     else:
         _check_constants(_C)
+        _check_pointer_orders(_C)
         _module = _C
 
 

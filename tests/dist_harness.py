@@ -67,8 +67,10 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 90.0,
+              dies: tuple[int, ...] = ()) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank. Ranks in
+    `dies` may exit without a result (a test of surviving a dead rank): theirs is None."""
     import torch.distributed as dist
 
     ctx = _ctx()
@@ -86,7 +88,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             writer.close()
             procs.append(proc)
             conns.append(reader)
-        results, errors = _collect(procs, conns, timeout_s)
+        results, errors = _collect(procs, conns, timeout_s, dies)
     finally:
         # After a success the ranks leave through a final barrier: give them a moment, then kill.
         deadline = time.monotonic() + (5.0 if len(results) == world_size else 0.0)
@@ -105,7 +107,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     return [results[rank] for rank in range(world_size)]
 
 
-def _collect(procs: list[Any], conns: list[Connection], timeout_s: float
+def _collect(procs: list[Any], conns: list[Connection], timeout_s: float, dies: tuple[int, ...]
              ) -> tuple[dict[int, Any], dict[int, str]]:
     deadline = time.monotonic() + timeout_s
     results: dict[int, Any] = {}
@@ -124,14 +126,12 @@ def _collect(procs: list[Any], conns: list[Connection], timeout_s: float
                 continue
             conn = conns[rank]
             if ready is not conn and not conn.poll(0.5):  # exited without a word
-                procs[rank].join(1)
-                errors[rank] = f"process died (exit code {procs[rank].exitcode}) without a result"
+                _died(procs, rank, dies, results, errors)
             else:
                 try:
                     status, payload = conn.recv()
                 except EOFError:
-                    procs[rank].join(1)
-                    errors[rank] = f"process died (exit code {procs[rank].exitcode}) without a result"
+                    _died(procs, rank, dies, results, errors)
                 else:
                     if status == "ok":
                         results[rank] = payload
@@ -143,3 +143,11 @@ def _collect(procs: list[Any], conns: list[Connection], timeout_s: float
     for rank in sorted(pending):
         errors[rank] = why
     return results, errors
+
+
+def _died(procs: list[Any], rank: int, dies: tuple[int, ...], results: dict[int, Any], errors: dict[int, str]) -> None:
+    procs[rank].join(1)
+    if rank in dies:
+        results[rank] = None
+    else:
+        errors[rank] = f"process died (exit code {procs[rank].exitcode}) without a result"

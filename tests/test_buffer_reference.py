@@ -618,9 +618,12 @@ def rank_errors(rank: int, world: int, kind: str, seed: int) -> int:
             failures.append(f"{label}: {e}")
     assert not failures, case.msg("\n" + "\n".join(failures))
 
-    # Constructor errors.
+    # Constructor errors; DeepEP's normal mode and MPI communicators are not implemented, by name.
     for kwargs, names in (({"low_latency_mode": False}, ("low_latency_mode",)),
-                          ({"low_latency_mode": True, "backend": "nccl-ish"}, ("backend",)),
+                          ({"low_latency_mode": True, "comm": object()}, ("comm",))):
+        with raises(NotImplementedError, *names):
+            Buffer(grp.buffer_group, **kwargs)
+    for kwargs, names in (({"low_latency_mode": True, "backend": "nccl-ish"}, ("backend",)),
                           ({"low_latency_mode": True, "timeout_s": 0}, ("timeout_s",)),
                           ({"low_latency_mode": True, "num_rdma_bytes": -1}, ("num_rdma_bytes",))):
         with raises(ValueError, *names):

@@ -1,5 +1,6 @@
 """ep_layer.native: a build of the kernels whose shared constants differ from ep_layer.layout's is
-refused when it loads, naming the constant."""
+refused when it loads, naming the constant, and so is one whose launchers take their pointers in
+another order than ep_layer.kernel_args names them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import types
 
 import pytest
 
-from ep_layer import layout, native
+from ep_layer import kernel_args, layout, native
 
 
 def built_module(**overrides: int | None) -> types.ModuleType:
@@ -31,3 +32,20 @@ def test_a_differing_constant_is_refused_by_name(name: str, built: str) -> None:
     value = None if built == "missing" else getattr(layout, name) + 1
     with pytest.raises(ImportError, match=f"{name} = {value}, but ep_layer.layout has {name} = "):
         native._check_constants(built_module(**{name: value}))
+
+
+@pytest.mark.parametrize("name,fields", [("DISPATCH_POINTERS", kernel_args.DispatchPointers._fields),
+                                         ("COMBINE_POINTERS", kernel_args.CombinePointers._fields)])
+def test_launcher_pointer_orders_must_match_kernel_args(name: str, fields: tuple[str, ...]) -> None:
+    """A build whose launchers take the pointers in another order (two swapped) or lack the names."""
+    module = types.ModuleType("ep_layer._C")
+    module.DISPATCH_POINTERS = kernel_args.DispatchPointers._fields
+    module.COMBINE_POINTERS = kernel_args.CombinePointers._fields
+    native._check_pointer_orders(module)
+    swapped = (fields[1], fields[0], *fields[2:])
+    setattr(module, name, swapped)
+    with pytest.raises(ImportError, match=f"{name} in the order {swapped!r}".replace("(", r"\(").replace(")", r"\)")):
+        native._check_pointer_orders(module)
+    delattr(module, name)
+    with pytest.raises(ImportError, match=name):
+        native._check_pointer_orders(module)

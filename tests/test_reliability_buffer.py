@@ -122,8 +122,11 @@ def test_buffer_constructor_arguments(kwargs: dict) -> None:
     backend = kwargs.get("backend", "auto")
     # The cuda backend (what "auto" picks where the kernels and a GPU are) needs room past its control block.
     least = CONTROL_BYTES + 1 if backend in BACKENDS and resolve_backend(backend) == "cuda" else 0
-    checks = [("low_latency_mode", bool(kwargs["low_latency_mode"])),  # a flag: any true value will do
-              ("num_rdma_bytes", type(rdma) is int and rdma >= least),
+    if not kwargs["low_latency_mode"]:  # a flag: any false value asks for DeepEP's normal mode
+        with pytest.raises(NotImplementedError, match="low_latency_mode"):
+            Buffer(None, **kwargs)
+        return
+    checks = [("num_rdma_bytes", type(rdma) is int and rdma >= least),
               ("timeout_s", type(timeout) in (int, float) and 0 < timeout < math.inf),
               ("backend", backend in ("auto", "reference") or (backend == "cuda" and torch.cuda.is_available()))]
     bad = [name for name, ok in checks if not ok]
@@ -136,10 +139,17 @@ def test_buffer_constructor_arguments(kwargs: dict) -> None:
 @FUZZ
 @given(v=st.one_of(st.integers(1, 256), st.sampled_from(BAD_SCALARS)))
 def test_set_num_sms_argument(v: Any) -> None:
-    if positive_int(v):
-        Buffer.set_num_sms(v)
-    else:
-        raises_naming(("new_num_sms",), lambda: Buffer.set_num_sms(v))
+    """An even positive int, as DeepEP asks; it becomes Buffer.num_sms, which configs are built from."""
+    before = Buffer.num_sms
+    try:
+        if positive_int(v) and v % 2 == 0:
+            Buffer.set_num_sms(v)
+            assert Buffer.num_sms == v == Buffer.get_dispatch_config(8).num_sms == Buffer.get_combine_config(2).num_sms
+        else:
+            raises_naming(("new_num_sms",), lambda: Buffer.set_num_sms(v))
+            assert Buffer.num_sms == before
+    finally:
+        Buffer.num_sms = before
 
 
 @FUZZ
@@ -311,6 +321,9 @@ def test_from_backend_argument(backend: Any) -> None:
 def test_every_public_name_is_covered() -> None:
     assert sorted(ep_layer.__all__) == ["Buffer", "EPTimeoutError", "EventOverlap", "RowsInPlace"]
     public = sorted(n for n in dir(Buffer) if not n.startswith("_") and callable(getattr(Buffer, n)))
-    assert public == ["check", "clean_low_latency_buffer", "destroy", "from_backend",
-                      "get_low_latency_rdma_size_hint", "get_next_low_latency_combine_buffer",
-                      "latency_stats", "low_latency_combine", "low_latency_dispatch", "set_num_sms"], public
+    assert public == ["capture", "check", "clean_low_latency_buffer", "combine", "destroy", "dispatch",
+                      "from_backend", "get_combine_config", "get_comm_stream", "get_dispatch_config",
+                      "get_dispatch_layout", "get_local_buffer_tensor", "get_low_latency_rdma_size_hint",
+                      "get_next_low_latency_combine_buffer", "is_sm90_compiled", "latency_stats",
+                      "low_latency_clean_mask_buffer", "low_latency_combine", "low_latency_dispatch",
+                      "low_latency_query_mask_buffer", "low_latency_update_mask_buffer", "set_num_sms"], public

@@ -29,14 +29,14 @@ def resolve_backend(name: str, *, one_node: bool = True, device: torch.device | 
 
 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                   num_rdma_bytes: int, timeout_s: float) -> Backend:
+                   num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False) -> Backend:
     """The backend resolve_backend(name) names, for this rank of `group`."""
     name = resolve_backend(name)
     if name == "reference":
-        return ReferenceBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s)
+        return ReferenceBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
     if not torch.cuda.is_available():
         raise ValueError("backend: 'cuda' needs a CUDA GPU, and torch sees none")
     native.load()  # raises with the reason the extension is missing
     from .cuda import CudaBackend
 
-    return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s)
+    return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,7 @@ class RowsInPlace:
 RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
 
 
-@dataclass(frozen=True)
-class DispatchSpec:
+class DispatchSpec(NamedTuple):
     """What every rank must agree on for one dispatch."""
 
     max_tokens: int  # T, num_max_dispatch_tokens_per_rank
@@ -64,8 +64,7 @@ def empty_recv_x(spec: DispatchSpec, num_local: int, rows: int, device: torch.de
     return data, torch.empty(num_local, cols, rows, dtype=dtype, device=device).transpose(1, 2)
 
 
-@dataclass(frozen=True)
-class DispatchResult:
+class DispatchResult(NamedTuple):  # a tuple: built on every call, cheaply
     recv_x: RecvX
     recv_count: torch.Tensor
     handle: Handle
@@ -79,12 +78,13 @@ class Backend(ABC):
     name: str
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                 num_rdma_bytes: int, timeout_s: float) -> None:
+                 num_rdma_bytes: int, timeout_s: float, shrink: bool = False) -> None:
         self.group = group
         self.rank = rank
         self.num_ranks = num_ranks
         self.num_rdma_bytes = num_rdma_bytes
         self.timeout_s = timeout_s
+        self.shrink = shrink  # rank masking: a peer that misses a wait is masked instead of failing the call
 
     @property
     @abstractmethod
@@ -104,8 +104,9 @@ class Backend(ABC):
     @abstractmethod
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None) -> ReceiveHalf:
-        """Launch the send half of combine; the returned callable writes the weighted sums to `out`."""
+                wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
+        """Launch the send half of combine; the returned callable writes the weighted sums to `out`. With
+        `hook=False` the caller runs it right after, so a backend may do both halves at once here."""
 
     def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor | None:
         """The bf16 [E_l, R*T, H] zero-copy combine buffer of dispatch slot `slot` (0 or 1), if this backend
@@ -125,3 +126,20 @@ class Backend(ABC):
 
     def destroy(self) -> None:  # noqa: B027
         """Release memory and peer mappings."""
+
+    @abstractmethod
+    def local_buffer(self, offset: int) -> torch.Tensor:
+        """This rank's communication buffer from byte `offset` on, as a flat uint8 tensor."""
+
+    # Rank masking, with `shrink` only (the Buffer checks that).
+    @abstractmethod
+    def query_mask(self, out: torch.Tensor) -> None:
+        """Write 1 for each masked rank and 0 for the others into int32 `out` [num_ranks]."""
+
+    @abstractmethod
+    def update_mask(self, rank: int, masked: bool) -> None:
+        """Mask or unmask one rank."""
+
+    @abstractmethod
+    def clean_mask(self) -> None:
+        """Unmask every rank."""

@@ -1,6 +1,6 @@
 """The `cuda` backend: our kernels (csrc/) over buffers that the ranks of one node map through CUDA IPC.
 
-Each call allocates its outputs with torch and launches one kernel per half (a dispatch without a hook:
+Each call allocates its outputs with torch and launches one kernel per half (a call without a hook:
 one kernel for both); nothing waits on the host, so every call can be captured in a CUDA graph.
 Failures inside kernels (a peer that never arrives, ranks that disagree, bad expert ids) are recorded
 on the device, flagged in host-mapped memory, and raised at the next call or at `check()`; a kernel
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,9 +23,10 @@ import torch.distributed as dist
 from .. import latency, layout, native
 from ..checks import expect
 from ..errors import EPTimeoutError
+from ..kernel_args import CombinePointers, DispatchPointers
 from ..latency import LatencyHistogram
-from ..quant import FP8_GROUP
-from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace, empty_recv_x
+from ..quant import FP8_GROUP, UE8M0_PACK
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace
 
 MAX_HIDDEN = 16384
 _OPS = ("low_latency_dispatch", "low_latency_combine")  # by the kernels' Op; latency.OPS is in the same order
@@ -71,6 +73,10 @@ def _unaccounted_rows(timing: list[int]) -> list[list[int]]:
     return rows
 
 
+def _nothing() -> None:
+    """The receive half of a call whose one kernel did both halves."""
+
+
 def _data_ptr(t: torch.Tensor | None) -> int:
     """A tensor's device address for the kernels; 0 (none) for an optional tensor not given."""
     return t.data_ptr() if t is not None else 0
@@ -78,6 +84,21 @@ def _data_ptr(t: torch.Tensor | None) -> int:
 
 def _ranks(mask: int) -> list[int]:
     return [r for r in range(layout.MAX_RANKS) if mask >> r & 1]
+
+
+class _DispatchPlan(NamedTuple):
+    """What every dispatch of one shape (spec, tokens, top-k, rows in place) shares."""
+
+    common: object  # _C.Common
+    shape: object  # _C.DispatchShape
+    num_local: int
+    rows: int  # R * T
+    scales: tuple | None  # FP8: (size, stride, dtype) of the column-major scales
+
+
+class _CombinePlan(NamedTuple):
+    common: object  # _C.Common
+    shape: object  # _C.CombineShape
 
 
 class _KeptForHook:
@@ -102,12 +123,12 @@ class CudaBackend(Backend):
     supports_rows_in_place = True
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                 num_rdma_bytes: int, timeout_s: float, *, peer_bases: list[int] | None = None,
-                 gpu_share: int = 1) -> None:
+                 num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False,
+                 peer_bases: list[int] | None = None, gpu_share: int = 1) -> None:
         """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process,
         `gpu_share` how many of them run their kernels at the same time; without them the buffer is
         allocated here, the peers' are mapped through CUDA IPC, and the ranks on this GPU share it."""
-        super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s)
+        super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
         self._c = native.load()
         expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
                "the cuda backend", num_ranks)
@@ -129,6 +150,8 @@ class CudaBackend(Backend):
         self._peer_bases = list(peer_bases)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
+        self._dispatch_plans: dict[tuple, _DispatchPlan] = {}
+        self._combine_plans: dict[tuple, _CombinePlan] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._buffer_start = _device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
@@ -232,82 +255,115 @@ class CudaBackend(Backend):
         return max(1, min(16, math.ceil(self._num_sms / num_local)))
 
     # ------------------------------------------------------------------ dispatch
+    def _dispatch_plan(self, spec: DispatchSpec, num_tokens: int, num_topk: int, rows_in_place: bool) -> _DispatchPlan:
+        key = (spec, num_tokens, num_topk, rows_in_place)
+        plan = self._dispatch_plans.get(key)
+        if plan is None:
+            t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
+            flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
+            num_local, rows = e // self.num_ranks, self.num_ranks * t
+            chunks = 1 if rows_in_place else self._chunks_per_slot(rows)
+            shape = self._c.DispatchShape(num_tokens=num_tokens, num_topk=num_topk, use_fp8=spec.use_fp8,
+                                          round_scale=spec.round_scale, use_ue8m0=spec.use_ue8m0,
+                                          chunks_per_slot=chunks)
+            if spec.use_fp8:
+                groups = h // (FP8_GROUP * UE8M0_PACK) if spec.use_ue8m0 else h // FP8_GROUP
+                scales = ((num_local, rows, groups), (groups * rows, 1, rows),
+                          torch.int32 if spec.use_ue8m0 else torch.float32)
+            else:
+                scales = None
+            plan = self._dispatch_plans[key] = _DispatchPlan(self._common(t, h, e, flags), shape, num_local, rows,
+                                                             scales)
+        return plan
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
                  hook: bool, rows_in_place: bool = False) -> DispatchResult:
-        self._raise_recorded()
-        t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
-        flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
-        common = self._common(t, h, e, flags)
+        if self._c.read_host_flag(self._host_flag):
+            self._raise_recorded()
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
-        num_local, rows, dev = e // self.num_ranks, self.num_ranks * t, self._device
-        # One allocation for the small int32 outputs: each torch.empty costs microseconds of host time.
+        plan = self._dispatch_plan(spec, x.shape[0], topk_idx.shape[1], rows_in_place)
+        num_local, rows, dev = plan.num_local, plan.rows, self._device
+        # One allocation for the int32 outputs and state (ticket, recv_count, src_info, combine_map): each
+        # torch.empty costs microseconds of host time.
         ints = torch.empty(1 + num_local * (1 + 2 * rows), dtype=torch.int32, device=dev)
-        ticket, recv_count, src_info, combine_map = ints.split([1, num_local, num_local * rows, num_local * rows])
-        src_info, combine_map = src_info.view(num_local, rows), combine_map.view(num_local, rows)
-        layout_range = torch.empty(num_local, self.num_ranks, dtype=torch.int64, device=dev)
+        base = ints.data_ptr()
+        recv_count = ints.as_strided((num_local,), (1,), 1)
+        src_info = ints.as_strided((num_local, rows), (rows, 1), 1 + num_local)
+        combine_map = base + 4 * (1 + num_local + num_local * rows)
+        layout_range = torch.empty((num_local, self.num_ranks), dtype=torch.int64, device=dev)
         recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
-        if rows_in_place:  # the receive half names each row's data and packs the scales; no chunks
-            offsets = torch.empty(num_local, rows, dtype=torch.int64, device=dev)
-            scales = empty_recv_x(spec, num_local, rows, dev)[1] if spec.use_fp8 else None
-            recv_x = RowsInPlace(self._buffer_start, offsets, scales, h)
-            data_ptr, scales_ptr = 0, scales.data_ptr() if scales is not None else 0
-            rows_ptr, chunks = offsets.data_ptr(), 1
+        scales = None
+        if plan.scales is not None:
+            size, stride, dtype = plan.scales
+            scales = torch.empty_strided(size, stride, dtype=dtype, device=dev)  # column-major, as DeepEP's
+        if rows_in_place:  # the receive half names each row's data and packs the scales
+            offsets = torch.empty((num_local, rows), dtype=torch.int64, device=dev)
+            recv_x = RowsInPlace(self._buffer_start, offsets, scales, spec.hidden)
+            data_ptr, rows_ptr = 0, offsets.data_ptr()
         else:
-            recv_x = empty_recv_x(spec, num_local, rows, dev)
-            data_ptr, scales_ptr = ((recv_x[0].data_ptr(), recv_x[1].data_ptr()) if spec.use_fp8
-                                    else (recv_x.data_ptr(), 0))
-            rows_ptr, chunks = 0, self._chunks_per_slot(rows)
-        args = self._c.DispatchArgs(
-            ticket=ticket.data_ptr(), num_tokens=x.shape[0], num_topk=topk_idx.shape[1], use_fp8=spec.use_fp8,
-            round_scale=spec.round_scale, use_ue8m0=spec.use_ue8m0, chunks_per_slot=chunks, x=x.data_ptr(),
-            topk_idx=topk_idx.data_ptr(), recv_x=data_ptr, recv_scales=scales_ptr, recv_rows=rows_ptr,
-            recv_count=recv_count.data_ptr(), src_info=src_info.data_ptr(), layout_range=layout_range.data_ptr(),
-            combine_map=combine_map.data_ptr(), recv_stats=_data_ptr(recv_stats), wait_stats=_data_ptr(wait_stats))
-        handle: Handle = (src_info, layout_range, t, h, e)
+            data = torch.empty((num_local, rows, spec.hidden), device=dev,
+                               dtype=torch.float8_e4m3fn if spec.use_fp8 else torch.bfloat16)
+            recv_x = (data, scales) if scales is not None else data
+            data_ptr, rows_ptr = data.data_ptr(), 0
+        pointers = DispatchPointers(
+            ticket=base, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), recv_x=data_ptr,
+            recv_scales=_data_ptr(scales), recv_rows=rows_ptr, recv_count=base + 4, src_info=base + 4 * (1 + num_local),
+            layout_range=layout_range.data_ptr(), combine_map=combine_map, recv_stats=_data_ptr(recv_stats),
+            wait_stats=_data_ptr(wait_stats))
+        handle: Handle = (src_info, layout_range, spec.max_tokens, spec.hidden, spec.num_experts)
+        private = (ints, combine_map)
+        stream = self._stream()
         if not hook:  # one kernel does both halves
-            self._c.dispatch_both_halves(common, args, self._stream())
-            return DispatchResult(recv_x, recv_count, handle, lambda: None, private=(combine_map, recv_count))
-        self._c.dispatch_send(common, args, self._stream())
+            self._c.dispatch_both_halves(plan.common, plan.shape, pointers, stream)
+            return DispatchResult(recv_x, recv_count, handle, _nothing, private)
+        self._c.dispatch_send(plan.common, plan.shape, pointers, stream)
         # Everything the receive half writes stays alive until it has been launched, even if the caller
         # drops recv_x first: the allocator would hand its memory to the next tensor of this stream, which
         # the hook's kernel would then overwrite.
         written = (recv_x.offsets, recv_x.scales) if isinstance(recv_x, RowsInPlace) else recv_x
-        keep = _KeptForHook(self._stream(), ticket, written, recv_count, src_info, layout_range, combine_map,
-                            recv_stats, wait_stats)
+        keep = _KeptForHook(stream, ints, written, layout_range, recv_stats, wait_stats)
 
         def receive() -> None:
-            stream = self._stream()
-            self._c.dispatch_receive(common, args, stream)
-            keep.release(stream)
+            hook_stream = self._stream()
+            self._c.dispatch_receive(plan.common, plan.shape, pointers, hook_stream)
+            keep.release(hook_stream)
 
-        return DispatchResult(recv_x, recv_count, handle, receive, private=(combine_map, recv_count))
+        return DispatchResult(recv_x, recv_count, handle, receive, private)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None) -> ReceiveHalf:
-        self._raise_recorded()
+                wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
+        if self._c.read_host_flag(self._host_flag):
+            self._raise_recorded()
         _, _, t, h, e = handle
-        combine_map, recv_count = private  # type: ignore[misc]
-        common = self._common(t, h, e, 0)
+        ints, combine_map = private  # type: ignore[misc]
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
-        ticket = torch.empty(1, dtype=torch.int32, device=self._device)
-        args = self._c.CombineArgs(
-            ticket=ticket.data_ptr(), num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
-            blocks_per_expert=self._blocks_per_expert(e // self.num_ranks), x=x.data_ptr(),
-            x_row=self._row_in_buffer(x), recv_count=recv_count.data_ptr(), combine_map=combine_map.data_ptr(),
-            topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(), out=out.data_ptr(),
-            wait_stats=_data_ptr(wait_stats))
-        self._c.combine_send(common, args, self._stream())
+        key = (t, h, e, topk_idx.shape[0], topk_idx.shape[1])
+        plan = self._combine_plans.get(key)
+        if plan is None:
+            shape = self._c.CombineShape(num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
+                                         blocks_per_expert=self._blocks_per_expert(e // self.num_ranks))
+            plan = self._combine_plans[key] = _CombinePlan(self._common(t, h, e, 0), shape)
+        ticket = torch.empty(1, dtype=torch.int32, device=self._device) if hook else None
+        pointers = CombinePointers(
+            ticket=_data_ptr(ticket), x=x.data_ptr(), x_row=self._row_in_buffer(x), recv_count=ints.data_ptr() + 4,
+            combine_map=combine_map, topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
+            out=out.data_ptr(), wait_stats=_data_ptr(wait_stats))
+        stream = self._stream()
+        if not hook:  # one kernel does both halves
+            self._c.combine_both_halves(plan.common, plan.shape, pointers, stream)
+            return _nothing
+        self._c.combine_send(plan.common, plan.shape, pointers, stream)
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
-        keep = _KeptForHook(self._stream(), x, topk_idx, topk_weights, ticket, out, wait_stats)
+        keep = _KeptForHook(stream, x, topk_idx, topk_weights, ticket, out, wait_stats)
 
         def receive() -> None:
-            stream = self._stream()
-            self._c.combine_receive(common, args, stream)
-            keep.release(stream)
+            hook_stream = self._stream()
+            self._c.combine_receive(plan.common, plan.shape, pointers, hook_stream)
+            keep.release(hook_stream)
 
         return receive
 
@@ -345,6 +401,9 @@ class CudaBackend(Backend):
         self._c.memset_async(self._base, self.num_rdma_bytes, self._stream())
         self._c.clear_host_flag(self._host_flag)
         self._barrier()
+
+    def local_buffer(self, offset: int) -> torch.Tensor:
+        return _device_tensor(self._base + offset, (self.num_rdma_bytes - offset,), self._device, torch.uint8)
 
     def destroy(self) -> None:
         self._barrier()

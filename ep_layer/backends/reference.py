@@ -10,7 +10,6 @@ host time too (launches, and whatever the exchange waits for), not the time the 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -48,9 +47,10 @@ class ReferenceBackend(Backend):
     name = "reference"
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                 num_rdma_bytes: int, timeout_s: float) -> None:
-        super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s)
-        self._exchange = PeerExchange(group, timeout_s)
+                 num_rdma_bytes: int, timeout_s: float, shrink: bool = False) -> None:
+        super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
+        self._masked: set[int] | None = set() if shrink else None  # shared with the exchange
+        self._exchange = PeerExchange(group, timeout_s, self._masked)
         self._latency = HostLatencyRecorder()
         self._device = None
         if num_ranks > 1 and dist.get_backend(group) == "nccl":
@@ -64,6 +64,29 @@ class ReferenceBackend(Backend):
 
     def latency_stats(self) -> dict[str, LatencyHistogram]:
         return self._latency.snapshot()
+
+    def local_buffer(self, offset: int) -> torch.Tensor:
+        """Empty: the reference backend keeps no communication buffer (messages are fresh tensors)."""
+        del offset
+        return torch.zeros(0, dtype=torch.uint8, device=self._device or "cpu")
+
+    # ---------------------------------------------------------------- rank masking
+    def _is_masked(self, rank: int) -> bool:
+        return self._masked is not None and rank in self._masked
+
+    def query_mask(self, out: torch.Tensor) -> None:
+        out.copy_(torch.tensor([int(self._is_masked(r)) for r in range(self.num_ranks)], dtype=torch.int32))
+
+    def update_mask(self, rank: int, masked: bool) -> None:
+        assert self._masked is not None
+        if masked:
+            self._masked.add(rank)
+        else:
+            self._masked.discard(rank)
+
+    def clean_mask(self) -> None:
+        assert self._masked is not None
+        self._masked.clear()
 
     def _timed(self, op: str, start_ns: int, receive: Callable[[], None]) -> ReceiveHalf:
         """`receive`, recording the call's latency when it returns: the send half (from `start_ns` to
@@ -80,18 +103,19 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- headers
     def _exchange_headers(self, what: str, mine: list[int], rows_to: list[int],
                           device: torch.device, wait_stats: torch.Tensor | None) -> list[int]:
-        """Send each peer our arguments and its row count; check all ranks agree; return rows from each."""
+        """Send each peer our arguments and its row count; check all ranks agree; return rows from each
+        (0 from a masked rank)."""
         sends = [torch.tensor([*mine, rows], dtype=torch.int64, device=device) for rows in rows_to]
         recvs = [torch.empty(_HEADER_LEN, dtype=torch.int64, device=device) for _ in rows_to]
         pending = self._exchange.start(what, sends, recvs)
         self._add_wait(wait_stats, pending.wait())
-        headers = [h.tolist() for h in pending.recvs]
+        headers = {r: h.tolist() for r, h in enumerate(pending.recvs) if h is not None}
         for field, name in enumerate(_ARG_NAMES):
-            values = {r: h[field] for r, h in enumerate(headers)}
+            values = {r: h[field] for r, h in headers.items()}
             if len(set(values.values())) > 1:
                 raise ValueError(f"{what}: ranks disagree on {name}: " +
                                  ", ".join(f"rank {r} has {v}" for r, v in values.items()))
-        return [h[_ROWS] for h in headers]
+        return [headers[r][_ROWS] if r in headers else 0 for r in range(self.num_ranks)]
 
     @staticmethod
     def _add_wait(wait_stats: torch.Tensor | None, waited_ns: list[int]) -> None:
@@ -105,7 +129,7 @@ class ReferenceBackend(Backend):
         del hook, rows_in_place  # the receive half is where the exchange happens either way; rows are copied
         start = time.perf_counter_ns()
         result = self._dispatch(x, topk_idx, spec, recv_stats, wait_stats)
-        return dataclasses.replace(result, receive=self._timed("dispatch", start, result.receive))
+        return result._replace(receive=self._timed("dispatch", start, result.receive))
 
     def _dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                   recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None) -> DispatchResult:
@@ -151,9 +175,10 @@ class ReferenceBackend(Backend):
 
         def receive() -> None:
             self._add_wait(wait_stats, pending.wait())
-            got = torch.cat(pending.recvs)  # ordered by source rank, then token
+            arrived = [recv if recv is not None else recvs[0][:0] for recv in pending.recvs]  # masked: none
+            got = torch.cat(arrived)  # ordered by source rank, then token
             source = torch.repeat_interleave(torch.arange(num_ranks, device=device),
-                                             torch.tensor(rows_from, device=device))
+                                             torch.tensor([len(recv) for recv in arrived], device=device))
             fields = got.split(widths, dim=1)
             token = _from_bytes(fields[0], torch.int64).squeeze(1)
             mask = fields[1].bool()
@@ -176,7 +201,8 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None) -> ReceiveHalf:
+                wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
+        del hook  # the receive half is where the exchange completes either way
         start = time.perf_counter_ns()
         receive = self._combine(x, topk_idx, topk_weights, handle, out, wait_stats)
         return self._timed("combine", start, receive)
@@ -211,14 +237,16 @@ class ReferenceBackend(Backend):
 
         def receive() -> None:
             self._add_wait(wait_stats, pending.wait())
-            got = torch.cat(pending.recvs)
+            got = torch.cat([recv for recv in pending.recvs if recv is not None])
             ids = _from_bytes(got[:, :16], torch.int64)
             y = _from_bytes(got[:, 16:], torch.bfloat16)
             keys, order = torch.sort(ids[:, 0] * num_experts + ids[:, 1])
             tokens = torch.arange(topk_idx.shape[0], device=device)
             acc = torch.zeros(topk_idx.shape[0], h, dtype=torch.float32, device=device)
+            # A masked rank's experts count as -1 (rank masking: their outputs never come).
+            live = torch.tensor([not self._is_masked(r) for r in range(num_ranks)], device=device)
             for k in range(topk_idx.shape[1]):  # ascending k, float32, rounded once at the end
-                valid = topk_idx[:, k] >= 0
+                valid = (topk_idx[:, k] >= 0) & live[topk_idx[:, k].clamp_min(0) // num_local]
                 want = tokens[valid] * num_experts + topk_idx[valid, k]
                 if len(want) == 0:
                     continue
