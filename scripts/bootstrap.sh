@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv in the repo root: torch (pinned), then ep-layer in editable mode with its test extras.
+# Set up .venv in the repo root: torch (pinned), then ep-layer in editable mode with its test extras, and
+# its `deep_ep` drop-in (dropin/) in editable mode.
 # Idempotent: a marker in .venv records what was installed; when nothing changed it returns at once.
 #
 #   bash scripts/bootstrap.sh                        # CPU / pure-Python install (the default)
@@ -31,7 +32,7 @@ fi
 fingerprint() {
     {
         echo "root=$ROOT torch=$TORCH_VERSION no_cuda=$EP_LAYER_NO_CUDA"
-        cat pyproject.toml setup.py scripts/bootstrap.sh
+        cat pyproject.toml setup.py dropin/pyproject.toml scripts/bootstrap.sh
         if [[ "$EP_LAYER_NO_CUDA" != 1 ]]; then
             echo "archs=${EP_LAYER_CUDA_ARCHS:-}"
             find csrc -type f -print0 2>/dev/null | sort -z | xargs -0r cat
@@ -63,6 +64,8 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" >"$constraints"
 "${pip[@]}" install -c "$constraints" -e ".[test]"
+# The drop-in depends on ep-layer only, which is installed just above.
+"${pip[@]}" install --no-deps -e ./dropin
 
 printf 'no_cuda=%s\ncuda_archs=%s\nhash=%s\n' "$EP_LAYER_NO_CUDA" "${EP_LAYER_CUDA_ARCHS:-}" "$want" >"$MARKER"
 echo "bootstrap: done in $((SECONDS - start)) s" >&2
