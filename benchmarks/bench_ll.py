@@ -7,7 +7,9 @@ another on one stream, each with the whole GPU). A time covers the work of all E
 is compared with the copy-bandwidth floor for the bytes all of them move. Kernel times come from
 CUDA-graph replay (median of many); Python call time is the host time of one eager call. At EP = 1 a
 dispatch without a hook runs both halves as one kernel (`disp_us`); the hook's two kernels are timed
-too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels.
+too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels. With EP = 1 in the
+sweep a second table shows eager calls as an engine without CUDA graphs makes them: host time per call and
+the GPU time of a dispatch + combine pair with a cold L2.
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
@@ -128,6 +130,12 @@ class Case:
         return [self.buffers[0].low_latency_dispatch(self.xs[0], self.idxs[0], self.max_tokens, self.experts,
                                                      use_fp8=True)]
 
+    def combine_eager(self):
+        """As a caller without hooks would (emulated ranks need the hooks)."""
+        if self.ep > 1:
+            return self.combine()
+        return [self.buffers[0].low_latency_combine(self.ys[0], self.idxs[0], self.weights[0], self.handles[0])]
+
     def refresh_handles(self) -> None:
         """Dispatch once so that combine has handles from the buffers' latest dispatches."""
         self.handles = [o[2] for o in self.dispatch()]
@@ -145,6 +153,67 @@ class Case:
     def destroy(self) -> None:
         for b in self.buffers:
             b.destroy()
+
+
+class EagerCase:
+    """One rank's eager calls at EP = 1, as an engine without CUDA graphs makes them."""
+
+    def __init__(self, tokens: int, hidden: int, experts: int, topk: int, seed: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.tokens, self.experts = tokens, experts
+        self.buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(tokens, hidden, 1, experts),
+                          low_latency_mode=True, backend="cuda")
+        self.x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        self.idx = torch.rand(tokens, experts, device="cuda", generator=gen).topk(topk, dim=1).indices
+        self.w = torch.rand(tokens, topk, device="cuda", generator=gen)
+        self.y = torch.randn(experts, tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+        self.out = torch.empty_like(self.x)
+        self.stats = torch.zeros(experts, dtype=torch.int32, device="cuda")
+        self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def dispatch(self, hook: bool = False, stats: bool = False):
+        r = self.buf.low_latency_dispatch(self.x, self.idx, self.tokens, self.experts,
+                                          self.stats if stats else None, return_recv_hook=hook)
+        if hook:
+            r[4]()
+        return r
+
+    def combine(self, handle, hook: bool = False, out: bool = False) -> None:
+        r = self.buf.low_latency_combine(self.y, self.idx, self.w, handle, return_recv_hook=hook,
+                                         out=self.out if out else None)
+        if hook:
+            r[2]()
+
+    def pair_us(self, stats: bool, default_cuda: bool, samples: int = 50) -> float:
+        """GPU time of an eager dispatch + combine (CUDA events around the two calls, L2 flushed before
+        each pair; the host's launches are on the critical path): median of `samples`."""
+        times = []
+        if default_cuda:
+            torch.set_default_device("cuda")
+        try:
+            for _ in range(samples + 3):
+                self.flush.zero_()
+                times.append(event_us(lambda: self.combine(self.dispatch(stats=stats)[2])))
+        finally:
+            if default_cuda:
+                torch.set_default_device(None)
+        return statistics.median(times[3:])
+
+    def row(self) -> tuple:
+        for _ in range(5):
+            self.combine(self.dispatch()[2])
+            self.combine(self.dispatch(hook=True)[2], hook=True)
+        dispatch, hooked_dispatch = host_time(self.dispatch, 200), host_time(lambda: self.dispatch(hook=True), 200)
+        handle = self.dispatch()[2]  # combines of one dispatch's result, again and again
+        combine = [host_time(lambda kw=kw: self.combine(handle, **kw), 200)
+                   for kw in ({}, {"out": True}, {"hook": True})]
+        pairs = [self.pair_us(stats, dev) for stats in (False, True) for dev in (False, True)]
+        return (self.tokens, self.experts, dispatch, combine[0], combine[1], hooked_dispatch, combine[2], *pairs)
+
+
+L2_FLUSH_BYTES = 512 << 20  # well past the H200's 60 MB of L2
+EAGER_HEADER = ("T", "E", "disp_us", "comb_us", "comb_out_us", "hook_disp_us", "hook_comb_us", "pair_us", "pair_dev_us",
+                "pair_stats_us", "pair_both_us")
 
 
 def reference_times(tokens: int, hidden: int, experts: int, topk: int) -> tuple[float, float]:
@@ -212,7 +281,7 @@ def main() -> None:
                 csend = time_graph(case.combine_send)
                 py_disp = host_time(case.dispatch) / ep
                 case.refresh_handles()
-                py_comb = host_time(case.combine) / ep
+                py_comb = host_time(case.combine_eager) / ep
                 ref = reference_times(tokens, args.hidden, experts, args.topk) \
                     if args.reference and ep == 1 else (float("nan"), float("nan"))
                 rows.append((ep, tokens, experts, case.pairs, disp, hooked, send, hooked - send,
@@ -220,9 +289,23 @@ def main() -> None:
                              disp_bytes / disp / 1e3, comb_bytes / comb / 1e3, py_disp, py_comb, *ref))
                 case.destroy()
                 print(" ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+    eager = [EagerCase(tokens, args.hidden, experts, args.topk, seed=tokens).row()
+             for experts in args.experts for tokens in args.tokens] if 1 in args.ep else []
     print()
     print("times in microseconds for all EP ranks together (emulated on one GPU); floor = time to copy the "
-          "bytes DeepEP counts once at the measured copy bandwidth; py_* = host time per rank per call")
+          "bytes DeepEP counts once at the measured copy bandwidth; py_* = host time per rank per call "
+          "(EP = 1: without a hook, one kernel; emulated ranks: send and hook)")
+    print_table(header, rows)
+    if eager:
+        print()
+        print("eager calls at EP = 1: host time of one call (median of 200; comb_out_us: with out=; hook_*: the "
+              "send and its hook), and the GPU time of an eager dispatch + combine pair with L2 flushed before it "
+              "(CUDA events; pair_stats_us: with cumulative_local_expert_recv_stats; pair_dev_us: under "
+              "torch.set_default_device('cuda'); pair_both_us: both)")
+        print_table(EAGER_HEADER, eager)
+
+
+def print_table(header: tuple, rows: list[tuple]) -> None:
     widths = [max(len(h), 8) for h in header]
     print(" | ".join(h.rjust(w) for h, w in zip(header, widths)))
     for row in rows:

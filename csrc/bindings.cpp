@@ -62,6 +62,7 @@ struct CommonArgs {
   long long host_error;  // device pointer of the host-mapped error flag
   double timeout_s;
   long long latency;  // the latency histogram (ll_common.cuh: Common::latency)
+  long long mask;     // rank masking's int [num_ranks], or 0 when masking is off
 };
 
 Common make_common(const CommonArgs& a) {
@@ -84,6 +85,7 @@ Common make_common(const CommonArgs& a) {
   c.host_error = ptr<volatile int>(a.host_error);
   c.timeout_ns = static_cast<unsigned long long>(a.timeout_s * 1e9);
   c.latency = ptr<unsigned long long>(a.latency);
+  c.mask = ptr<int>(a.mask);
   return c;
 }
 
@@ -188,7 +190,8 @@ void bind_arguments(py::module_& m) {
               field("system_scope", &CommonArgs::system_scope), field("gpu_share", &CommonArgs::gpu_share),
               field("peer_bases", &CommonArgs::peer_bases), field("local_base", &CommonArgs::local_base),
               field("layout", &CommonArgs::layout), field("host_error", &CommonArgs::host_error),
-              field("timeout_s", &CommonArgs::timeout_s), field("latency", &CommonArgs::latency));
+              field("timeout_s", &CommonArgs::timeout_s), field("latency", &CommonArgs::latency),
+              field("mask", &CommonArgs::mask));
   bind_struct(m, "DispatchShape", field("num_tokens", &DispatchShape::num_tokens),
               field("num_topk", &DispatchShape::num_topk), field("use_fp8", &DispatchShape::use_fp8),
               field("round_scale", &DispatchShape::round_scale), field("use_ue8m0", &DispatchShape::use_ue8m0),

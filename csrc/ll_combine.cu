@@ -46,6 +46,7 @@ __device__ __forceinline__ void send_rows(const CombineCall& a, unsigned seq, in
   const Common& c = a.c;
   const int num_rows = c.num_ranks * c.max_tokens;
   const int count = a.recv_count[expert];  // in flight with the ticket
+  const unsigned masked = masked_ranks(c);  // their tokens get nothing back
   const int workers = kCopies ? blockDim.x / 32 : blockDim.x;
   const int worker = kCopies ? threadIdx.x / 32 : threadIdx.x, lane = kCopies ? threadIdx.x % 32 : 0;
   for (int row = group * workers + worker; row < count; row += row_groups * workers) {
@@ -55,6 +56,7 @@ __device__ __forceinline__ void send_rows(const CombineCall& a, unsigned seq, in
     const unsigned kmask = map >> kMapTokenBits;
     const int source = i / c.max_tokens, token = i % c.max_tokens;
     const int first_k = __ffs(kmask) - 1;
+    if (masked >> source & 1u) continue;  // warp-uniform: a warp's lanes share the row
     unsigned char* half = half_base(c, c.peer_bases[source], seq);
     int ref;
     if (source == c.rank) {
@@ -122,13 +124,13 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq,
     const long long expert = a.topk_idx[static_cast<long long>(token) * a.num_topk + k];
     weights[k] = a.topk_weights[static_cast<long long>(token) * a.num_topk + k];
     const int4* row = nullptr;
-    if (expert >= 0 && expert < c.num_experts) {
-      const int rank = static_cast<int>(expert / num_local);
+    const int rank = static_cast<int>(expert / num_local);
+    // An expert of a masked rank counts as -1 (rank masking), and so with masking does one that timed out.
+    if (expert >= 0 && expert < c.num_experts && !is_masked(c, rank)) {
       unsigned long long flag;
-      const unsigned long long waited = wait_for(c, combine_flag(c, half, token, k), seq, &flag);
+      const unsigned long long waited = wait_for(c, combine_flag(c, half, token, k), seq, rank, &flag);
       if (waited == kNeverArrived) {
-        record_error(c, kCombine, kTimeout, 1u << rank);
-        aborted = 1;
+        if (!peer_missed(c, kCombine, rank)) aborted = 1;
       } else {
         const int ref = static_cast<int>(flag >> 32);
         if (ref >= 0)

@@ -117,6 +117,10 @@ struct Common {
   // number of bounds below the latency; the last one is +Inf), then their sum in ns. The bounds are in
   // __constant__ memory (set_latency_bounds, from ep_layer/latency.py).
   unsigned long long* latency;
+  // Rank masking (Buffer(enable_shrink=True)): int [num_ranks] in device memory, 1 = masked (nothing is
+  // sent to it or waited for from it; a peer that misses a wait is masked instead of failing the call).
+  // Null when masking is off.
+  int* mask;
 };
 constexpr int kMaxLatencyBounds = 32;  // size of the __constant__ table of bounds
 
@@ -276,6 +280,31 @@ __device__ __forceinline__ void record_error(const Common& c, Op op, ErrorCode c
   *c.host_error = 1;
 }
 
+// Rank masking: whether this rank has masked `rank` (never itself). Read on every use: another block
+// of the same call may mask a peer while this one waits for it.
+__device__ __forceinline__ bool is_masked(const Common& c, int rank) {
+  return c.mask != nullptr && rank != c.rank && ld_relaxed(c, reinterpret_cast<const unsigned*>(c.mask + rank)) != 0;
+}
+
+// The ranks masked when a block starts, as bits: a send skips them for the whole call.
+__device__ __forceinline__ unsigned masked_ranks(const Common& c) {
+  unsigned bits = 0;
+  if (c.mask != nullptr)
+    for (int r = 0; r < c.num_ranks; ++r) bits |= static_cast<unsigned>(is_masked(c, r)) << r;
+  return bits;
+}
+
+// A peer missed a wait: with masking it is masked from now on and the caller carries on without it
+// (returns true); otherwise the timeout is recorded, naming it (returns false).
+__device__ __forceinline__ bool peer_missed(const Common& c, Op op, int rank) {
+  if (c.mask != nullptr) {
+    atomicExch(c.mask + rank, 1);
+    return true;
+  }
+  record_error(c, op, kTimeout, 1u << rank);
+  return false;
+}
+
 __device__ __forceinline__ unsigned char* half_base(const Common& c, long long base, unsigned seq) {
   return reinterpret_cast<unsigned char*>(base) + c.layout.control + (seq & 1u) * c.layout.half;
 }
@@ -284,7 +313,7 @@ __device__ __forceinline__ unsigned char* half_base(const Common& c, long long b
 // hello orders no data (every piece of data has its own flag); it tells peers what this rank agreed
 // to and that its kernels for this call have started.
 __device__ __forceinline__ void say_hello(const Common& c, Op op, unsigned seq) {
-  if (threadIdx.x < c.num_ranks) {
+  if (threadIdx.x < c.num_ranks && !is_masked(c, threadIdx.x)) {
     auto* peer = reinterpret_cast<Control*>(c.peer_bases[threadIdx.x]);
     *reinterpret_cast<volatile unsigned long long*>(&peer->hello[op][seq & 1u][c.rank]) =
         (static_cast<unsigned long long>(c.spec_check) << 32) | seq;
@@ -293,19 +322,19 @@ __device__ __forceinline__ void say_hello(const Common& c, Op op, unsigned seq) 
 
 constexpr unsigned long long kNeverArrived = ~0ull;
 
-// Polls a flag whose low 32 bits become `seq`; returns the nanoseconds waited (0 if it was already
-// there; the clock is only read once the first poll fails), or kNeverArrived after the timeout.
-// `acquire`: poll with acquire loads so that the data published before the flag is visible (a flag
-// that guards no data, such as a hello, does without).
+// Polls a flag written by rank `peer` whose low 32 bits become `seq`; returns the nanoseconds waited (0
+// if it was already there; the clock is only read once the first poll fails), or kNeverArrived after
+// the timeout or once `peer` is masked. `acquire`: poll with acquire loads so that the data published
+// before the flag is visible (a flag that guards no data, such as a hello, does without).
 template <typename Word>
-__device__ __forceinline__ unsigned long long wait_for(const Common& c, const Word* flag, unsigned seq,
+__device__ __forceinline__ unsigned long long wait_for(const Common& c, const Word* flag, unsigned seq, int peer,
                                                        Word* value = nullptr, bool acquire = true) {
   Word v = acquire ? ld_acquire(c, flag) : ld_relaxed(c, flag);
   unsigned long long waited = 0;
   if (static_cast<unsigned>(v) != seq) {
     const unsigned long long start = globaltimer();
     while (static_cast<unsigned>(v = acquire ? ld_acquire(c, flag) : ld_relaxed(c, flag)) != seq) {
-      if (globaltimer() - start > c.timeout_ns) {
+      if (globaltimer() - start > c.timeout_ns || is_masked(c, peer)) {
         waited = kNeverArrived;
         break;
       }
@@ -317,14 +346,14 @@ __device__ __forceinline__ unsigned long long wait_for(const Common& c, const Wo
 }
 
 // Waits for rank `source`'s hello of this call; false (with the reason recorded) if it never came or
-// the rank disagrees on what it was called with.
+// the rank disagrees on what it was called with. A masked rank (or, with masking, one that never came)
+// is left out: true.
 __device__ __forceinline__ bool hello_agrees(const Common& c, Op op, unsigned seq, int source) {
+  if (is_masked(c, source)) return true;
   const auto* ctrl = reinterpret_cast<const Control*>(c.local_base);
   unsigned long long v;
-  if (wait_for(c, &ctrl->hello[op][seq & 1u][source], seq, &v, /*acquire=*/false) == kNeverArrived) {
-    record_error(c, op, kTimeout, 1u << source);
-    return false;
-  }
+  if (wait_for(c, &ctrl->hello[op][seq & 1u][source], seq, source, &v, /*acquire=*/false) == kNeverArrived)
+    return peer_missed(c, op, source);
   if (static_cast<unsigned>(v >> 32) != c.spec_check) {
     record_error(c, op, kMismatch, 1u << source);
     return false;

@@ -129,8 +129,10 @@ __device__ void publish_counts(const DispatchCall& a, unsigned long long start, 
   __syncthreads();
   count_tokens(a, a.num_tokens, ids, bins);
   __syncthreads();
+  const unsigned masked = masked_ranks(c);
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) {
     const int dest = e / num_local;
+    if (masked >> dest & 1u) continue;  // nothing goes to a masked rank
     auto* counts = reinterpret_cast<unsigned long long*>(half_base(c, c.peer_bases[dest], seq) + c.layout.counts);
     const unsigned long long word = static_cast<unsigned long long>(a.num_tokens) << kTokensShift |
                                     static_cast<unsigned long long>(bins[e]) << 32 | seq;
@@ -218,10 +220,12 @@ __device__ __forceinline__ void cast_fp8(const RowShare<kPairs>& row, int row_pa
 // The high half of a tagged count word from `source` ((tokens << 16) | count), given a first load of it
 // (`got`); polls on while it is missing. Also watches the source's hello: a rank that disagrees on T, H
 // or E writes its counts elsewhere, and its hello is what tells. Returns -1 after recording a timeout or
-// mismatch, or when another thread of the block sets `*stop`.
+// mismatch, or when another thread of the block sets `*stop`; 0 (nothing from it) for a masked source,
+// or, with masking, one that never came.
 __device__ int wait_for_count(const Common& c, unsigned seq, const unsigned long long* word, int source,
                               unsigned long long got, const volatile int* stop) {
   if (static_cast<unsigned>(got) == seq) return static_cast<int>(got >> 32);
+  if (is_masked(c, source)) return 0;
   const auto* hello = &reinterpret_cast<const Control*>(c.local_base)->hello[kDispatch][seq & 1u][source];
   const unsigned long long begin = globaltimer();
   while (static_cast<unsigned>(got = ld_relaxed(c, word)) != seq) {
@@ -231,10 +235,8 @@ __device__ int wait_for_count(const Common& c, unsigned seq, const unsigned long
       return -1;
     }
     if (stop != nullptr && *stop) return -1;
-    if (globaltimer() - begin > c.timeout_ns) {
-      record_error(c, kDispatch, kTimeout, 1u << source);
-      return -1;
-    }
+    if (is_masked(c, source)) return 0;
+    if (globaltimer() - begin > c.timeout_ns) return peer_missed(c, kDispatch, source) ? 0 : -1;
   }
   return static_cast<int>(got >> 32);
 }
@@ -260,7 +262,8 @@ struct PassRoutes {
 };
 
 // Warp j of a pass: its token's routes into row j of `r`. `own` = lane k's expert id (-1 past the top-k).
-__device__ __forceinline__ void route_token(const DispatchCall& a, long long own, int j, PassRoutes& r) {
+__device__ __forceinline__ void route_token(const DispatchCall& a, long long own, int j, unsigned masked,
+                                            PassRoutes& r) {
   const Common& c = a.c;
   const int k = threadIdx.x % 32, num_local = c.num_experts / c.num_ranks;
   if (own < -1 || own >= c.num_experts) {
@@ -269,7 +272,8 @@ __device__ __forceinline__ void route_token(const DispatchCall& a, long long own
   }
   const int e = static_cast<int>(own);
   const unsigned same = __match_any_sync(0xffffffffu, e);  // lanes that chose the same expert
-  const bool entry = e >= 0 && __ffs(same) - 1 == k;
+  // An expert on a masked rank (`masked`: bits) has no entry: the token does not go there.
+  const bool entry = e >= 0 && __ffs(same) - 1 == k && !(masked >> (e / num_local) & 1u);
   const int dest = entry ? e / num_local : -1;
   const bool self = dest == c.rank && own_tokens_skip_slots(c);
   const unsigned slot_ranks = __reduce_or_sync(0xffffffffu, entry && !self ? 1u << dest : 0u);
@@ -390,6 +394,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   if (static_cast<int>(threadIdx.x) < counted) load_ids(a, threadIdx.x, ids);
   for (int e = threadIdx.x; e < c.num_experts; e += kThreads) bins[e] = 0;
   unsigned ticket = 0;
+  const unsigned masked = masked_ranks(c);
   if (threadIdx.x == 0) {
     ticket = take_ticket(c, kDispatch);
     if (c.num_ranks > 1 || a.recv_rows != nullptr) seq = ticket;
@@ -398,7 +403,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   count_tokens(a, counted, ids, bins);
   for (int first = begin; first < end; first += kBatch) {
     const int n = min(kBatch, end - first);
-    if (warp < n) route_token(a, own, warp, routes);
+    if (warp < n) route_token(a, own, warp, masked, routes);
     own = own_id(first + kBatch + warp);  // the next pass's ids, in flight from here
     __syncthreads();  // also: bins hold the tokens before this pass
     // Row offset of each entry: the tokens before the pass, plus the pass's earlier tokens with its expert.
@@ -431,7 +436,8 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
     // Every other rank gets a header for each of this call's tokens (no entries if no expert there), flag
     // last: the receive waits for the slots of the tokens the counts announced, not for all max_tokens.
     const int j = threadIdx.x / kMaxRanks, r = threadIdx.x % kMaxRanks;
-    if (j < n && r < c.num_ranks && !(r == 0 && own_tokens_skip_slots(c))) {  // none from rank 0 to itself
+    // None from rank 0 to itself, none to a masked rank.
+    if (j < n && r < c.num_ranks && !(r == 0 && own_tokens_skip_slots(c)) && !(masked >> r & 1u)) {
       auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, c.rank, seq, first + j));
       unsigned m = 0;
       for (int k = 0; k < a.num_topk; ++k) {
@@ -555,12 +561,12 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     const int source = other + first_slot_source(c), i = source * max_tokens + token;
     const auto* header = reinterpret_cast<const DispatchHeader*>(dispatch_slot(c, c.rank, source, seq, token));
     unsigned long long waited = 0, flag = 0;
-    if (lane == 0) waited = wait_for(c, &header->flag, seq, &flag);
+    if (lane == 0) waited = wait_for(c, &header->flag, seq, source, &flag);
     waited = __shfl_sync(0xffffffffu, waited, 0);
     flag = __shfl_sync(0xffffffffu, flag, 0);
     __syncwarp();
-    if (waited == kNeverArrived) {
-      if (lane == 0) record_error(c, kDispatch, kTimeout, 1u << source);
+    if (waited == kNeverArrived) {  // its rows stay unspecified; with masking the source is masked
+      if (lane == 0) peer_missed(c, kDispatch, source);
       continue;
     }
     if (chunk == 0 && lane == 0 && a.wait_stats)

@@ -90,8 +90,8 @@ class _CombineCheck(NamedTuple):
 
 
 class _DispatchRecord:
-    """What the Buffer remembers about one dispatch, found again from its handle in combine. It holds
-    the handle (small index tensors) until the dispatch two calls later replaces it."""
+    """What the Buffer remembers about one dispatch, found again from its handle in combine, until the
+    dispatch two calls later replaces it."""
 
     __slots__ = ("handle", "private", "slot")
 
@@ -99,12 +99,6 @@ class _DispatchRecord:
         self.handle = handle
         self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
         self.private = private  # backend state that combine needs (e.g. row -> source slot map)
-
-    def matches(self, handle: tuple) -> bool:
-        """`handle` is the one this dispatch returned, or a tuple of the same objects."""
-        mine = self.handle
-        return handle is mine or (handle[0] is mine[0] and handle[1] is mine[1] and handle[2:] == mine[2:]
-                                  and all(type(v) is int for v in handle[2:]))
 
 
 class Buffer:
@@ -351,9 +345,10 @@ class Buffer:
                     _remember_check(self._dispatch_checks, key, spec)
             if async_finish:
                 return self._dispatch_async(backend, x, topk_idx, spec, recv_stats, wait_stats, rows_in_place)
-            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=return_recv_hook,
+            slot = self._num_dispatches % _OUTSTANDING
+            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=return_recv_hook, slot=slot,
                                       rows_in_place=rows_in_place)
-            self._remember(result.handle, result.private)
+            self._remember(result.handle, result.private, slot)
             if return_recv_hook:
                 return result.recv_x, result.recv_count, result.handle, None, _once(result.receive,
                                                                                     "low_latency_dispatch")
@@ -390,9 +385,10 @@ class Buffer:
     def _dispatch_async(self, backend: Backend, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                         recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, rows_in_place: bool):
         def call():
-            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=False,
+            slot = self._num_dispatches % _OUTSTANDING
+            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=False, slot=slot,
                                       rows_in_place=rows_in_place)
-            self._remember(result.handle, result.private)
+            self._remember(result.handle, result.private, slot)
             result.receive()
             return result
 
@@ -493,23 +489,20 @@ class Buffer:
             t.record_stream(stream)
         return result, EventOverlap(event, inputs)
 
-    def _remember(self, handle: Handle, private: object) -> None:
-        slot = self._num_dispatches % _OUTSTANDING
+    def _remember(self, handle: Handle, private: object, slot: int) -> None:
         self._num_dispatches += 1
         self._records[slot] = _DispatchRecord(handle, slot, private)
 
     def _record(self, handle: object) -> _DispatchRecord:
+        """The dispatch that returned `handle` (the tuple itself: a dispatch two calls later reuses its
+        tensors, so only the tuple tells the two apart)."""
         for record in self._records:
             if record is not None and record.handle is handle:
                 return record
         ok = isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
         expect(ok, "handle", "the handle returned by low_latency_dispatch", type(handle).__name__)
-        assert isinstance(handle, tuple)
-        for record in self._records:
-            if record is not None and record.matches(handle):
-                return record
-        raise ValueError(f"handle: not from one of this Buffer's last {_OUTSTANDING} dispatches "
-                         "(at most two results may be outstanding)")
+        raise ValueError(f"handle: not the handle tuple of one of this Buffer's last {_OUTSTANDING} dispatches "
+                         "(at most two results may be outstanding; pass the tuple as dispatch returned it)")
 
     def _combine_buffer(self, record: _DispatchRecord, handle: Handle, device: torch.device) -> torch.Tensor:
         own = self._live().combine_buffer(record.slot, handle)

@@ -23,16 +23,16 @@ T = TypeVar("T")
 
 
 def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                     gpu_share: int = 1) -> list[Buffer]:
+                     gpu_share: int = 1, shrink: bool = False) -> list[Buffer]:
     """One Buffer per emulated rank, all on the current GPU. Each rank sizes its dispatch grids for
     1/`gpu_share` of the GPU: `num_ranks` when the ranks' kernels run side by side (`RankStreams`), or to
     give each rank the share of the hardware it stands for; 1 (each takes all of it) when they run one
-    after another."""
+    after another. `shrink`: rank masking, as Buffer(enable_shrink=True)."""
     expect(1 <= gpu_share <= num_ranks, "gpu_share", f"in [1, {num_ranks}]", gpu_share)
     c = native.load()
     bases = [c.alloc_buffer(num_rdma_bytes) for _ in range(num_ranks)]
-    return [Buffer.from_backend(CudaBackend(None, rank, num_ranks, num_rdma_bytes, timeout_s, peer_bases=bases,
-                                            gpu_share=gpu_share))
+    return [Buffer.from_backend(CudaBackend(None, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink,
+                                            peer_bases=bases, gpu_share=gpu_share))
             for rank in range(num_ranks)]
 
 

@@ -96,6 +96,23 @@ class _DispatchPlan(NamedTuple):
     scales: tuple | None  # FP8: (size, stride, dtype) of the column-major scales
 
 
+class _Outputs(NamedTuple):
+    """One results slot's dispatch outputs, and their device addresses for the kernels."""
+
+    recv_x: object  # as returned: bf16 tensor, (fp8 data, scales) or RowsInPlace
+    recv_count: torch.Tensor
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    private: tuple  # (the int32 blob, combine_map's address): what combine needs
+    ticket: int
+    recv_x_ptr: int
+    scales_ptr: int
+    rows_ptr: int
+    recv_count_ptr: int
+    src_info_ptr: int
+    layout_range_ptr: int
+
+
 class _CombinePlan(NamedTuple):
     common: object  # _C.Common
     shape: object  # _C.CombineShape
@@ -152,6 +169,7 @@ class CudaBackend(Backend):
         self._commons: dict[tuple[int, int, int, int], object] = {}
         self._dispatch_plans: dict[tuple, _DispatchPlan] = {}
         self._combine_plans: dict[tuple, _CombinePlan] = {}
+        self._dispatch_outputs: dict[tuple, _Outputs] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._buffer_start = _device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
@@ -161,6 +179,9 @@ class CudaBackend(Backend):
         # Per Op: calls per bucket, then their sum in ns; the send kernels add the calls two before them.
         self._latency = torch.zeros(len(latency.OPS), latency.NUM_BUCKETS + 1, dtype=torch.int64,
                                     device=self._device)
+        # Rank masking: 1 per masked rank, read by the kernels on every use; none when masking is off.
+        with torch.inference_mode(False):
+            self._mask = torch.zeros(num_ranks, dtype=torch.int32, device=self._device) if shrink else None
 
     def _exchange_handles(self, base: int) -> list[int]:
         """Share our buffer's IPC handle through the group; map every peer's buffer."""
@@ -236,7 +257,8 @@ class CudaBackend(Backend):
                 rank=self.rank, num_ranks=self.num_ranks, max_tokens=max_tokens, hidden=hidden,
                 num_experts=num_experts, spec_check=zlib.crc32(repr(key).encode()), system_scope=self._system_scope,
                 gpu_share=self._gpu_share, peer_bases=self._peer_bases, local_base=self._base, layout=offsets,
-                host_error=self._device_flag, timeout_s=self.timeout_s, latency=self._latency.data_ptr()))
+                host_error=self._device_flag, timeout_s=self.timeout_s, latency=self._latency.data_ptr(),
+                mask=_data_ptr(self._mask)))
             self._commons[key] = common
         return common
 
@@ -276,60 +298,72 @@ class CudaBackend(Backend):
                                                              scales)
         return plan
 
+    def _outputs(self, spec: DispatchSpec, plan: _DispatchPlan, rows_in_place: bool, slot: int) -> _Outputs:
+        """Dispatch's outputs for results slot `slot`, made once and reused by every dispatch of that
+        slot and shape: a result is valid until the dispatch two calls later (the Buffer's rule, as
+        DeepEP's), and allocating them per call would cost more host time than the rest of the call."""
+        key = (spec, rows_in_place, slot)
+        out = self._dispatch_outputs.get(key)
+        if out is not None:
+            return out
+        num_local, rows, dev = plan.num_local, plan.rows, self._device
+        with torch.inference_mode(False):  # kept across calls: usable in and out of inference mode
+            # The int32 outputs and state in one: the tickets of this dispatch and of its combine,
+            # recv_count, src_info, combine_map.
+            ints = torch.empty(2 + num_local * (1 + 2 * rows), dtype=torch.int32, device=dev)
+            recv_count = ints.as_strided((num_local,), (1,), 2)
+            src_info = ints.as_strided((num_local, rows), (rows, 1), 2 + num_local)
+            layout_range = torch.empty((num_local, self.num_ranks), dtype=torch.int64, device=dev)
+            scales = None
+            if plan.scales is not None:
+                size, stride, dtype = plan.scales
+                scales = torch.empty_strided(size, stride, dtype=dtype, device=dev)  # column-major, as DeepEP's
+            recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
+            if rows_in_place:  # the receive half names each row's data and packs the scales
+                offsets = torch.empty((num_local, rows), dtype=torch.int64, device=dev)
+                recv_x = RowsInPlace(self._buffer_start, offsets, scales, spec.hidden)
+                data_ptr, rows_ptr = 0, offsets.data_ptr()
+            else:
+                data = torch.empty((num_local, rows, spec.hidden), device=dev,
+                                   dtype=torch.float8_e4m3fn if spec.use_fp8 else torch.bfloat16)
+                recv_x = (data, scales) if scales is not None else data
+                data_ptr, rows_ptr = data.data_ptr(), 0
+        base = ints.data_ptr()
+        out = self._dispatch_outputs[key] = _Outputs(
+            recv_x, recv_count, src_info, layout_range, (ints, base + 4 * (2 + num_local + num_local * rows)),
+            base, data_ptr, _data_ptr(scales), rows_ptr, base + 8, base + 4 * (2 + num_local), layout_range.data_ptr())
+        return out
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
+                 hook: bool, slot: int, rows_in_place: bool = False) -> DispatchResult:
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         plan = self._dispatch_plan(spec, x.shape[0], topk_idx.shape[1], rows_in_place)
-        num_local, rows, dev = plan.num_local, plan.rows, self._device
-        # One allocation for the int32 outputs and state (ticket, recv_count, src_info, combine_map): each
-        # torch.empty costs microseconds of host time.
-        ints = torch.empty(1 + num_local * (1 + 2 * rows), dtype=torch.int32, device=dev)
-        base = ints.data_ptr()
-        recv_count = ints.as_strided((num_local,), (1,), 1)
-        src_info = ints.as_strided((num_local, rows), (rows, 1), 1 + num_local)
-        combine_map = base + 4 * (1 + num_local + num_local * rows)
-        layout_range = torch.empty((num_local, self.num_ranks), dtype=torch.int64, device=dev)
-        recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
-        scales = None
-        if plan.scales is not None:
-            size, stride, dtype = plan.scales
-            scales = torch.empty_strided(size, stride, dtype=dtype, device=dev)  # column-major, as DeepEP's
-        if rows_in_place:  # the receive half names each row's data and packs the scales
-            offsets = torch.empty((num_local, rows), dtype=torch.int64, device=dev)
-            recv_x = RowsInPlace(self._buffer_start, offsets, scales, spec.hidden)
-            data_ptr, rows_ptr = 0, offsets.data_ptr()
-        else:
-            data = torch.empty((num_local, rows, spec.hidden), device=dev,
-                               dtype=torch.float8_e4m3fn if spec.use_fp8 else torch.bfloat16)
-            recv_x = (data, scales) if scales is not None else data
-            data_ptr, rows_ptr = data.data_ptr(), 0
+        out = self._outputs(spec, plan, rows_in_place, slot)
         pointers = DispatchPointers(
-            ticket=base, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), recv_x=data_ptr,
-            recv_scales=_data_ptr(scales), recv_rows=rows_ptr, recv_count=base + 4, src_info=base + 4 * (1 + num_local),
-            layout_range=layout_range.data_ptr(), combine_map=combine_map, recv_stats=_data_ptr(recv_stats),
-            wait_stats=_data_ptr(wait_stats))
-        handle: Handle = (src_info, layout_range, spec.max_tokens, spec.hidden, spec.num_experts)
-        private = (ints, combine_map)
+            ticket=out.ticket, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), recv_x=out.recv_x_ptr,
+            recv_scales=out.scales_ptr, recv_rows=out.rows_ptr, recv_count=out.recv_count_ptr,
+            src_info=out.src_info_ptr, layout_range=out.layout_range_ptr, combine_map=out.private[1],
+            recv_stats=_data_ptr(recv_stats), wait_stats=_data_ptr(wait_stats))
+        handle: Handle = (out.src_info, out.layout_range, spec.max_tokens, spec.hidden, spec.num_experts)
         stream = self._stream()
         if not hook:  # one kernel does both halves
             self._c.dispatch_both_halves(plan.common, plan.shape, pointers, stream)
-            return DispatchResult(recv_x, recv_count, handle, _nothing, private)
+            return DispatchResult(out.recv_x, out.recv_count, handle, _nothing, out.private)
         self._c.dispatch_send(plan.common, plan.shape, pointers, stream)
-        # Everything the receive half writes stays alive until it has been launched, even if the caller
-        # drops recv_x first: the allocator would hand its memory to the next tensor of this stream, which
-        # the hook's kernel would then overwrite.
-        written = (recv_x.offsets, recv_x.scales) if isinstance(recv_x, RowsInPlace) else recv_x
-        keep = _KeptForHook(stream, ints, written, layout_range, recv_stats, wait_stats)
+        # The caller's stats tensors, which the receive half updates, stay alive until it has been
+        # launched even if the caller drops them: the allocator would hand their memory to the next
+        # tensor of this stream. (The outputs are the Buffer's own.)
+        keep = _KeptForHook(stream, recv_stats, wait_stats)
 
         def receive() -> None:
             hook_stream = self._stream()
             self._c.dispatch_receive(plan.common, plan.shape, pointers, hook_stream)
             keep.release(hook_stream)
 
-        return DispatchResult(recv_x, recv_count, handle, receive, private)
+        return DispatchResult(out.recv_x, out.recv_count, handle, receive, out.private)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -346,9 +380,9 @@ class CudaBackend(Backend):
             shape = self._c.CombineShape(num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
                                          blocks_per_expert=self._blocks_per_expert(e // self.num_ranks))
             plan = self._combine_plans[key] = _CombinePlan(self._common(t, h, e, 0), shape)
-        ticket = torch.empty(1, dtype=torch.int32, device=self._device) if hook else None
+        base = ints.data_ptr()  # the combine's ticket, then recv_count (_outputs)
         pointers = CombinePointers(
-            ticket=_data_ptr(ticket), x=x.data_ptr(), x_row=self._row_in_buffer(x), recv_count=ints.data_ptr() + 4,
+            ticket=base + 4, x=x.data_ptr(), x_row=self._row_in_buffer(x), recv_count=base + 8,
             combine_map=combine_map, topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
             out=out.data_ptr(), wait_stats=_data_ptr(wait_stats))
         stream = self._stream()
@@ -358,7 +392,7 @@ class CudaBackend(Backend):
         self._c.combine_send(plan.common, plan.shape, pointers, stream)
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
-        keep = _KeptForHook(stream, x, topk_idx, topk_weights, ticket, out, wait_stats)
+        keep = _KeptForHook(stream, x, topk_idx, topk_weights, out, wait_stats)
 
         def receive() -> None:
             hook_stream = self._stream()
@@ -388,8 +422,11 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ housekeeping
     def _barrier(self) -> None:
+        """Every rank's kernels on these buffers are done. Once a rank is masked only this rank's are
+        waited for: a dead rank never joins a barrier of the group."""
         torch.cuda.synchronize(self._device)
-        if self.num_ranks > 1 and self.group is not None:
+        someone_masked = self._mask is not None and bool(self._mask.any())
+        if self.num_ranks > 1 and self.group is not None and not someone_masked:
             dist.barrier(group=self.group)
 
     def clean(self, max_tokens: int, hidden: int, num_experts: int) -> None:
@@ -402,6 +439,16 @@ class CudaBackend(Backend):
         self._c.clear_host_flag(self._host_flag)
         self._barrier()
 
+    # ------------------------------------------------------------------ rank masking (on the current stream)
+    def query_mask(self, out: torch.Tensor) -> None:
+        out.copy_(self._mask)
+
+    def update_mask(self, rank: int, masked: bool) -> None:
+        self._mask[rank].fill_(int(masked))
+
+    def clean_mask(self) -> None:
+        self._mask.zero_()
+
     def local_buffer(self, offset: int) -> torch.Tensor:
         return _device_tensor(self._base + offset, (self.num_rdma_bytes - offset,), self._device, torch.uint8)
 
@@ -411,6 +458,7 @@ class CudaBackend(Backend):
             self._c.ipc_close(p)
         self._opened.clear()
         self._combine_views.clear()
+        self._dispatch_outputs.clear()
         self._c.free_buffer(self._base)
         self._c.free_host_flag(self._host_flag)
 

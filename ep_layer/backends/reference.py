@@ -125,8 +125,8 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
-        del hook, rows_in_place  # the receive half is where the exchange happens either way; rows are copied
+                 hook: bool, slot: int, rows_in_place: bool = False) -> DispatchResult:
+        del hook, slot, rows_in_place  # the receive half exchanges either way; outputs are fresh, rows copied
         start = time.perf_counter_ns()
         result = self._dispatch(x, topk_idx, spec, recv_stats, wait_stats)
         return result._replace(receive=self._timed("dispatch", start, result.receive))
