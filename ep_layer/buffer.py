@@ -14,6 +14,7 @@ remembers the outcome, and runs with torch's function hooks off (a default-devic
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -91,14 +92,19 @@ class _CombineCheck(NamedTuple):
 
 class _DispatchRecord:
     """What the Buffer remembers about one dispatch, found again from its handle in combine, until the
-    dispatch two calls later replaces it."""
+    dispatch two calls later replaces it. It names the handle without holding it: its tensors are the
+    caller's to keep or drop (a backend may recycle outputs nobody holds)."""
 
-    __slots__ = ("handle", "private", "slot")
+    __slots__ = ("handle_id", "private", "slot", "src_info")
 
     def __init__(self, handle: Handle, slot: int, private: object) -> None:
-        self.handle = handle
+        self.handle_id = id(handle)  # unique while the caller holds the tuple, which is when it can pass it
+        self.src_info = weakref.ref(handle[0])
         self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
-        self.private = private  # backend state that combine needs (e.g. row -> source slot map)
+        self.private = private  # backend state that combine needs (e.g. the cuda backend's output set)
+
+    def matches(self, handle: tuple) -> bool:
+        return id(handle) == self.handle_id and self.src_info() is handle[0]
 
 
 class Buffer:
@@ -345,10 +351,9 @@ class Buffer:
                     _remember_check(self._dispatch_checks, key, spec)
             if async_finish:
                 return self._dispatch_async(backend, x, topk_idx, spec, recv_stats, wait_stats, rows_in_place)
-            slot = self._num_dispatches % _OUTSTANDING
-            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=return_recv_hook, slot=slot,
+            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=return_recv_hook,
                                       rows_in_place=rows_in_place)
-            self._remember(result.handle, result.private, slot)
+            self._remember(result.handle, result.private)
             if return_recv_hook:
                 return result.recv_x, result.recv_count, result.handle, None, _once(result.receive,
                                                                                     "low_latency_dispatch")
@@ -385,10 +390,9 @@ class Buffer:
     def _dispatch_async(self, backend: Backend, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                         recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, rows_in_place: bool):
         def call():
-            slot = self._num_dispatches % _OUTSTANDING
-            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=False, slot=slot,
+            result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=False,
                                       rows_in_place=rows_in_place)
-            self._remember(result.handle, result.private, slot)
+            self._remember(result.handle, result.private)
             result.receive()
             return result
 
@@ -489,18 +493,22 @@ class Buffer:
             t.record_stream(stream)
         return result, EventOverlap(event, inputs)
 
-    def _remember(self, handle: Handle, private: object, slot: int) -> None:
+    def _remember(self, handle: Handle, private: object) -> None:
+        slot = self._num_dispatches % _OUTSTANDING
         self._num_dispatches += 1
+        for i, record in enumerate(self._records):  # a dead handle's id can come back: its record is stale
+            if record is not None and record.handle_id == id(handle):
+                self._records[i] = None
         self._records[slot] = _DispatchRecord(handle, slot, private)
 
     def _record(self, handle: object) -> _DispatchRecord:
-        """The dispatch that returned `handle` (the tuple itself: a dispatch two calls later reuses its
-        tensors, so only the tuple tells the two apart)."""
-        for record in self._records:
-            if record is not None and record.handle is handle:
-                return record
+        """The dispatch that returned `handle` (the tuple itself: a later dispatch may return the same
+        tensors, recycled, so only the tuple tells the two apart)."""
         ok = isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
         expect(ok, "handle", "the handle returned by low_latency_dispatch", type(handle).__name__)
+        for record in self._records:
+            if record is not None and record.matches(handle):
+                return record
         raise ValueError(f"handle: not the handle tuple of one of this Buffer's last {_OUTSTANDING} dispatches "
                          "(at most two results may be outstanding; pass the tuple as dispatch returned it)")
 

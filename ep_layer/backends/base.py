@@ -96,12 +96,10 @@ class Backend(ABC):
     @abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool, slot: int, rows_in_place: bool = False) -> DispatchResult:
+                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
         """Launch the send half; the result's `receive` launches the receive half. With `hook=False` the
-        caller runs `receive` right after, so a backend may do both halves at once here. `slot` (0 or 1,
-        alternating) is the results slot: the outputs need only stay valid until the dispatch two calls
-        later, which may reuse them. `rows_in_place` (only where `supports_rows_in_place`): recv_x is a
-        RowsInPlace, not a copy."""
+        caller runs `receive` right after, so a backend may do both halves at once here.
+        `rows_in_place` (only where `supports_rows_in_place`): recv_x is a RowsInPlace, not a copy."""
 
     @abstractmethod
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -14,6 +14,7 @@ records are still there (csrc/ll_common.cuh: Timing).
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from typing import NamedTuple
 
@@ -96,21 +97,50 @@ class _DispatchPlan(NamedTuple):
     scales: tuple | None  # FP8: (size, stride, dtype) of the column-major scales
 
 
-class _Outputs(NamedTuple):
-    """One results slot's dispatch outputs, and their device addresses for the kernels."""
+class _OutputSet:
+    """One set of dispatch outputs, and their device addresses for the kernels. A set is recycled by a
+    later dispatch of its shape once nothing but the backend refers to its tensors (the caller holds
+    none of the returned objects and no view of their memory), no hook that uses it is pending, and the
+    later dispatch runs on the stream of all its uses (whose order then puts it after every reader): the
+    caller sees fresh tensors, as from torch's allocator, without an allocation's host time per call."""
 
-    recv_x: object  # as returned: bf16 tensor, (fp8 data, scales) or RowsInPlace
-    recv_count: torch.Tensor
-    src_info: torch.Tensor
-    layout_range: torch.Tensor
-    private: tuple  # (the int32 blob, combine_map's address): what combine needs
-    ticket: int
-    recv_x_ptr: int
-    scales_ptr: int
-    rows_ptr: int
-    recv_count_ptr: int
-    src_info_ptr: int
-    layout_range_ptr: int
+    __slots__ = ("_baseline", "_storages", "_watched", "ints", "layout_range", "pending", "pointers",
+                 "recv_count", "recv_x", "src_info", "stream")
+    RETIRED = -1  # `stream` once the set was used on two streams: their order is unknown, so never recycled
+
+    def __init__(self, recv_x: object, recv_count: torch.Tensor, src_info: torch.Tensor, layout_range: torch.Tensor,
+                 ints: torch.Tensor, pointers: dict[str, int], owned: list[torch.Tensor], stream: int) -> None:
+        self.recv_x, self.recv_count, self.src_info, self.layout_range = recv_x, recv_count, src_info, layout_range
+        self.ints = ints  # the int32 blob: the tickets of the dispatch and of its combine, recv_count, src_info,
+        self.pointers = pointers  # combine_map; pointers: the DispatchPointers fields that name the set's memory
+        self.stream = stream
+        self.pending = 0  # hooks not yet launched that write or read the set
+        # A caller may hold a returned object itself (more Python references to it) or a view of its
+        # memory (more tensors on its storage): each is compared with what the set alone holds.
+        parts = recv_x if isinstance(recv_x, tuple) else (recv_x.offsets, recv_x.scales) \
+            if isinstance(recv_x, RowsInPlace) else ()
+        self._watched = [o for o in (recv_x, *parts, recv_count, src_info, layout_range) if o is not None]
+        self._storages = [t.untyped_storage()._cdata for t in owned]
+        self._baseline: list[int] = []
+
+    def settle(self) -> None:
+        """Record the references the set alone holds; call it once nothing else refers to its parts."""
+        self._baseline = self._references()
+
+    def _references(self) -> list[int]:
+        return [sys.getrefcount(o) for o in self._watched] + [_use_count(c) for c in self._storages]
+
+    def free_on(self, stream: int) -> bool:
+        return self.pending == 0 and stream == self.stream and self._references() == self._baseline
+
+    def used_on(self, stream: int) -> None:
+        """Our kernels read or wrote the set on `stream`."""
+        if stream != self.stream:
+            self.stream = _OutputSet.RETIRED
+
+
+_use_count = torch._C._storage_Use_Count
+_MAX_OUTPUT_SETS = 4  # per shape: two micro-batches' results held, plus the one being made
 
 
 class _CombinePlan(NamedTuple):
@@ -169,7 +199,7 @@ class CudaBackend(Backend):
         self._commons: dict[tuple[int, int, int, int], object] = {}
         self._dispatch_plans: dict[tuple, _DispatchPlan] = {}
         self._combine_plans: dict[tuple, _CombinePlan] = {}
-        self._dispatch_outputs: dict[tuple, _Outputs] = {}
+        self._output_sets: dict[tuple, list[_OutputSet]] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._buffer_start = _device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
@@ -298,72 +328,82 @@ class CudaBackend(Backend):
                                                              scales)
         return plan
 
-    def _outputs(self, spec: DispatchSpec, plan: _DispatchPlan, rows_in_place: bool, slot: int) -> _Outputs:
-        """Dispatch's outputs for results slot `slot`, made once and reused by every dispatch of that
-        slot and shape: a result is valid until the dispatch two calls later (the Buffer's rule, as
-        DeepEP's), and allocating them per call would cost more host time than the rest of the call."""
-        key = (spec, rows_in_place, slot)
-        out = self._dispatch_outputs.get(key)
-        if out is not None:
-            return out
+    def _outputs(self, spec: DispatchSpec, plan: _DispatchPlan, rows_in_place: bool, stream: int) -> _OutputSet:
+        """A free output set of this shape (_OutputSet), or a new one (the few used last are kept)."""
+        pool = self._output_sets.setdefault((spec, rows_in_place), [])
+        pool[:] = [out for out in pool if out.stream != _OutputSet.RETIRED]
+        for i, out in enumerate(pool):
+            if out.free_on(stream):
+                pool.append(pool.pop(i))  # most recently used last
+                return out
+        out = self._new_outputs(spec, plan, rows_in_place, stream)
+        out.settle()  # here nothing but the set refers to its parts
+        if len(pool) == _MAX_OUTPUT_SETS:  # the least recently used goes (its tensors live on while held)
+            pool.pop(0)
+        pool.append(out)
+        return out
+
+    def _new_outputs(self, spec: DispatchSpec, plan: _DispatchPlan, rows_in_place: bool, stream: int) -> _OutputSet:
         num_local, rows, dev = plan.num_local, plan.rows, self._device
-        with torch.inference_mode(False):  # kept across calls: usable in and out of inference mode
-            # The int32 outputs and state in one: the tickets of this dispatch and of its combine,
-            # recv_count, src_info, combine_map.
+        with torch.inference_mode(False):  # recycled across calls: usable in and out of inference mode
             ints = torch.empty(2 + num_local * (1 + 2 * rows), dtype=torch.int32, device=dev)
             recv_count = ints.as_strided((num_local,), (1,), 2)
             src_info = ints.as_strided((num_local, rows), (rows, 1), 2 + num_local)
             layout_range = torch.empty((num_local, self.num_ranks), dtype=torch.int64, device=dev)
+            owned = [ints, layout_range]
             scales = None
             if plan.scales is not None:
                 size, stride, dtype = plan.scales
                 scales = torch.empty_strided(size, stride, dtype=dtype, device=dev)  # column-major, as DeepEP's
+                owned.append(scales)
             recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
             if rows_in_place:  # the receive half names each row's data and packs the scales
                 offsets = torch.empty((num_local, rows), dtype=torch.int64, device=dev)
                 recv_x = RowsInPlace(self._buffer_start, offsets, scales, spec.hidden)
                 data_ptr, rows_ptr = 0, offsets.data_ptr()
+                owned.append(offsets)
             else:
                 data = torch.empty((num_local, rows, spec.hidden), device=dev,
                                    dtype=torch.float8_e4m3fn if spec.use_fp8 else torch.bfloat16)
                 recv_x = (data, scales) if scales is not None else data
                 data_ptr, rows_ptr = data.data_ptr(), 0
+                owned.append(data)
         base = ints.data_ptr()
-        out = self._dispatch_outputs[key] = _Outputs(
-            recv_x, recv_count, src_info, layout_range, (ints, base + 4 * (2 + num_local + num_local * rows)),
-            base, data_ptr, _data_ptr(scales), rows_ptr, base + 8, base + 4 * (2 + num_local), layout_range.data_ptr())
-        return out
+        pointers = {"ticket": base, "recv_x": data_ptr, "recv_scales": _data_ptr(scales), "recv_rows": rows_ptr,
+                    "recv_count": base + 8, "src_info": base + 4 * (2 + num_local),
+                    "layout_range": layout_range.data_ptr(),
+                    "combine_map": base + 4 * (2 + num_local + num_local * rows)}
+        return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, pointers, owned, stream)
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool, slot: int, rows_in_place: bool = False) -> DispatchResult:
+                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
         plan = self._dispatch_plan(spec, x.shape[0], topk_idx.shape[1], rows_in_place)
-        out = self._outputs(spec, plan, rows_in_place, slot)
-        pointers = DispatchPointers(
-            ticket=out.ticket, x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), recv_x=out.recv_x_ptr,
-            recv_scales=out.scales_ptr, recv_rows=out.rows_ptr, recv_count=out.recv_count_ptr,
-            src_info=out.src_info_ptr, layout_range=out.layout_range_ptr, combine_map=out.private[1],
-            recv_stats=_data_ptr(recv_stats), wait_stats=_data_ptr(wait_stats))
-        handle: Handle = (out.src_info, out.layout_range, spec.max_tokens, spec.hidden, spec.num_experts)
         stream = self._stream()
+        out = self._outputs(spec, plan, rows_in_place, stream)
+        pointers = DispatchPointers(x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), recv_stats=_data_ptr(recv_stats),
+                                    wait_stats=_data_ptr(wait_stats), **out.pointers)
+        handle: Handle = (out.src_info, out.layout_range, spec.max_tokens, spec.hidden, spec.num_experts)
         if not hook:  # one kernel does both halves
             self._c.dispatch_both_halves(plan.common, plan.shape, pointers, stream)
-            return DispatchResult(out.recv_x, out.recv_count, handle, _nothing, out.private)
+            return DispatchResult(out.recv_x, out.recv_count, handle, _nothing, out)
         self._c.dispatch_send(plan.common, plan.shape, pointers, stream)
-        # The caller's stats tensors, which the receive half updates, stay alive until it has been
-        # launched even if the caller drops them: the allocator would hand their memory to the next
-        # tensor of this stream. (The outputs are the Buffer's own.)
+        # The receive half writes the outputs and updates the caller's stats tensors: until it has been
+        # launched the set is not recycled and the stats stay alive, even if the caller drops them.
         keep = _KeptForHook(stream, recv_stats, wait_stats)
+        out.pending += 1
 
         def receive() -> None:
             hook_stream = self._stream()
             self._c.dispatch_receive(plan.common, plan.shape, pointers, hook_stream)
             keep.release(hook_stream)
+            out.pending -= 1
+            out.used_on(hook_stream)
 
-        return DispatchResult(out.recv_x, out.recv_count, handle, receive, out.private)
+        return DispatchResult(out.recv_x, out.recv_count, handle, receive, out)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -372,7 +412,7 @@ class CudaBackend(Backend):
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
         _, _, t, h, e = handle
-        ints, combine_map = private  # type: ignore[misc]
+        outputs: _OutputSet = private  # type: ignore[assignment]
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         key = (t, h, e, topk_idx.shape[0], topk_idx.shape[1])
         plan = self._combine_plans.get(key)
@@ -380,12 +420,13 @@ class CudaBackend(Backend):
             shape = self._c.CombineShape(num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
                                          blocks_per_expert=self._blocks_per_expert(e // self.num_ranks))
             plan = self._combine_plans[key] = _CombinePlan(self._common(t, h, e, 0), shape)
-        base = ints.data_ptr()  # the combine's ticket, then recv_count (_outputs)
         pointers = CombinePointers(
-            ticket=base + 4, x=x.data_ptr(), x_row=self._row_in_buffer(x), recv_count=base + 8,
-            combine_map=combine_map, topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
+            ticket=outputs.pointers["ticket"] + 4, x=x.data_ptr(), x_row=self._row_in_buffer(x),
+            recv_count=outputs.pointers["recv_count"], combine_map=outputs.pointers["combine_map"],
+            topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
             out=out.data_ptr(), wait_stats=_data_ptr(wait_stats))
         stream = self._stream()
+        outputs.used_on(stream)  # the send reads recv_count and combine_map
         if not hook:  # one kernel does both halves
             self._c.combine_both_halves(plan.common, plan.shape, pointers, stream)
             return _nothing
@@ -393,11 +434,14 @@ class CudaBackend(Backend):
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
         keep = _KeptForHook(stream, x, topk_idx, topk_weights, out, wait_stats)
+        outputs.pending += 1  # its receive reads the ticket in the dispatch's set
 
         def receive() -> None:
             hook_stream = self._stream()
             self._c.combine_receive(plan.common, plan.shape, pointers, hook_stream)
             keep.release(hook_stream)
+            outputs.pending -= 1
+            outputs.used_on(hook_stream)
 
         return receive
 
@@ -458,7 +502,7 @@ class CudaBackend(Backend):
             self._c.ipc_close(p)
         self._opened.clear()
         self._combine_views.clear()
-        self._dispatch_outputs.clear()
+        self._output_sets.clear()
         self._c.free_buffer(self._base)
         self._c.free_host_flag(self._host_flag)
 

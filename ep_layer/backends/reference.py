@@ -125,8 +125,8 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
-                 hook: bool, slot: int, rows_in_place: bool = False) -> DispatchResult:
-        del hook, slot, rows_in_place  # the receive half exchanges either way; outputs are fresh, rows copied
+                 hook: bool, rows_in_place: bool = False) -> DispatchResult:
+        del hook, rows_in_place  # the receive half is where the exchange happens either way; rows are copied
         start = time.perf_counter_ns()
         result = self._dispatch(x, topk_idx, spec, recv_stats, wait_stats)
         return result._replace(receive=self._timed("dispatch", start, result.receive))
@@ -196,7 +196,8 @@ class ReferenceBackend(Backend):
             if recv_stats is not None:
                 recv_stats.add_(recv_count)
 
-        return DispatchResult(recv_x, recv_count, (src_info, layout_range, t, h, spec.num_experts), receive)
+        return DispatchResult(recv_x, recv_count, (src_info, layout_range, t, h, spec.num_experts),
+                              receive)
 
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

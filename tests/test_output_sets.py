@@ -1,0 +1,87 @@
+"""The cuda backend's recycled dispatch outputs (backends/cuda.py `_OutputSet`), on CPU tensors: a set is
+free for the next dispatch only when the caller holds none of its returned objects and no view of its
+memory, no hook that uses it is pending, and every use was on the stream that asks; a set used on two
+streams is never recycled. (The kernels that fill the sets run in tests/test_buffer_cuda.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ep_layer.backends.base import RowsInPlace
+from ep_layer.backends.cuda import _OutputSet
+
+STREAM, OTHER = 7, 8
+
+
+def output_set(kind: str) -> _OutputSet:
+    """A set as the backend makes one: bf16 rows, FP8 (data, scales), or rows in place."""
+    ints = torch.empty(2 + 4 * (1 + 2 * 10), dtype=torch.int32)
+    recv_count, src_info = ints.as_strided((4,), (1,), 2), ints.as_strided((4, 10), (10, 1), 6)
+    layout_range = torch.empty(4, 2, dtype=torch.int64)
+    owned = [ints, layout_range]
+    if kind == "bf16":
+        recv_x = torch.empty(4, 10, 128, dtype=torch.bfloat16)
+        owned.append(recv_x)
+    elif kind == "fp8":
+        data, scales = torch.empty(4, 10, 128, dtype=torch.float8_e4m3fn), torch.empty(4, 1, 10).transpose(1, 2)
+        recv_x = (data, scales)
+        owned += [data, scales]
+    else:
+        offsets, scales = torch.empty(4, 10, dtype=torch.int64), torch.empty(4, 1, 10).transpose(1, 2)
+        recv_x = RowsInPlace(torch.empty(16, dtype=torch.uint8), offsets, scales, 128)
+        owned += [offsets, scales]
+    return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, {}, owned, STREAM)
+
+
+def settled(kind: str) -> _OutputSet:
+    out = output_set(kind)
+    out.settle()  # as the backend does, once the function that made the parts has returned
+    return out
+
+
+def parts(out: _OutputSet) -> list:
+    """Everything a caller can hold on to: each returned object, and the pieces of recv_x."""
+    recv_x = out.recv_x
+    pieces = list(recv_x) if isinstance(recv_x, tuple) else \
+        [recv_x.offsets, recv_x.scales] if isinstance(recv_x, RowsInPlace) else []
+    return [recv_x, *pieces, out.recv_count, out.src_info, out.layout_range]
+
+
+def busy_while_held(out: _OutputSet, i: int) -> bool:
+    """Part i held as the object itself, then (tensors) only through a view of its memory: busy both
+    times. Returns whether the set is busy while the part is held; the locals die on return."""
+    held = parts(out)[i]
+    busy = not out.free_on(STREAM)
+    if isinstance(held, torch.Tensor):
+        view = held.view(-1)[:1]
+        del held
+        busy = busy and not out.free_on(STREAM)
+        del view
+    return busy
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "rows in place"])
+def test_a_set_is_free_only_when_nothing_of_it_is_held(kind: str) -> None:
+    out = settled(kind)
+    assert out.free_on(STREAM)
+    result = (out.recv_x, out.recv_count, (out.src_info, out.layout_range, 10, 128, 8))  # as dispatch returns it
+    assert not out.free_on(STREAM)
+    del result
+    assert out.free_on(STREAM)
+    for i in range(len(parts(out))):
+        assert busy_while_held(out, i), (kind, i)
+        assert out.free_on(STREAM), (kind, i)
+
+
+def test_pending_hooks_and_other_streams_keep_a_set_busy() -> None:
+    out = settled("fp8")
+    out.pending = 1  # a hook that writes or reads it has not been launched
+    assert not out.free_on(STREAM)
+    out.pending = 0
+    assert out.free_on(STREAM) and not out.free_on(OTHER)
+    out.used_on(STREAM)
+    assert out.free_on(STREAM)
+    out.used_on(OTHER)  # a hook or combine on another stream: the two streams' order is unknown
+    assert out.stream == _OutputSet.RETIRED
+    assert not out.free_on(STREAM) and not out.free_on(OTHER)
