@@ -1,7 +1,8 @@
 """The `cuda` backend: our kernels (csrc/) over buffers that the ranks of one node map through CUDA IPC.
 
-Each call allocates its outputs with torch and launches one kernel per half (a call without a hook:
-one kernel for both); nothing waits on the host, so every call can be captured in a CUDA graph.
+A dispatch takes its outputs from a recycled set (_OutputSet) or makes a new one, and each call launches
+one kernel per half (a call without a hook: one kernel for both); nothing waits on the host, so every
+call can be captured in a CUDA graph.
 Failures inside kernels (a peer that never arrives, ranks that disagree, bad expert ids) are recorded
 on the device, flagged in host-mapped memory, and raised at the next call or at `check()`; a kernel
 never waits longer than `timeout_s`. Latency stats are kept on the device too: the kernels time
@@ -111,8 +112,8 @@ class _OutputSet:
     def __init__(self, recv_x: object, recv_count: torch.Tensor, src_info: torch.Tensor, layout_range: torch.Tensor,
                  ints: torch.Tensor, pointers: dict[str, int], owned: list[torch.Tensor], stream: int) -> None:
         self.recv_x, self.recv_count, self.src_info, self.layout_range = recv_x, recv_count, src_info, layout_range
-        self.ints = ints  # the int32 blob: the tickets of the dispatch and of its combine, recv_count, src_info,
-        self.pointers = pointers  # combine_map; pointers: the DispatchPointers fields that name the set's memory
+        self.ints = ints  # int32: the tickets of the dispatch and of its combine, recv_count, src_info, combine_map
+        self.pointers = pointers  # the DispatchPointers fields that name the set's memory
         self.stream = stream
         self.pending = 0  # hooks not yet launched that write or read the set
         # A caller may hold a returned object itself (more Python references to it) or a view of its
