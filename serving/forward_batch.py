@@ -4,7 +4,8 @@ A step runs a flat batch of new tokens from several sequences at once: prefill c
 decode tokens alike. The KV cache is paged: each sequence owns blocks of `block_size` token slots,
 listed in its block table; a new token's latent KV goes to `slot_mapping` (block * block_size + offset).
 The engine builds a step on the host and copies it to the device without waiting for the device, so
-that a step can be launched while the one before it still runs (async scheduling).
+that a step can be launched while the one before it still runs (async scheduling); what it reads
+back (sampled tokens, logprobs) comes the other way the same way (HostCopy).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # int32 [num_seqs]: tokens of sequence i in the cache after this step
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], -1 past a sequence's blocks
     slot_mapping: torch.Tensor  # int64 [num_tokens]: cache slot that each new token's KV is written to
-    logits_indices: torch.Tensor  # int64 [num_seqs]: which token of the flat batch gives sequence i's logits
+    # int64 [num_logits]: the tokens of the flat batch whose logits the model returns, in order. One per
+    # sequence (its last new token), or all of a sequence's new tokens where it asks for prompt logprobs;
+    # a sequence's last row gives its next token.
+    logits_indices: torch.Tensor
     # True when token i is sequence i's one new token (query_start = 0..num_seqs, logits_indices the
     # same): the model then attends without reading the layout on the host (CUDA-graph capturable).
     decode: bool = False
@@ -61,3 +65,24 @@ def to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch
     plain torch.tensor(..., device=cuda) synchronises its stream)."""
     host = torch.tensor(values, dtype=dtype)
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """Device tensors copied to pinned host memory without waiting for the device; `get` waits for the
+    copy (the host's one wait per step for what a step sampled) and returns the host tensors."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.event: torch.cuda.Event | None = None
+        if all(t.device.type == "cpu" for t in tensors):
+            self.host = tensors
+            return
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, t in zip(self.host, tensors):
+            host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def get(self) -> list[torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host

@@ -11,10 +11,15 @@ instead of adding to it (benchmarks/RESULTS.md, profile_decode.py). The price: a
 back from the next step, and a sequence that stops on EOS or a stop string is computed one step more,
 its extra token dropped. Before a step that takes a prompt, `step` only hands out the pending outputs
 (`flush_if_prompt_next`): that step runs eagerly, its launch is long, and the last step's outputs (first
-tokens among them) would wait for it. Outputs are the same as without it."""
+tokens among them) would wait for it. Outputs are the same as without it.
+
+Logprobs (sampled tokens' and prompt tokens') travel with the sampled tokens: computed on the device,
+copied to the host with them (HostCopy) and read when they are read; a request's prompt logprobs go out
+with its first token. Penalties read token counts kept on the device (sampling.TokenCounts)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -22,15 +27,23 @@ from typing import Any
 
 import torch
 
-from ..forward_batch import to_device
+from ..forward_batch import HostCopy, to_device
 from .block_manager import BlockManager
 from .detokenizer import Codec, OutputText, as_codec
 from .ep_stats import read_ep_stats
-from .messages import EPStats, RequestOutput, SchedulerStats
-from .model_runner import ModelRunner
-from .sampling import Sampler, make_generator
+from .messages import EPStats, RequestOutput, SchedulerStats, TokenLogprobs
+from .model_runner import ModelRunner, logits_rows
+from .sampling import Sampler, SamplerOutput, TokenCounts, make_generator, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence, check_prompt
+from .sequence import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    PromptLogprobsPart,
+    SamplingParams,
+    Sequence,
+    check_prompt,
+)
 from .step_sync import StepPlan, StepSync, plan_alone
 
 
@@ -48,8 +61,8 @@ class PendingStep:
 
     seqs: list[Sequence]  # the sequences it sampled, in the order of `tokens`
     tokens: torch.Tensor  # int64 [len(seqs)] on the device: the next step's inputs read them there
-    host_tokens: torch.Tensor  # their copy in pinned host memory, complete once `copied` has passed
-    copied: torch.cuda.Event | None  # None on CPU
+    logprob_rows: list[int]  # each sequence's row of the logprobs (SamplerOutput), -1 for none
+    copy: HostCopy  # the tokens, then the logprob ids and values where a sequence asked for them
 
 
 class LLMEngine:
@@ -73,6 +86,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank,
                                   max_num_seqs, use_cuda_graphs)
         self.sampler = Sampler(device, seed)
+        self.token_counts = TokenCounts(self.vocab_size, device)
         self.model = model
         self.requests: dict[str, Sequence] = {}
         self.async_scheduling = async_scheduling
@@ -100,7 +114,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish(FINISH_ABORT)
-        self.scheduler.finish(seq)
+        self._release(seq)
         return self._output(seq, [])
 
     def has_work(self) -> bool:
@@ -121,18 +135,22 @@ class LLMEngine:
         before, self._pending = self._pending, None
         outputs: list[RequestOutput] = []
         logits = self.runner.execute(batch, graph_size, before.tokens if before is not None else None)
+        ends = list(itertools.accumulate(logits_rows(batch)))  # past each sequence's logits rows
+        self._prompt_logprobs(batch, ends, logits)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         if done:
             seqs = [batch.seqs[i] for i in done]
-            rows = logits if len(done) == len(batch.seqs) else logits[to_device(done, torch.int64, logits.device)]
-            tokens = self.sampler.sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+            last = [ends[i] - 1 for i in done]  # each sequence's last logits row gives its next token
+            if last != list(range(logits.shape[0])):
+                logits = logits[to_device(last, torch.int64, logits.device)]
+            step = self._sample(seqs, logits)
             if self.async_scheduling:
-                self._pending = self._defer(seqs, tokens)
+                self._pending = step
             else:
-                outputs += [self._append(seq, token) for seq, token in zip(seqs, tokens.tolist())]
+                outputs += self._receive(step)
         if before is not None:
             outputs += self._receive(before)
         self._steps[kind] += 1
@@ -206,32 +224,76 @@ class LLMEngine:
         return read_ep_stats(self.model, self.rank, self.num_ranks, dict(self._steps), dict(self._step_seconds))
 
     # ------------------------------------------------------------------ helpers
-    def _defer(self, seqs: list[Sequence], tokens: torch.Tensor) -> PendingStep:
-        """Leave `tokens` on the device as the sequences' pending tokens; start their copy to the host."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingStep:
+        """Sample the sequences' next tokens from their logits rows (penalized ones with their token
+        counts, which then count the new tokens), leave them on the device as the sequences' pending
+        tokens and start their copy to the host, with their logprobs."""
+        penalized = [i for i, seq in enumerate(seqs) if seq.params.penalized]
+        history = None
+        if penalized:
+            for i in penalized:
+                seq = seqs[i]
+                if seq.counts_row < 0:
+                    seq.counts_row = self.token_counts.assign(seq.prompt_token_ids, seq.output_token_ids)
+            history = self.token_counts.history(penalized, [seqs[i].counts_row for i in penalized])
+        out: SamplerOutput = self.sampler.run(logits, [s.params for s in seqs], [s.generator for s in seqs], history)
+        if history is not None:
+            self.token_counts.record(history, out.tokens)
         for row, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = row
-        if tokens.device.type == "cpu":
-            return PendingStep(seqs, tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return PendingStep(seqs, tokens, host, copied)
+        tensors = [out.tokens]
+        if out.logprob_ids is not None and out.logprob_values is not None:
+            tensors += [out.logprob_ids, out.logprob_values]
+        return PendingStep(seqs, out.tokens, out.logprob_rows, HostCopy(tensors))
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, ends: list[int], logits: torch.Tensor) -> None:
+        """Compute, on the device, the prompt logprobs this step's logits give (each sequence's rows end
+        before `ends`) and start their copy to the host; they wait on the sequences until their first
+        token goes out."""
+        picks: list[int] = []
+        targets: list[int] = []
+        owners: list[tuple[Sequence, int, int]] = []
+        for seq, n, end in zip(batch.seqs, batch.num_new_tokens, ends):
+            positions = seq.prompt_logprob_positions(n)
+            if not positions:
+                continue
+            first_row = end - n - seq.num_computed_tokens  # the row of position p is first_row + p
+            lo = len(picks)
+            picks += [first_row + p for p in positions]
+            targets += seq.prompt_token_ids[positions.start + 1:positions.stop + 1]
+            owners.append((seq, lo, len(picks)))
+            seq.num_prompt_logprobs = positions.stop
+        if not picks:
+            return
+        k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in owners)
+        device = logits.device
+        copy = HostCopy(list(token_logprobs(logits[to_device(picks, torch.int64, device)],
+                                            to_device(targets, torch.int64, device), k)))
+        for seq, lo, hi in owners:
+            seq.prompt_logprob_parts.append(PromptLogprobsPart(copy, lo, hi))
 
     def _receive(self, pending: PendingStep) -> list[RequestOutput]:
-        """Wait for a pending step's tokens and append them; a sequence that finished (or was aborted)
-        since then drops its token."""
-        if pending.copied is not None:
-            pending.copied.synchronize()
+        """Wait for a pending step's tokens (and logprobs) and append them; a sequence that finished (or
+        was aborted) since then drops its token."""
+        host = pending.copy.get()
+        ids, values = (host[1].tolist(), host[2].tolist()) if len(host) > 1 else ([], [])
         outputs = []
-        for seq, token in zip(pending.seqs, pending.host_tokens.tolist()):
+        for seq, token, row in zip(pending.seqs, host[0].tolist(), pending.logprob_rows):
             seq.num_pending -= 1
             if not seq.finished:
-                outputs.append(self._append(seq, token))
+                logprobs = _logprobs(ids[row], values[row], seq.params.logprobs) if row >= 0 else None
+                outputs.append(self._append(seq, token, logprobs))
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _release(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence's blocks and token counts."""
+        self.scheduler.finish(seq)
+        if seq.counts_row >= 0:
+            self.token_counts.release(seq.counts_row)
+            seq.counts_row = -1
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq.output_token_ids.append(token)
         p = seq.params
         if token in self.eos_token_ids and not p.ignore_eos:
@@ -246,12 +308,34 @@ class LLMEngine:
                 seq.finish(FINISH_LENGTH)
         if seq.finished:
             self.requests.pop(seq.request_id, None)
-            self.scheduler.finish(seq)
-        return self._output(seq, [token])
+            self._release(seq)
+        return self._output(seq, [token], logprobs)
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        first = bool(new_tokens) and len(seq.output_token_ids) == 1 and seq.first_scheduled_time is not None
+    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        first = bool(new_tokens) and len(seq.output_token_ids) == 1
         return RequestOutput(
             seq.request_id, new_tokens, seq.text.take(seq.finished), seq.num_prompt_tokens,
             len(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
-            seq.first_scheduled_time - seq.arrival_time if first else None)
+            seq.first_scheduled_time - seq.arrival_time if first and seq.first_scheduled_time is not None else None,
+            logprobs=[logprobs] if logprobs is not None else None,
+            prompt_logprobs=_take_prompt_logprobs(seq) if first and seq.params.prompt_logprobs is not None else None)
+
+
+def _logprobs(ids: list[int], values: list[float], k: int | None) -> TokenLogprobs:
+    """A token's TokenLogprobs from its row of a step's logprobs (its own first, then the step's top)."""
+    k = k or 0
+    return TokenLogprobs(values[0], tuple(zip(ids[1:1 + k], values[1:1 + k])))
+
+
+def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None]:
+    """A sequence's prompt logprobs (None for its first token), read from the host copies of its chunks."""
+    out: list[TokenLogprobs | None] = [None]
+    for part in seq.prompt_logprob_parts:
+        ids, values = part.copy.get()
+        out += map(_logprobs, ids[part.lo:part.hi].tolist(), values[part.lo:part.hi].tolist(),
+                   [seq.params.prompt_logprobs] * (part.hi - part.lo))
+    seq.prompt_logprob_parts = []
+    if len(out) != seq.num_prompt_tokens:
+        raise RuntimeError(f"request {seq.request_id!r}: {len(out)} prompt logprobs for {seq.num_prompt_tokens} "
+                           "prompt tokens")
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ep_layer.latency import LatencyHistogram
 
@@ -65,9 +66,24 @@ class RankFailed:
     error: str
 
 
+class TokenLogprobs(NamedTuple):
+    """One token's log-probability and the `k` likeliest tokens at its place (k: the request's logprobs
+    or prompt_logprobs), likeliest first, as (token id, logprob); the token itself is the one at the
+    same index of new_token_ids (or of the prompt). Log-probabilities are log_softmax of the model's
+    float32 logits, before penalties, temperature and filters (vLLM's default "raw_logprobs"). As
+    vLLM's, the token's own entry is separate: it may be among `top` too, or not (then the API's
+    top_logprobs list it as the k + 1-th)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step did for a request: new tokens, the text they completed, and the end if reached."""
+    """What one step did for a request: new tokens, the text they completed, and the end if reached.
+    logprobs: one TokenLogprobs per new token, where the request asked (SamplingParams.logprobs);
+    prompt_logprobs: once, on the output of the first token, one per prompt token (None for the
+    first, which has no context), where it asked (SamplingParams.prompt_logprobs)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -78,6 +94,8 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     queue_time: float | None = None  # seconds from arrival to first scheduled; on the first output only
     error: str | None = None  # why the engine refused the request (finish_reason "abort")
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

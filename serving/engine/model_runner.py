@@ -57,6 +57,13 @@ def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
     return rows, sources
 
 
+def logits_rows(batch: ScheduledBatch) -> list[int]:
+    """How many logits rows each sequence of the batch gets, in order: all of its new tokens where it
+    computes prompt logprobs this step, else its last one (the row that gives its next token). A
+    decode-only batch always gets one row per sequence, so decode graphs never change for them."""
+    return [n if seq.prompt_logprob_positions(n) else 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+
+
 def graph_sizes(max_num_seqs: int) -> list[int]:
     """Decode batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (included)."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
@@ -65,7 +72,7 @@ def graph_sizes(max_num_seqs: int) -> list[int]:
 
 
 class ModelRunner:
-    """model: obeys serving.forward_batch's contract (forward(batch) -> float32 logits [num_seqs, vocab],
+    """model: obeys serving.forward_batch's contract (forward(batch) -> float32 logits [num_logits, vocab],
     allocate_kv_cache, config, and `ep_buffer` where it has MoE layers)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
@@ -103,14 +110,16 @@ class ModelRunner:
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        logits: list[int] = []
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, logits_rows(batch)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids(start, end)
             positions += range(start, end)
             table = seq.block_table
             slots += [slot_of(table, p, bs) for p in range(start, end)]
             query_start.append(query_start[-1] + n)
+            logits += range(query_start[-1] - rows, query_start[-1])
             seq_lens.append(end)
             tables.append(table + [-1] * (self.max_blocks_per_seq - len(table)))
         i64 = dict(dtype=torch.int64)
@@ -119,7 +128,7 @@ class ModelRunner:
             input_ids=torch.tensor(ids, **i64), positions=torch.tensor(positions, **i64),
             query_start=torch.tensor(query_start, **i32), seq_lens=torch.tensor(seq_lens, **i32),
             block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, **i64),
-            logits_indices=torch.tensor(query_start[1:], **i64) - 1,
+            logits_indices=torch.tensor(logits, **i64),
             host_layout=HostLayout(query_start, seq_lens, tables))
 
     def padded_decode_batch(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
@@ -209,10 +218,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, graph_size: int | None = None,
                 pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits float32 [len(batch.seqs), vocab]; an empty batch still runs the model (its MoE layers
-        take part in the other ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay
-        that captured decode graph (see `graph_size`), None: run eagerly. pending_tokens: the previous
-        step's sampled tokens on the device, where the batch's pending tokens are (see pending_inputs)."""
+        """Logits float32 [sum(logits_rows(batch)), vocab] (one row per sequence unless one computes
+        prompt logprobs); an empty batch still runs the model (its MoE layers take part in the other
+        ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay that captured decode
+        graph (see `graph_size`), None: run eagerly. pending_tokens: the previous step's sampled tokens
+        on the device, where the batch's pending tokens are (see pending_inputs)."""
         if graph_size is not None:
             return self._replay(batch, graph_size, pending_tokens)
         inputs = self.prepare(batch)

@@ -1,8 +1,13 @@
-"""Next tokens from logits: greedy at temperature 0, else temperature, top-k, top-p and a draw from the
-request's own seeded generator (or the engine's, for requests without a seed). Nothing here waits for
-the GPU: the tokens stay on the device until the caller reads them."""
+"""Next tokens from float32 logits, in vLLM's order (vllm/v1/sample/sampler.py): penalties (repetition,
+frequency, presence), then greedy argmax at temperature 0, else temperature, min_p, top-k, top-p and a
+draw from the request's own seeded generator (or the engine's). Logprobs are vLLM's default
+("raw_logprobs"): log_softmax of the logits as the model gave them, before penalties and filters.
+Nothing here waits for the GPU: tokens and logprobs stay on the device until the caller reads them."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,32 +22,153 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """The token counts of a batch's penalized rows, gathered on the device (TokenCounts.history)."""
+
+    rows: list[int]  # the batch rows that have penalties
+    index: torch.Tensor  # int64 [m]: the same rows on the device
+    slots: torch.Tensor  # int64 [m]: their rows of TokenCounts
+    output_counts: torch.Tensor  # int32 [m, vocab]: how often each token is in the output so far
+    prompt_mask: torch.Tensor  # bool [m, vocab]: whether each token is in the prompt
+
+
+class TokenCounts:
+    """Token counts of the sequences that use penalties, on the device: a row per such sequence of one
+    pool (int32 counts of its output tokens, a bool mask of its prompt's), assigned at its first sample,
+    advanced on the device by each sampled token (`record`, so pending tokens count at once) and freed
+    when it finishes. The pool grows by doubling; sequences without penalties take no row."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.output = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
+        self.prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self._free: list[int] = []
+
+    @property
+    def num_assigned(self) -> int:
+        return self.output.shape[0] - len(self._free)
+
+    def assign(self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = ()) -> int:
+        """A row holding this history; give it back with `release`."""
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.prompt[row].zero_()
+        self.prompt[row].index_fill_(0, to_device(list(prompt_token_ids), torch.int64, self.device), True)
+        self.output[row].zero_()
+        if output_token_ids:
+            ids = to_device(list(output_token_ids), torch.int64, self.device)
+            self.output[row].index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32, device=self.device))
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+    def history(self, rows: list[int], slots: list[int]) -> TokenHistory:
+        """The counts of pool rows `slots`, for batch rows `rows`."""
+        index = to_device(slots, torch.int64, self.device)
+        return TokenHistory(rows, to_device(rows, torch.int64, self.device), index,
+                            self.output.index_select(0, index), self.prompt.index_select(0, index))
+
+    def record(self, history: TokenHistory, tokens: torch.Tensor) -> None:
+        """Count each penalized row's sampled token (tokens: int64 [batch rows] on the device)."""
+        ones = torch.ones(len(history.rows), dtype=torch.int32, device=self.device)
+        self.output.index_put_((history.slots, tokens.index_select(0, history.index)), ones, accumulate=True)
+
+    def _grow(self) -> None:
+        n = self.output.shape[0]
+        size = max(8, 2 * n)
+        for name in ("output", "prompt"):
+            old = getattr(self, name)
+            new = torch.zeros(size, self.vocab_size, dtype=old.dtype, device=self.device)
+            new[:n] = old
+            setattr(self, name, new)
+        self._free += range(size - 1, n - 1, -1)  # lowest rows first
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """A step's sampled tokens and their logprobs, all on the device."""
+
+    tokens: torch.Tensor  # int64 [num_rows]
+    logprob_rows: list[int]  # each row's row of logprob_ids / logprob_values, -1 where it asked for none
+    # [rows asking, 1 + k], k the most top logprobs a row asked: the sampled token, then the top k
+    logprob_ids: torch.Tensor | None = None  # int64
+    logprob_values: torch.Tensor | None = None  # float32
+
+
 class Sampler:
-    """Samples one token per row of float32 logits [num_seqs, vocab]."""
+    """Samples one token per row of float32 logits [num_rows, vocab]."""
 
     def __init__(self, device: torch.device | str, seed: int = 0) -> None:
         self.default_generator = make_generator(seed, device)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None]) -> torch.Tensor:
-        """The tokens, int64 [num_seqs] on the logits' device."""
+        """The tokens, int64 [num_rows] on the logits' device."""
+        return self.run(logits, params, generators).tokens
+
+    def run(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+            history: TokenHistory | None = None) -> SamplerOutput:
+        """The tokens and, for the rows that ask, their logprobs. history: the penalized rows' token
+        counts (None: no row has penalties)."""
         if logits.shape[0] != len(params):
             raise ValueError(f"logits: expected {len(params)} rows (one per sequence), got {logits.shape[0]}")
-        tokens = torch.argmax(logits, dim=-1)
+        logits = logits.float()
+        processed = apply_penalties(logits, history, params) if history is not None else logits
+        tokens = torch.argmax(processed, dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = to_device(sampled, torch.int64, logits.device)
-            probs = _probs(logits[rows].float(), [params[i] for i in sampled])
+            probs = sampling_probs(processed[rows], [params[i] for i in sampled])
             for j, i in enumerate(sampled):
                 gen = generators[i] if generators[i] is not None else self.default_generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return tokens
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asking:
+            return SamplerOutput(tokens, [-1] * len(params))
+        where = [-1] * len(params)
+        for j, i in enumerate(asking):
+            where[i] = j
+        k = max(params[i].logprobs or 0 for i in asking)
+        if len(asking) == len(params):
+            ids, values = token_logprobs(logits, tokens, k)
+        else:
+            rows = to_device(asking, torch.int64, logits.device)
+            ids, values = token_logprobs(logits[rows], tokens[rows], k)
+        return SamplerOutput(tokens, where, ids, values)
 
 
-def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax of logits / temperature restricted to each row's top-k and top-p set."""
+def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits with the penalties of `history`'s rows applied (a new tensor), as vLLM's
+    apply_penalties: repetition (tokens of the prompt or the output: positive logits divided by it,
+    negative ones multiplied), then frequency (times the output count), then presence (once per
+    output token)."""
+    rows = [params[i] for i in history.rows]
+    column = dict(dtype=logits.dtype, device=logits.device)
+    repetition = to_device([p.repetition_penalty for p in rows], **column).unsqueeze(1)
+    frequency = to_device([p.frequency_penalty for p in rows], **column).unsqueeze(1)
+    presence = to_device([p.presence_penalty for p in rows], **column).unsqueeze(1)
+    x = logits.index_select(0, history.index)
+    counts = history.output_counts.to(logits.dtype)
+    seen = history.output_counts > 0
+    penalty = torch.where(history.prompt_mask | seen, repetition, 1.0)
+    x = torch.where(x > 0, x / penalty, x * penalty)
+    x = x - frequency * counts - presence * seen.to(logits.dtype)
+    return logits.index_copy(0, history.index, x)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a sampled row draws from: softmax of logits / temperature, restricted to the
+    tokens at least min_p times as likely as the likeliest, then to the top-k, then to the top-p set."""
     temps = to_device([p.temperature for p in params], logits.dtype, logits.device)
     logits = logits / temps.unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        min_ps = to_device([p.min_p for p in params], logits.dtype, logits.device)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_ps.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     vocab = logits.shape[1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_ks) < vocab:
@@ -58,3 +184,13 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64, logprobs float32), each [rows, 1 + k]: column 0 the given token's, then the k most
+    likely tokens' (torch.topk's order), of log_softmax(logits) (vLLM's gather_logprobs)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top = logprobs.topk(k, dim=-1)
+    token_ids = token_ids.unsqueeze(1)
+    return (torch.cat([token_ids, top.indices], dim=1),
+            torch.cat([logprobs.gather(1, token_ids), top.values], dim=1))

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from ..forward_batch import HostCopy
 from .detokenizer import OutputText
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one overflows
 # float32 to inf, and the softmax of that is NaN.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # the most top logprobs a token may ask for (vLLM's default --max-logprobs)
+PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 class BadRequest(ValueError):
@@ -25,8 +29,16 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop (OpenAI / vLLM meanings). temperature 0 (< 1e-5) = greedy;
-    top_k <= 0 and top_p = 1 disable those filters; seed makes sampling reproducible per request."""
+    """How to pick tokens, when to stop and what to report (vLLM's fields, meanings and defaults).
+
+    temperature 0 (< 1e-5) = greedy; top_k <= 0, top_p = 1 and min_p = 0 disable those filters; seed
+    makes sampling reproducible per request. Penalties (before temperature, greedy included):
+    repetition_penalty divides the positive logits and multiplies the negative ones of every token in
+    the prompt or the output so far (1 = off); frequency_penalty subtracts itself times a token's count
+    in the output, presence_penalty itself once for a token in the output. logprobs: the number of top
+    log-probabilities per generated token (None: none), besides the token's own, which is always
+    given; prompt_logprobs: the same per prompt token (the first has none). Log-probabilities are
+    vLLM's default ("raw_logprobs"): log_softmax of the model's logits, before penalties and filters."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -36,6 +48,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,12 +62,30 @@ class SamplingParams:
             raise BadRequest(f"temperature: expected >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise BadRequest(f"top_p: expected in (0, 1], got {self.top_p}", "top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise BadRequest(f"min_p: expected in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise BadRequest(f"{name}: expected in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value}", name)
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise BadRequest(f"repetition_penalty: expected a finite number > 0, got {self.repetition_penalty}",
+                             "repetition_penalty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise BadRequest(f"{name}: expected in [0, {MAX_LOGPROBS}], got {value}", name)
         if any(not s for s in self.stop):
             raise BadRequest("stop: expected non-empty strings", "stop")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on: the sequence then keeps token counts on the device."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None = None,
@@ -70,6 +106,16 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_
                          "prompt" if max_tokens is None else "max_tokens")
 
 
+@dataclass(frozen=True)
+class PromptLogprobsPart:
+    """Prompt logprobs of one chunk, still on their way to the host: rows [lo, hi) of `copy`'s token
+    ids and logprobs (HostCopy of two [rows, 1 + k] tensors: the prompt token's own, then the top k)."""
+
+    copy: HostCopy
+    lo: int
+    hi: int
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -82,7 +128,12 @@ class Sequence:
     them have their KV in the cache (blocks in `block_table`). After a preemption, everything is
     recomputed. With async scheduling a sampled token stays on the device until the engine's next step
     has been launched: it is pending (counted, not yet in output_token_ids; the latest is row
-    `pending_row` of that step's sampled tokens), and the next step reads it there."""
+    `pending_row` of that step's sampled tokens), and the next step reads it there.
+
+    With penalties, `counts_row` is its row of the engine's token counts on the device (-1 before its
+    first sample). With prompt_logprobs, the logprobs of prompt tokens 1 .. num_prompt_logprobs have
+    been computed (a preempted sequence does not compute them again); they travel in
+    `prompt_logprob_parts` until its first token goes out."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -99,6 +150,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     num_pending: int = 0
     pending_row: int = -1
+    counts_row: int = -1
+    num_prompt_logprobs: int = 0
+    prompt_logprob_parts: list[PromptLogprobsPart] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -130,6 +184,15 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p:end - p] + unknown
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p] + unknown
+
+    def prompt_logprob_positions(self, num_new_tokens: int) -> range:
+        """The positions among its next `num_new_tokens` whose logits give prompt logprobs not computed
+        yet (position p's logits: prompt token p + 1's). Where there are any, the step computes logits
+        for all of its new tokens."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        start = max(self.num_computed_tokens, self.num_prompt_logprobs)
+        return range(start, min(self.num_computed_tokens + num_new_tokens, self.num_prompt_tokens - 1))
 
     @property
     def finished(self) -> bool:

@@ -143,7 +143,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """One step: writes the new tokens' latent KV to their slots, attends (prefill chunks to their
         sequence's earlier tokens and causally to the chunk, decodes to the cache) and returns float32
-        logits [len(logits_indices), vocab] (one row per sequence by the contract)."""
+        logits [len(logits_indices), vocab] (the rows serving.forward_batch names)."""
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("forward: no KV cache; call allocate_kv_cache(num_blocks, block_size) first")
