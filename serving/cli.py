@@ -1,16 +1,36 @@
 """`ep-serve`: the OpenAI-compatible server for DeepSeek-V3 checkpoints, with expert parallelism over
-engine rank processes (vLLM's flags and meanings)."""
+engine rank processes. A `vllm serve` command line works here: vLLM's flags keep vLLM's names, defaults
+and meanings, and those that cannot apply say so (--tensor-parallel-size > 1, --quantization other than
+the checkpoint's)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .engine.engine_config import DEFAULT_LOADER, EP_BACKENDS, LOAD_FORMATS, EngineConfig
+from .model_config import AUTO_DTYPE, ModelConfig
+
+if TYPE_CHECKING:
+    from .engine.dp_coordinator import EngineObserver
+    from .engine.messages import ModelInfo, RequestOutput, SchedulerStats
 
 DEFAULT_TINY_NAME = "ep-layer-tiny"
 DEFAULT_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
+DTYPES = {AUTO_DTYPE: AUTO_DTYPE, "bfloat16": "bfloat16", "float": "float32", "float16": "float16",
+          "float32": "float32", "half": "float16"}  # vLLM's --dtype choices -> EngineConfig.dtype
+LOG_LEVELS = {"critical": 50, "error": 40, "warning": 30, "info": 20, "debug": 10}
+UVICORN_LOG_LEVELS = {**LOG_LEVELS, "trace": 5}  # uvicorn's own level below debug
+_HF_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")  # ORG/NAME
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+_UVICORN_STARTED = re.compile(r"Uvicorn running on (\S+)")
 log = logging.getLogger("ep-serve")
 
 
@@ -23,20 +43,58 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """MODEL comes positionally or as --model (vLLM takes both): args.model is the one given, and two
+    different ones are an error (exit status 2)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        option = vars(parsed).pop("model_option", None)
+        if option is not None:
+            if parsed.model not in (None, option):
+                self.error(f"MODEL {parsed.model!r} and --model {option!r}: give the model once, either way")
+            parsed.model = option
+        return parsed, extra
+
+
+class _VersionAction(argparse.Action):
+    """--version: prints ep-layer's version (what /version reports) and exits; imported only when asked."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: Any = argparse.SUPPRESS,
+                 help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from ep_layer import __version__
+
+        print(f"{parser.prog} {__version__}")
+        parser.exit()
+
+
+def human_int(text: str) -> int:
+    """vLLM's sizes: 2048, 2k (2000), 25.6k (25600), 2K (2048); the same with m/M and g/G."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix in _BINARY:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
+                                             f"did you mean {number}{suffix.lower()}?")
+        return int(number) * _BINARY[suffix]
+    return int(float(number) * _DECIMAL[suffix])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="ep-serve",
         description="Serve a DeepSeek-V3 checkpoint over an OpenAI-compatible HTTP API (/v1/completions, "
-                    "/v1/models, /health, /version, /metrics).",
+                    "/v1/models, /health, /version, /metrics). vLLM's flags mean what they mean in `vllm serve`.",
         formatter_class=_HelpFormatter)
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="HF DeepSeek-V3 checkpoint directory (config.json, safetensors, tokenizer.json); "
-                        "omitted: the built-in tiny model (deterministic weights, written to a cache directory)")
-    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                   help="'auto': the checkpoint's safetensors; 'dummy': config.json and tokenizer only, random "
-                        "weights made on the device (for benchmarks at a real model's shapes)")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: MODEL as given, or 'ep-layer-tiny')")
+    p.add_argument("--version", action=_VersionAction, help="print ep-serve's version and exit")
+    _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000,
                    help="port to bind (0: a free one, logged as 'Uvicorn running on http://HOST:PORT')")
@@ -44,28 +102,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on every endpoint but --api-key-exempt-paths")
     p.add_argument("--api-key-exempt-paths", default="/health,/metrics", metavar="PATHS",
                    help="comma-separated paths served without the API key ('' for none)")
+    p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="the chat template of chat requests: a file, the Jinja template itself, or the name of one "
+                        "of the model's templates (default: the model's own, from its tokenizer files)")
     p.add_argument("--max-waiting-seqs", type=int, default=None,
                    help="sequences that may wait per rank beyond --max-num-seqs running; past that, new requests "
                         "get 503 with Retry-After (default: 4 x --max-num-seqs)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="most tokens (prompt + completion) per request (default: the model's "
+    p.add_argument("--max-model-len", type=human_int, default=None,
+                   help="most tokens (prompt + completion) per request, e.g. 4096 or 4k (default: the model's "
                         "max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once per rank")
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine rank processes, each with its own copy of attention and its own requests")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="shard the routed experts over the data-parallel ranks, which then step together "
-                        "(an idle rank runs an empty batch)")
-    p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
-                   help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
-                        "torch.distributed one, or 'auto' (cuda when built and on GPU)")
-    p.add_argument("--max-tokens-per-rank", type=int, default=256,
-                   help="tokens per step and rank (chunked-prefill budget), the MoE layers' T")
+    p.add_argument("--max-num-batched-tokens", "--max-tokens-per-rank", dest="max_tokens_per_rank", type=human_int,
+                   default=256, metavar="N",
+                   help="tokens per step and rank (vLLM's per-engine budget: each data-parallel rank schedules "
+                        "its own steps): the chunked-prefill budget and the MoE layers' T; e.g. 256 or 1K")
+    _add_parallel_args(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks per rank (default: from --gpu-memory-utilization on GPU, 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of the GPU memory left after loading the model that the KV cache may take")
+                   help="fraction in (0, 1] of each GPU's whole memory that this server's ranks on it may use for "
+                        "weights, buffers and KV cache, whatever else runs on the GPU (vLLM's per-instance limit); "
+                        "the KV cache gets what the rest leaves")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the ranks run (auto: cuda if available; the r-th rank of a host uses GPU r mod #GPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests that give none")
@@ -78,10 +136,70 @@ def build_parser() -> argparse.ArgumentParser:
                         "detokenizing on the host overlap the GPU's work: shorter decode steps, though at high "
                         "concurrency a later first token (default on; --no-async-scheduling: each step waits "
                         "for its tokens)")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn and ep-serve log level")
+    _add_logging_args(p)
     _add_multi_host_args(p)
     return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="HF DeepSeek-V3 checkpoint directory (config.json, safetensors, tokenizer.json), or a Hugging "
+                        "Face repo id ORG/NAME already in the Hugging Face cache (see --download-dir); omitted: the "
+                        "built-in tiny model (deterministic weights, written to a cache directory)")
+    p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                   help="MODEL as an option (vLLM's --model); given with the positional MODEL, the two must agree")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name in the API (default: MODEL as given, or 'ep-layer-tiny')")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory of the tokenizer.json to use, or a Hugging Face repo id as for MODEL (default: "
+                        "MODEL's)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="'auto': the checkpoint's safetensors; 'dummy': config.json and tokenizer only, random "
+                        "weights made on the device (for benchmarks at a real model's shapes)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache (huggingface_hub's layout, models--ORG--NAME/snapshots/) in which a "
+                        "MODEL or --tokenizer given as a repo id is looked up; nothing is downloaded, and a MODEL "
+                        "given as a directory ignores it (default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+                        "~/.cache/huggingface/hub)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=AUTO_DTYPE,
+                   help="activations and unquantised weights: 'auto' is the checkpoint's torch_dtype, but bfloat16 "
+                        "for FP8 checkpoints and for float32 ones (vLLM's downcast); 'half' is float16 and 'float' "
+                        "float32. The MoE layers compute in bfloat16 whatever the dtype; FP8 checkpoints cannot run "
+                        "in float16")
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="FP8 block weights are detected from config.json's quantization_config; 'fp8' insists on "
+                        "them (a checkpoint without is an error: weights are not quantised at load); other methods "
+                        "are not supported")
+    p.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for vLLM compatibility and changes nothing: no code from a checkpoint is ever run "
+                        "(the DeepSeek-V3 model is built in; config.json and tokenizer.json are read as data)")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine rank processes, each with its own copy of attention and its own requests")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the routed experts over the data-parallel ranks, which then step together "
+                        "(an idle rank runs an empty batch)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="1 only: ep-serve scales by --data-parallel-size N with --enable-expert-parallel (attention "
+                        "replicated on every rank, the experts sharded over them), not by tensor parallelism")
+    p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
+                   help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
+                        "torch.distributed one, or 'auto' (cuda when built and on GPU)")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=tuple(LOG_LEVELS),
+                   help="ep-serve's log level, and uvicorn's unless --uvicorn-log-level")
+    p.add_argument("--uvicorn-log-level", default=None, choices=tuple(UVICORN_LOG_LEVELS),
+                   help="uvicorn's log level (default: --log-level)")
+    p.add_argument("--enable-log-requests", dest="log_requests", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="log a line per request when it ends: its id, rank, prompt and output tokens, finish "
+                        "reason and seconds (off by default, as in vLLM)")
+    p.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=False,
+                   help="no request lines: vLLM's older flag for the default")
 
 
 def _add_multi_host_args(p: argparse.ArgumentParser) -> None:
@@ -126,17 +244,57 @@ def _rank_placement(args: argparse.Namespace) -> dict[str, int | str | None]:
                 data_parallel_address=args.data_parallel_address, dist_port=port)
 
 
+def hf_cache_dir(download_dir: str | None) -> str:
+    """Where huggingface_hub keeps its cache: --download-dir, else $HF_HUB_CACHE, else $HF_HOME/hub."""
+    if download_dir:
+        return download_dir
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def local_path(name: str, download_dir: str | None, flag: str) -> str:
+    """`name` (MODEL, --tokenizer) as a local directory: itself if it is one, else for a Hugging Face repo
+    id its snapshot of refs/main in the Hugging Face cache. Nothing is downloaded."""
+    if os.path.isdir(name):
+        return name
+    if _HF_REPO_ID.fullmatch(name):
+        cache = hf_cache_dir(download_dir)
+        repo = os.path.join(cache, "models--" + name.replace("/", "--"))
+        try:
+            with open(os.path.join(repo, "refs", "main"), encoding="utf-8") as f:
+                snapshot = os.path.join(repo, "snapshots", f.read().strip())
+        except OSError:
+            snapshot = None
+        if snapshot is not None and os.path.isdir(snapshot):
+            return snapshot
+        raise SystemExit(f"ep-serve: {flag} {name!r}: not a directory, nor a repo in the Hugging Face cache at "
+                         f"{cache}; ep-serve downloads nothing: fetch it first (e.g. `hf download {name}`), or give "
+                         f"--download-dir")
+    raise SystemExit(f"ep-serve: {flag} {name!r}: no such directory")
+
+
 def engine_config(args: argparse.Namespace, model: str, served_name: str, loader: str = DEFAULT_LOADER) -> EngineConfig:
+    """The parsed flags as an EngineConfig for the checkpoint directory `model` (dtype "auto" and the
+    quantization are resolved against the checkpoint afterwards: EngineConfig.resolved)."""
     if args.data_parallel_size < 1:
         raise SystemExit(f"ep-serve: --data-parallel-size: expected >= 1, got {args.data_parallel_size}")
+    if args.tensor_parallel_size != 1:
+        raise SystemExit(f"ep-serve: --tensor-parallel-size {args.tensor_parallel_size}: expected 1; ep-serve has "
+                         f"no tensor parallelism and scales by data-parallel ranks with expert parallelism instead "
+                         f"(attention replicated on every rank, the experts sharded over them): use "
+                         f"--data-parallel-size N --enable-expert-parallel")
+    tokenizer = None if args.tokenizer is None else local_path(args.tokenizer, args.download_dir, "--tokenizer")
     return EngineConfig(
-        model=model, served_model_name=served_name, loader=loader, load_format=args.load_format,
+        model=model, served_model_name=served_name, tokenizer=tokenizer, dtype=DTYPES[args.dtype],
+        quantization=args.quantization, loader=loader, load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank, block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, chat_template=args.chat_template,
         **_rank_placement(args))
 
 
@@ -149,19 +307,25 @@ def main(argv: list[str] | None = None) -> None:
         model, default_name = tiny_checkpoint(), DEFAULT_TINY_NAME
         log.info("no MODEL given: serving the built-in tiny DeepSeek-V3 from %s", model)
     else:
-        model, default_name = args.model, args.model
+        model, default_name = local_path(args.model, args.download_dir, "MODEL"), args.model
     try:
         config = engine_config(args, model, args.served_model_name or default_name)
+        checkpoint = ModelConfig.from_file(config.model)
+        config = config.resolved(checkpoint)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
-    serve(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+    serve(config, checkpoint, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+          uvicorn_log_level=args.uvicorn_log_level or args.log_level,
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
-          max_waiting_seqs=args.max_waiting_seqs)
+          max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests)
 
 
-def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None, log_level: str = "info",
-          open_paths: frozenset[str] = frozenset({"/health", "/metrics"}), max_waiting_seqs: int | None = None) -> None:
-    """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server."""
+def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
+          log_level: str = "info", uvicorn_log_level: str = "info",
+          open_paths: frozenset[str] = frozenset({"/health", "/metrics"}), max_waiting_seqs: int | None = None,
+          log_requests: bool = False) -> None:
+    """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
+    Once the port is bound, one line says what is served, how and where (startup_summary)."""
     from .api.server import make_server_state, run_http
 
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
@@ -171,10 +335,105 @@ def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None, lo
         state = make_server_state(config, api_key, open_paths=open_paths, max_waiting_seqs=max_waiting_seqs)
     except (RuntimeError, TimeoutError, OSError, ValueError) as e:
         raise SystemExit(f"ep-serve: could not start: {e}") from None
+    if log_requests:
+        state.coordinator.observer = RequestLog(state.coordinator.observer)
+    ready = _UvicornLogs(lambda url: startup_summary(config, checkpoint, state.coordinator.info, url),
+                         UVICORN_LOG_LEVELS[uvicorn_log_level])
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).addFilter(ready)
     try:
-        run_http(state, host=host, port=port, log_level=log_level)
+        # uvicorn logs at least its start (the bound URL, which the summary needs); _UvicornLogs drops
+        # whatever is below the level asked for.
+        run_http(state, host=host, port=port,
+                 log_level=min(uvicorn_log_level, "info", key=UVICORN_LOG_LEVELS.__getitem__))
     finally:
         state.coordinator.shutdown()
+
+
+class _UvicornLogs(logging.Filter):
+    """On uvicorn's loggers: logs the start-up summary when uvicorn says where it runs (the URL is known
+    only once it has bound the port), and drops records below --uvicorn-log-level."""
+
+    def __init__(self, summary: Callable[[str], str], level: int) -> None:
+        super().__init__()
+        self.summary, self.level, self.done = summary, level, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.done and (match := _UVICORN_STARTED.match(record.getMessage())):
+            self.done = True
+            log.info("%s", self.summary(match[1]))
+        return record.levelno >= self.level
+
+
+def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelInfo, url: str) -> str:
+    """What is served, how and where, from the config and what rank 0 reported (serving.engine.messages'
+    ModelInfo). The Buffer backend and the CUDA graphs are what the ranks decide with the same functions
+    (resolve_backend, why_eager, graph_sizes): ModelInfo does not report them."""
+    import torch
+
+    from ep_layer.backends import resolve_backend
+
+    from .engine.model_runner import graph_sizes, why_eager
+
+    device = torch.device(info.device)
+    size, experts = config.data_parallel_size, checkpoint.n_routed_experts
+    if config.expert_parallel:
+        here = config.local_ranks
+        where = f" ({here.start}..{here.stop - 1} here)" if config.spans_processes else ""
+        ranks = (f"{size} data-parallel ranks{where} with expert parallelism, {experts // size} of {experts} "
+                 f"experts a rank")
+    else:
+        ranks = f"{size} data-parallel rank{'s' if size > 1 else ''}, all {experts} experts on each"
+    has_moe = checkpoint.first_k_dense_replace < checkpoint.num_hidden_layers
+    backend = resolve_backend(config.ep_backend, one_node=not config.spans_processes, device=device) if has_moe \
+        else None
+    if backend is None:
+        buffer = "no MoE layers (no Buffer)"
+    elif not config.expert_parallel:
+        buffer = f"Buffer backend {backend} (a rank alone: nothing exchanged)"
+    elif backend == "cuda":
+        buffer = "Buffer backend cuda over CUDA IPC"
+    else:
+        buffer = f"Buffer backend reference over torch.distributed ({'NCCL' if device.type == 'cuda' else 'gloo'})"
+    if config.enforce_eager:
+        graphs = "CUDA graphs off (--enforce-eager)"
+    elif (reason := why_eager(device, backend, info.max_model_len)) is not None:
+        graphs = f"CUDA graphs off ({reason})"
+    else:
+        sizes = graph_sizes(min(config.max_num_seqs, config.max_tokens_per_rank))
+        graphs = f"decode CUDA graphs for batch sizes {sizes}"
+    weights = ", FP8 block weights" if checkpoint.fp8 else ""
+    return (f"ep-serve ready at {url}: model {config.served_model_name} ({config.model}), dtype {config.dtype}"
+            f"{weights}, {ranks}, {buffer}, {graphs}, on {info.device}; KV cache {info.num_kv_blocks} blocks of "
+            f"{info.block_size} tokens a rank, max_model_len {info.max_model_len}")
+
+
+class RequestLog:
+    """The engine's observer (serving.engine.dp_coordinator.EngineObserver) with a log line per request
+    when it ends (--enable-log-requests), in front of the observer it wraps (the metrics)."""
+
+    def __init__(self, inner: EngineObserver | None) -> None:
+        self.inner = inner
+        self._arrived: dict[str, float] = {}
+
+    def on_request(self, rank: int, request_id: str, now: float) -> None:
+        self._arrived[request_id] = now
+        if self.inner is not None:
+            self.inner.on_request(rank, request_id, now)
+
+    def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
+        if self.inner is not None:
+            self.inner.on_output(rank, output, now)
+        if output.finished:
+            took = now - self._arrived.pop(output.request_id, now)
+            error = f", error: {output.error.splitlines()[0]}" if output.error else ""
+            log.info("request %s (rank %d): %d prompt + %d output tokens, finish_reason %s%s, %.3f s",
+                     output.request_id, rank, output.num_prompt_tokens, output.num_output_tokens,
+                     output.finish_reason, error, took)
+
+    def on_stats(self, rank: int, stats: SchedulerStats) -> None:
+        if self.inner is not None:
+            self.inner.on_stats(rank, stats)
 
 
 if __name__ == "__main__":

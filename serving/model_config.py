@@ -15,6 +15,8 @@ from typing import Any
 
 FP8_WEIGHT_BLOCK = (128, 128)  # the only block size the FP8 kernels (and ep_layer.moe) support
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+AUTO_DTYPE = "auto"  # vLLM's --dtype default: the checkpoint's (ModelConfig.serving_dtype)
+QUANTIZATION_METHODS = ("fp8",)  # vLLM's --quantization names this code runs: DeepSeek-V3's block FP8
 
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -105,6 +107,35 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
+
+    # ------------------------------------------------------------------ serving options
+    def serving_dtype(self, requested: str = AUTO_DTYPE) -> str:
+        """The dtype of activations and unquantised weights for vLLM's --dtype `requested`. "auto" is
+        torch_dtype, but bfloat16 for float32 checkpoints (vLLM downcasts those to the device's preferred
+        dtype) and for FP8 ones. FP8 block weights run with bfloat16 or float32 activations: their GEMMs
+        and the MoE layers' dispatch work in bfloat16, which float16 activations would overflow."""
+        if requested == AUTO_DTYPE:
+            return "bfloat16" if self.fp8 or self.torch_dtype == "float32" else self.torch_dtype
+        if requested not in SUPPORTED_DTYPES:
+            raise ConfigError(f"dtype: expected {AUTO_DTYPE!r} or one of {SUPPORTED_DTYPES}, got {requested!r}")
+        if self.fp8 and requested == "float16":
+            raise ConfigError("dtype 'float16': this checkpoint's FP8 block weights run with bfloat16 activations "
+                              "(the FP8 GEMMs and the MoE dispatch work in bfloat16); use bfloat16, or float32")
+        return requested
+
+    def check_quantization(self, requested: str | None) -> None:
+        """vLLM's --quantization against this checkpoint: None takes what config.json says; "fp8" needs an
+        FP8 checkpoint (weights are never quantised at load here); other methods are not supported."""
+        if requested is None:
+            return
+        if requested not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization {requested!r}: not supported (DeepSeek-V3 checkpoints run unquantised "
+                              f"or in block FP8, {QUANTIZATION_METHODS[0]!r}, which config.json's "
+                              f"quantization_config announces)")
+        if not self.fp8:
+            raise ConfigError(f"quantization {requested!r}: this checkpoint is not FP8 (config.json has no "
+                              f"quantization_config) and weights are not quantised at load; leave --quantization "
+                              f"out to serve it in its dtype")
 
     # ------------------------------------------------------------------ reading
     @classmethod

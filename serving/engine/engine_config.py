@@ -3,11 +3,15 @@ the rank processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
 
 DEFAULT_LOADER = "serving.engine.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
 LOAD_FORMATS = ("auto", "dummy")
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -15,7 +19,8 @@ class EngineConfig:
     """model: checkpoint directory. loader: a module with load_model(config, group, device) -> (model,
     tokenizer), run in each rank, and load_tokenizer(config), run in the server (default:
     serving.engine.loading). max_tokens_per_rank: tokens per step and rank, the MoE layer's T.
-    max_model_len / num_kv_blocks: None = from the model / from memory.
+    max_model_len / num_kv_blocks: None = from the model / from memory. tokenizer, dtype, quantization,
+    gpu_memory_utilization and chat_template mean what vLLM's flags of those names mean (serving.cli).
 
     Multi-host jobs (vLLM's flags): each ep-serve runs the ranks [data_parallel_start_rank,
     data_parallel_start_rank + data_parallel_size_local) of data_parallel_size and serves HTTP for them;
@@ -24,6 +29,9 @@ class EngineConfig:
 
     model: str
     served_model_name: str = "ep-layer-tiny"
+    tokenizer: str | None = None  # directory with tokenizer.json (None: the model's)
+    dtype: str = AUTO_DTYPE  # activations and unquantised weights: "auto" (ModelConfig.serving_dtype) or a name
+    quantization: str | None = None  # None: as config.json says; else checked against it (resolved)
     loader: str = DEFAULT_LOADER
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (serving.loader)
     max_model_len: int | None = None
@@ -31,7 +39,7 @@ class EngineConfig:
     max_tokens_per_rank: int = 256
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_fraction: float = 0.9  # of the GPU memory left after loading (vLLM's gpu_memory_utilization)
+    gpu_memory_utilization: float = 0.9  # of each GPU's whole memory, for this server's ranks on it (vLLM's)
     cpu_kv_cache_bytes: int = 1 << 30
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -44,12 +52,18 @@ class EngineConfig:
     data_parallel_size_local: int | None = None  # ranks this process runs (None: all from the start rank on)
     data_parallel_start_rank: int = 0  # global rank of this process's first rank
     data_parallel_address: str = "127.0.0.1"  # host of the rendezvous store (the process that runs rank 0)
+    chat_template: str | None = None  # --chat-template as given: a file, the template, or a template's name
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.ep_backend not in EP_BACKENDS:
             raise ValueError(f"ep_backend: expected one of {EP_BACKENDS}, got {self.ep_backend!r}")
+        if self.dtype not in (AUTO_DTYPE, *SUPPORTED_DTYPES):
+            raise ValueError(f"dtype: expected {AUTO_DTYPE!r} or one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected a fraction in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         for name in ("max_num_seqs", "max_tokens_per_rank", "block_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -78,6 +92,30 @@ class EngineConfig:
             if not lowest <= self.dist_port < 65536:
                 raise ValueError(f"dist_port: expected the rendezvous port every host uses, in [{lowest}, 65535], "
                                  f"got {self.dist_port}")
+
+    def resolved(self, model: ModelConfig) -> EngineConfig:
+        """This config for the checkpoint `model` describes: dtype "auto" made the dtype it stands for,
+        quantization checked (ConfigError, a ValueError, for what the checkpoint cannot run)."""
+        model.check_quantization(self.quantization)
+        return dataclasses.replace(self, dtype=model.serving_dtype(self.dtype))
+
+    def kv_cache_budget_bytes(self, total_bytes: int, held_bytes: int, ranks_per_gpu: int) -> int:
+        """KV cache bytes one GPU rank may allocate under vLLM's gpu_memory_utilization: its share of that
+        fraction of the GPU's whole memory (total_bytes, shared by ranks_per_gpu of this server's ranks),
+        less what the rank holds already (held_bytes: weights, buffers)."""
+        share = int(self.gpu_memory_utilization * total_bytes / ranks_per_gpu)
+        if share <= held_bytes:
+            raise ValueError(f"gpu_memory_utilization: {self.gpu_memory_utilization} of the GPU's "
+                             f"{total_bytes / GIB:.1f} GiB over {ranks_per_gpu} rank(s) is {share / GIB:.1f} GiB a "
+                             f"rank, which its {held_bytes / GIB:.1f} GiB of weights and buffers fill: nothing is "
+                             f"left for the KV cache (raise --gpu-memory-utilization, or run fewer ranks a GPU)")
+        return share - held_bytes
+
+    @property
+    def kv_cache_memory_fraction(self) -> float:
+        """The fraction serving.engine.rank_worker applies today, to the GPU memory left after loading;
+        kv_cache_budget_bytes is vLLM's meaning, which the rank is to use instead."""
+        return self.gpu_memory_utilization
 
     @property
     def local_ranks(self) -> range:

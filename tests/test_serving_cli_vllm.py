@@ -1,0 +1,365 @@
+"""`ep-serve` takes a `vllm serve` command line with vLLM's meanings (serving/cli.py): each flag from the
+parsed namespace to the EngineConfig the ranks get, the errors for what cannot apply, `--version`, and
+one start of ep-serve on the built-in tiny model whose log states what is served and logs each request.
+
+The names, defaults and meanings follow vLLM (vllm-project/vllm) at these commits:
+- vllm/engine/arg_utils.py @ 99d7eb5d6a512cfcc5a2b104f24ebf2d6cda772b: EngineArgs.add_cli_args (--model,
+  --tokenizer, --trust-remote-code, --dtype, --quantization/-q, --download-dir, --tensor-parallel-size/-tp,
+  --gpu-memory-utilization, --max-num-batched-tokens, human_readable_int) and AsyncEngineArgs'
+  --enable-log-requests (default off) / --disable-log-requests (deprecated);
+- vllm/entrypoints/openai/cli_args.py @ 005223338608bc94fd165a4f976c102a57bd1fc4: make_arg_parser
+  (positional model_tag, FrontendArgs' --chat-template and --uvicorn-log-level, default "info");
+- vllm/entrypoints/cli/serve.py @ 00a5fdd20935ba7679750db22997dcf539ca4591 (the positional model wins
+  over --model; here two different ones are an error);
+- vllm/config/model.py @ 18ec6629253632af0a384f2ffbb8c6b28af322e7 (dtype "auto": the checkpoint's, float32
+  checkpoints downcast; --quantization None: detected from quantization_config) and vllm/config/cache.py
+  @ c1d86421174a87056edc90a41dc9942391509e84 (gpu_memory_utilization: a per-instance fraction of the GPU's
+  memory, default 0.9, in (0, 1]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from deploy_helpers import ROOT, EPServe
+
+from serving.cli import (
+    UVICORN_LOG_LEVELS,
+    RequestLog,
+    _UvicornLogs,
+    build_parser,
+    engine_config,
+    local_path,
+    main,
+    startup_summary,
+)
+from serving.engine.engine_config import GIB, EngineConfig
+from serving.engine.messages import ModelInfo, RequestOutput
+from serving.model_config import ConfigError, ModelConfig
+from serving.tiny_model import FP8_QUANTIZATION, TINY_CONFIG, write_config_and_tokenizer
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def config(*argv: str, model: str = "ckpt") -> EngineConfig:
+    return engine_config(parse(*argv), model, model)
+
+
+def usage_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """argparse's error for argv (exit status 2): its message."""
+    with pytest.raises(SystemExit) as exc:
+        parse(*argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def tiny(**changes: object) -> ModelConfig:
+    return ModelConfig.from_dict({**TINY_CONFIG, **changes})
+
+
+@pytest.fixture
+def fp8_checkpoint(tmp_path: Path) -> str:
+    """A checkpoint directory whose config.json announces FP8 block weights (no weights: start-up
+    checks read config.json only)."""
+    root = tmp_path / "fp8"
+    root.mkdir()
+    write_config_and_tokenizer(str(root), {**TINY_CONFIG, "quantization_config": FP8_QUANTIZATION})
+    return str(root)
+
+
+@pytest.fixture
+def bf16_checkpoint(tmp_path: Path) -> str:
+    root = tmp_path / "bf16"
+    root.mkdir()
+    write_config_and_tokenizer(str(root), dict(TINY_CONFIG))
+    return str(root)
+
+
+# ---------------------------------------------------------------------------- the model
+def test_model_positional_or_option(capsys):
+    assert parse("/models/V3").model == "/models/V3"
+    assert parse("--model", "/models/V3").model == "/models/V3"
+    assert parse("/models/V3", "--model", "/models/V3").model == "/models/V3"  # the same, twice: fine
+    assert parse().model is None  # the built-in tiny model
+    assert "model_option" not in vars(parse("--model", "x"))
+    err = usage_error(capsys, "/models/V3", "--model", "/models/R1")
+    assert "MODEL '/models/V3' and --model '/models/R1': give the model once" in err
+
+
+def test_model_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """A repo id resolves to its refs/main snapshot in the cache (--download-dir, else HF_HUB_CACHE);
+    nothing is downloaded, so one that is not there is an error that says so."""
+    snapshot = tmp_path / "hub" / "models--deepseek-ai--DeepSeek-V3" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123\n")
+    assert local_path("deepseek-ai/DeepSeek-V3", str(tmp_path / "hub"), "MODEL") == str(snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert local_path("deepseek-ai/DeepSeek-V3", None, "MODEL") == str(snapshot)
+    assert local_path(str(tmp_path), str(tmp_path / "elsewhere"), "MODEL") == str(tmp_path)  # a directory: as is
+    with pytest.raises(SystemExit, match=r"MODEL 'deepseek-ai/DeepSeek-R1': not a directory, nor a repo in the "
+                                         r"Hugging Face cache at .*downloads nothing"):
+        local_path("deepseek-ai/DeepSeek-R1", None, "MODEL")
+    with pytest.raises(SystemExit, match=r"--tokenizer '/no/such/dir': no such directory"):
+        config("--tokenizer", "/no/such/dir")
+
+
+def test_tokenizer_trust_remote_code_and_download_dir(tmp_path):
+    assert config().tokenizer is None  # the model's
+    assert config("--tokenizer", str(tmp_path)).tokenizer == str(tmp_path)
+    args = parse("--trust-remote-code", "--download-dir", str(tmp_path))
+    assert args.trust_remote_code and args.download_dir == str(tmp_path)
+    assert engine_config(args, "ckpt", "ckpt") == config()  # neither changes what the ranks do
+    assert not parse("--no-trust-remote-code").trust_remote_code
+
+
+# ---------------------------------------------------------------------------- parallelism
+def test_tensor_parallel_size_1_only():
+    assert config("--tensor-parallel-size", "1") == config("-tp", "1") == config()
+    for argv in (["--tensor-parallel-size", "8"], ["-tp", "2"]):
+        with pytest.raises(SystemExit, match=r"--tensor-parallel-size \d: expected 1; .*scales by data-parallel "
+                                             r"ranks with expert parallelism.*--data-parallel-size N "
+                                             r"--enable-expert-parallel"):
+            config(*argv)
+
+
+# ---------------------------------------------------------------------------- dtype and quantization
+@pytest.mark.parametrize("flag, dtype", [("auto", "auto"), ("bfloat16", "bfloat16"), ("float16", "float16"),
+                                         ("half", "float16"), ("float32", "float32"), ("float", "float32")])
+def test_dtype_names(flag, dtype):
+    assert config("--dtype", flag).dtype == dtype
+
+
+def test_dtype_choices_are_vllms(capsys):
+    assert config().dtype == "auto"
+    assert "invalid choice: 'int8'" in usage_error(capsys, "--dtype", "int8")
+
+
+def test_dtype_resolved_against_the_checkpoint():
+    """auto: the checkpoint's torch_dtype (bf16 for the tiny model), float32 and FP8 checkpoints in
+    bf16; FP8 block weights cannot run with float16 activations."""
+    fp8 = tiny(quantization_config=FP8_QUANTIZATION)
+    assert config().resolved(tiny()).dtype == "bfloat16"
+    assert config().resolved(tiny(torch_dtype="float16")).dtype == "float16"
+    assert config().resolved(tiny(torch_dtype="float32")).dtype == "bfloat16"  # vLLM's downcast
+    assert config().resolved(fp8).dtype == "bfloat16"
+    assert config("--dtype", "float32").resolved(tiny()).dtype == "float32"
+    assert config("--dtype", "float32").resolved(fp8).dtype == "float32"
+    assert config("--dtype", "half").resolved(tiny()).dtype == "float16"
+    with pytest.raises(ConfigError, match=r"dtype 'float16': this checkpoint's FP8 block weights run with bfloat16 "
+                                          r"activations.*use bfloat16, or float32"):
+        config("--dtype", "float16").resolved(fp8)
+    with pytest.raises(ValueError, match=r"dtype: expected 'auto' or one of"):
+        EngineConfig(model="ckpt", dtype="half")  # the CLI maps vLLM's aliases
+
+
+def test_quantization_detected_or_checked():
+    fp8 = tiny(quantization_config=FP8_QUANTIZATION)
+    assert config().quantization is None
+    config().resolved(fp8)  # detected
+    config("--quantization", "fp8").resolved(fp8)
+    config("-q", "fp8").resolved(fp8)
+    with pytest.raises(ConfigError, match=r"quantization 'fp8': this checkpoint is not FP8 \(config.json has no "
+                                          r"quantization_config\) and weights are not quantised at load"):
+        config("--quantization", "fp8").resolved(tiny())
+    for method in ("awq", "gptq_marlin", "compressed-tensors"):
+        with pytest.raises(ConfigError, match=rf"quantization '{method}': not supported"):
+            config("--quantization", method).resolved(fp8)
+
+
+def test_start_up_refuses_what_the_checkpoint_cannot_run(fp8_checkpoint, bf16_checkpoint):
+    """The checks run before anything starts, with the message on the way out."""
+    for argv, message in [([fp8_checkpoint, "--dtype", "float16"], "ep-serve: dtype 'float16': this checkpoint's FP8"),
+                          ([bf16_checkpoint, "-q", "fp8"], "ep-serve: quantization 'fp8': this checkpoint is not FP8"),
+                          ([bf16_checkpoint, "--quantization", "awq"], "ep-serve: quantization 'awq': not supported"),
+                          (["--model", bf16_checkpoint, "-tp", "4"], "ep-serve: --tensor-parallel-size 4: expected 1")]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main(argv)
+
+
+# ---------------------------------------------------------------------------- sizes and memory
+def test_max_num_batched_tokens_is_the_per_rank_step_budget(capsys):
+    assert config().max_tokens_per_rank == 256
+    assert config("--max-num-batched-tokens", "512").max_tokens_per_rank == 512
+    assert config("--max-tokens-per-rank", "512").max_tokens_per_rank == 512  # ep-serve's older name
+    assert config("--max-num-batched-tokens", "1K").max_tokens_per_rank == 1024  # vLLM's human-readable ints
+    assert config("--max-num-batched-tokens", "1k", "--max-num-seqs", "8").max_tokens_per_rank == 1000
+    assert config("--max-model-len", "25.6k").max_model_len == 25600
+    assert config("--max-model-len", "4K").max_model_len == 4096
+    assert "a binary suffix (K) takes a whole number" in usage_error(capsys, "--max-model-len", "1.5K")
+    with pytest.raises(ValueError, match="max_tokens_per_rank: expected >= 1"):
+        config("--max-num-batched-tokens", "0")
+
+
+def test_gpu_memory_utilization_is_a_fraction_of_the_whole_gpu():
+    assert config().gpu_memory_utilization == 0.9
+    assert config("--gpu-memory-utilization", "0.5").gpu_memory_utilization == 0.5
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match=r"gpu_memory_utilization: expected a fraction in \(0, 1\]"):
+            config("--gpu-memory-utilization", bad)
+    # vLLM's meaning: 0.9 of a 100 GiB GPU for this server's 2 ranks on it, 45 GiB each, of which a
+    # rank's 20 GiB of weights leave 25 GiB of KV cache.
+    half = config("--gpu-memory-utilization", "0.9")
+    assert half.kv_cache_budget_bytes(100 * GIB, 20 * GIB, 2) == int(0.9 * 100 * GIB / 2) - 20 * GIB
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: 0.5 of the GPU's 100.0 GiB over 2 rank\(s\) is "
+                                         r"25.0 GiB a rank, which its 30.0 GiB.*nothing is left for the KV cache"):
+        config("--gpu-memory-utilization", "0.5").kv_cache_budget_bytes(100 * GIB, 30 * GIB, 2)
+
+
+# ---------------------------------------------------------------------------- server-side flags
+def test_chat_template_reaches_the_config_as_given(tmp_path):
+    assert config().chat_template is None
+    file = tmp_path / "template.jinja"
+    assert config("--chat-template", str(file)).chat_template == str(file)
+    inline = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}"
+    assert config("--chat-template", inline).chat_template == inline
+
+
+def test_log_flags():
+    args = parse()
+    assert (args.log_level, args.uvicorn_log_level, args.log_requests) == ("info", None, False)  # vLLM: off
+    assert parse("--enable-log-requests").log_requests
+    assert not parse("--enable-log-requests", "--no-enable-log-requests").log_requests
+    assert not parse("--enable-log-requests", "--disable-log-requests").log_requests
+    assert not parse("--disable-log-requests").log_requests
+    assert parse("--uvicorn-log-level", "trace").uvicorn_log_level == "trace"
+
+
+def test_version_prints_and_exits_0():
+    from ep_layer import __version__
+
+    out = subprocess.run([sys.executable, "-m", "serving.cli", "--version"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"ep-serve {__version__}\n"
+
+
+def test_help_names_vllms_flags():
+    text = build_parser().format_help()
+    for flag in ("--model", "--tokenizer", "--trust-remote-code", "--download-dir", "--dtype", "--quantization",
+                 "--tensor-parallel-size", "-tp", "--max-num-batched-tokens", "--gpu-memory-utilization",
+                 "--uvicorn-log-level", "--enable-log-requests", "--disable-log-requests", "--chat-template",
+                 "--version"):
+        assert flag in text, flag
+    assert "{auto,bfloat16,float,float16,float32,half}" in text
+
+
+def test_uvicorn_logs_filter_logs_the_summary_once_and_keeps_the_level(caplog):
+    urls: list[str] = []
+    f = _UvicornLogs(lambda url: urls.append(url) or f"ready at {url}", UVICORN_LOG_LEVELS["warning"])
+
+    def record(level: int, msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", level, __file__, 0, msg, args, None)
+
+    with caplog.at_level(logging.INFO, logger="ep-serve"):
+        started = record(logging.INFO, "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", "http", "::1", 8000)
+        assert not f.filter(started)  # below warning: uvicorn's line is dropped, the summary logged
+        assert not f.filter(record(logging.INFO, "Uvicorn running on http://h:1 (Press CTRL+C to quit)"))
+        assert f.filter(record(logging.WARNING, "something"))
+    assert urls == ["http://::1:8000"]
+    assert [r.getMessage() for r in caplog.records if r.name == "ep-serve"] == ["ready at http://::1:8000"]
+
+
+def test_request_log_wraps_the_metrics(caplog):
+    seen: list[str] = []
+
+    class Metrics:
+        def on_request(self, rank, request_id, now):
+            seen.append(f"request {request_id}")
+
+        def on_output(self, rank, output, now):
+            seen.append(f"output {output.request_id}")
+
+        def on_stats(self, rank, stats):
+            seen.append("stats")
+
+    observer = RequestLog(Metrics())
+    with caplog.at_level(logging.INFO, logger="ep-serve"):
+        observer.on_request(1, "cmpl-a-0", 10.0)
+        observer.on_output(1, RequestOutput("cmpl-a-0", [5], "x", 3, 1), 10.1)  # not finished: no line
+        observer.on_stats(1, None)
+        observer.on_output(1, RequestOutput("cmpl-a-0", [6], "y", 3, 2, finish_reason="length"), 10.5)
+    assert seen == ["request cmpl-a-0", "output cmpl-a-0", "stats", "output cmpl-a-0"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ep-serve"]
+    assert lines == ["request cmpl-a-0 (rank 1): 3 prompt + 2 output tokens, finish_reason length, 0.500 s"]
+
+
+def test_startup_summary_states_the_layout():
+    info = ModelInfo(512, (1,), 2048, 100, 16, "cpu")
+    ep = config("--enable-expert-parallel", "-dp", "2", "--dtype", "float32").resolved(tiny())
+    line = startup_summary(ep, tiny(), info, "http://127.0.0.1:8000")
+    assert line.startswith("ep-serve ready at http://127.0.0.1:8000: model ckpt (ckpt), dtype float32, 2 data-parallel "
+                           "ranks with expert parallelism, 8 of 16 experts a rank, Buffer backend reference over "
+                           "torch.distributed (gloo), CUDA graphs off (no GPU), on cpu;"), line
+    host1 = config("--enable-expert-parallel", "-dp", "4", "-dpl", "2", "-dpr", "2", "--enforce-eager").resolved(tiny())
+    line = startup_summary(host1, tiny(), info, "http://h:1")
+    assert "4 data-parallel ranks (2..3 here) with expert parallelism, 4 of 16 experts a rank" in line
+    assert "CUDA graphs off (--enforce-eager)" in line
+    alone = startup_summary(config().resolved(tiny()), tiny(), info, "http://h:1")
+    assert "1 data-parallel rank, all 16 experts on each, Buffer backend reference (a rank alone" in alone
+
+
+# ---------------------------------------------------------------------------- what the ranks still ignore
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="serving/engine/loading.py builds the model in bfloat16 whatever EngineConfig.dtype says")
+def test_the_default_loader_builds_the_model_in_config_dtype(tmp_path):
+    from serving.engine.loading import load_model
+    from serving.tiny_model import tiny_checkpoint
+
+    cfg = EngineConfig(model=tiny_checkpoint(str(tmp_path)), dtype="float32")
+    model, _ = load_model(cfg, None, torch.device("cpu"))
+    assert model.dtype == torch.float32
+
+
+@pytest.mark.xfail(strict=True, reason="serving/engine/loading.py reads the tokenizer from EngineConfig.model, "
+                                       "not EngineConfig.tokenizer")
+def test_the_default_loader_reads_config_tokenizer(tmp_path):
+    from serving.engine.loading import load_tokenizer
+    from serving.tiny_model import tiny_checkpoint
+
+    weights_only = tmp_path / "no-tokenizer"
+    weights_only.mkdir()
+    cfg = EngineConfig(model=str(weights_only), tokenizer=tiny_checkpoint(str(tmp_path / "cache")))
+    assert load_tokenizer(cfg).get_vocab_size() == TINY_CONFIG["vocab_size"]
+
+
+# ---------------------------------------------------------------------------- ep-serve on the tiny model
+def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
+    from serving.tiny_model import tiny_checkpoint
+
+    cache = tmp_path / "cache"
+    model_dir = tiny_checkpoint(str(cache))
+    server = EPServe(["--enable-expert-parallel", "--data-parallel-size", "2", "--dtype", "float32",
+                      "--enable-log-requests"], cache, tmp_path / "ep-serve.log")
+    try:
+        server.wait_healthy()
+        ready = server.logged(r"ep-serve ready at (\S+): (.*)")
+        assert ready[1] == server.url, ready[0]
+        assert ready[2].startswith(f"model ep-layer-tiny ({model_dir}), dtype float32, 2 data-parallel ranks with "
+                                   f"expert parallelism, 8 of 16 experts a rank, Buffer backend reference over "
+                                   f"torch.distributed (gloo), CUDA graphs off (no GPU), on cpu; KV cache "), ready[0]
+        assert ready[2].endswith("blocks of 16 tokens a rank, max_model_len 2048"), ready[0]
+        assert server.log.read_text().count("ep-serve ready at") == 1
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        line = server.logged(rf"request {body['id']}-0 \(rank [01]\): (\d+) prompt \+ 4 output tokens, "
+                             rf"finish_reason length, \d+\.\d+ s", timeout_s=30)
+        assert int(line[1]) == body["usage"]["prompt_tokens"]
+        time.sleep(0.5)
+        assert len(re.findall(r"INFO ep-serve: request cmpl-", server.log.read_text())) == 1  # one line a request
+    finally:
+        server.stop()
