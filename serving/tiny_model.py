@@ -5,7 +5,8 @@ works on any machine and the built-in model goes through the same loading code a
 Same structure as V3 at toy sizes: MLA with a query LoRA, YaRN RoPE, one dense layer then MoE layers
 (16 routed experts, top-4 of 2 of 4 groups, one shared expert), a multi-token-prediction layer that
 loaders skip, a byte-level BPE tokenizer trained on a small embedded corpus, and an optional FP8
-variant (e4m3 weights with 128x128 block scales, partial blocks included, as V3 has).
+variant (e4m3 weights with 128x128 block scales, partial blocks included, as V3 has). Its
+tokenizer_config.json carries a chat template in DeepSeek-V3's form (CHAT_TEMPLATE).
 
     python -m serving.tiny_model DIR [--fp8]
     python -m serving.tiny_model DIR --v3-shaped-layers 4     # V3's config at 4 layers, no weights
@@ -31,6 +32,22 @@ SEED = 20240917
 TINY_PREFIX = "tiny-deepseek-v3"  # the cache directory's name, before the key of this file's source
 # DeepSeek-V3's own special tokens, full-width bars included.
 BOS_TOKEN, EOS_TOKEN = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # noqa: RUF001
+USER_TAG, ASSISTANT_TAG = "<｜User｜>", "<｜Assistant｜>"  # noqa: RUF001 - text to this tokenizer, not tokens
+# DeepSeek-V3's template without its tool calls: BOS, the system prompts, then each turn after its tag,
+# an assistant's ended by EOS; add_generation_prompt opens the assistant's turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages if message['role'] == 'system' %}"
+    "{{ message['content'] }}{% if not loop.last %}{{ '\n\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% for message in messages if message['role'] != 'system' %}"
+    "{% if message['role'] == 'user' %}" + USER_TAG + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}" + ASSISTANT_TAG + "{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT_TAG + "{% endif %}"
+)
 NUM_SHARDS = 3
 
 V3_CONFIG: dict[str, Any] = {  # deepseek-ai/DeepSeek-V3's config.json (auto_map and training-only fields left out)
@@ -181,7 +198,8 @@ def write_v3_shaped(directory: str | os.PathLike[str], num_layers: int) -> str:
 
 
 def write_config_and_tokenizer(root: str, raw: dict[str, Any]) -> None:
-    """config.json from `raw`, and the tiny tokenizer (tokenizer.json, tokenizer_config.json)."""
+    """config.json from `raw`, and the tiny tokenizer (tokenizer.json, tokenizer_config.json with
+    CHAT_TEMPLATE)."""
     with open(os.path.join(root, "config.json"), "w", encoding="utf-8") as f:
         json.dump(raw, f, indent=2, ensure_ascii=False)
         f.write("\n")
@@ -189,7 +207,7 @@ def write_config_and_tokenizer(root: str, raw: dict[str, Any]) -> None:
     tokenizer.save(os.path.join(root, "tokenizer.json"))
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
                         "eos_token": EOS_TOKEN, "add_bos_token": True, "add_eos_token": False,
-                        "model_max_length": raw["max_position_embeddings"]}
+                        "model_max_length": raw["max_position_embeddings"], "chat_template": CHAT_TEMPLATE}
     with open(os.path.join(root, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
         f.write("\n")

@@ -1,19 +1,20 @@
-"""OpenAI-compatible request and response bodies (the subset /v1/completions serves), and vLLM's error
-envelope. Types are strict (a string is not a number, true is not a token id), strings are valid
-Unicode (JSON's "\\ud800" escapes can smuggle in lone surrogates, which no tokenizer or UTF-8 encoder
-takes), and numbers and list lengths are range checked here, so that bad input is a 400 and never
-reaches the engine."""
+"""OpenAI-compatible request and response bodies (the subsets /v1/completions and /v1/chat/completions
+serve), vLLM's /tokenize and /detokenize, and vLLM's error envelope. Types are strict (a string is not
+a number, true is not a token id), strings are valid Unicode (JSON's "\\ud800" escapes can smuggle in
+lone surrogates, which no tokenizer or UTF-8 encoder takes), and numbers and list lengths are range
+checked here, so that bad input is a 400 and never reaches the engine."""
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 MAX_STOP_TOKEN_IDS = 1024
+CHAT_ROLES = ("system", "user", "assistant")
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -67,6 +68,69 @@ class CompletionRequest(BaseModel):
     repetition_penalty: Float | None = 1.0
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; only {"type": "text", "text": ...} is served (the server names
+    any other type in its 400)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(BaseModel):
+    """role is checked against CHAT_ROLES by the server, so that its 400 names the role given."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Text
+    content: Text | list[ContentPart]
+    name: Text | None = None
+
+
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class ChatCompletionRequest(BaseModel):
+    """OpenAI's chat completion request plus vLLM's extras (top_k, stop_token_ids, ignore_eos and the
+    chat template's add_generation_prompt, continue_final_message, chat_template_kwargs); sampling
+    fields as CompletionRequest's. As there, fields we do not support are refused when set to anything
+    but their default, and unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    messages: Messages
+    model: Text | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to max_model_len
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # OpenAI's newer name; wins
+    temperature: Annotated[Float, Field(ge=0.0)] | None = 1.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=UINT64_MAX)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[Text, Any] | None = None
+    # Accepted only at their defaults:
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    logit_bias: dict[str, Float] | None = None
+    presence_penalty: Float | None = 0.0
+    frequency_penalty: Float | None = 0.0
+    repetition_penalty: Float | None = 1.0
+    min_p: Float | None = 0.0
+    best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    chat_template: Text | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -88,6 +152,93 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    """delta: {"role": "assistant"} on a choice's first chunk, then {"content": text}; {} on a last
+    chunk without text."""
+
+    index: int
+    delta: dict[str, str]
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's (vllm/entrypoints/openai/protocol.py): a prompt's token ids."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's: the token ids of the chat as /v1/chat/completions renders it. add_special_tokens adds
+    the tokenizer's own (BOS) on top of what the template writes."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    messages: Messages
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool | None = False
+    chat_template_kwargs: dict[Text, Any] | None = None
+    # Accepted only at their defaults:
+    chat_template: Text | None = None
+    tools: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Text | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server (FastAPI): /v1/completions (+ SSE streaming), /v1/models, /health,
-/version, /metrics. It validates and tokenizes requests, hands them to the engine ranks through the
-DPCoordinator and turns the ranks' outputs into responses. Bad input is a 400 in vLLM's error
+"""The OpenAI-compatible HTTP server (FastAPI): /v1/completions and /v1/chat/completions (+ SSE
+streaming), vLLM's /tokenize and /detokenize, /v1/models, /health, /version, /metrics. It validates and
+tokenizes requests (chats through the model's chat template), hands them to the engine ranks through
+the DPCoordinator and turns the ranks' outputs into responses. Bad input is a 400 in vLLM's error
 envelope, an unknown model a 404, a body over the size limit a 413; only a full engine (503 with
 Retry-After: running and waiting sequences at their limits), a dead one (503) or a bug (500) is a 5xx.
 Error bodies never carry a traceback: those go to the server log."""
@@ -18,13 +19,14 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ep_layer import __version__
@@ -34,13 +36,27 @@ from ..engine.dp_coordinator import DPCoordinator, EngineDeadError
 from ..engine.engine_config import EngineConfig
 from ..engine.messages import RequestOutput
 from ..engine.sequence import BadRequest, SamplingParams, check_prompt
+from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from .metrics import ServingMetrics
 from .protocol import (
+    CHAT_ROLES,
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     UsageInfo,
     error_body,
 )
@@ -50,6 +66,8 @@ MAX_BODY_BYTES = 16 << 20  # a longer request body is a 413
 WAITING_PER_RUNNING = 4  # default waiting sequences per rank, as a multiple of max_num_seqs
 RETRY_AFTER_S = 1  # what a 503 for a full engine tells the client to wait
 SHUTDOWN_GRACE_S = 10  # on SIGTERM/SIGINT: how long requests in flight may take to finish
+SHUTTING_DOWN = "the server is shutting down"  # the 503 of requests still running when the grace is over
+SHUTDOWN_FLUSH_S = 5  # after the grace: for those 503s to be written, before uvicorn cancels what is left
 _DISCONNECT_POLL_S = 1.0
 _STATS_TIMEOUT_S = 5.0
 _TRACEBACK = "Traceback (most recent call last):"
@@ -59,7 +77,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServerState:
     """capacity: most sequences (prompts x n) in flight at once over all ranks, running and waiting;
-    past it new requests get a 503 (None: no limit). open_paths: served without the API key."""
+    past it new requests get a 503 (None: no limit). open_paths: served without the API key.
+    tokenizer: what the loader gave (codec wraps it), for /tokenize's and the chat's options (None: the
+    codec alone). shutdown_deadline: time.monotonic() by which requests in flight end, set on SIGTERM."""
 
     coordinator: DPCoordinator
     codec: Codec
@@ -72,25 +92,32 @@ class ServerState:
     open_paths: frozenset[str] = DEFAULT_OPEN_PATHS
     capacity: int | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    tokenizer: Any = None
+    chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))
+    shutdown_deadline: float | None = None
 
 
 def make_server_state(config: EngineConfig, api_key: str | None = None, start_timeout_s: float = 600.0, *,
-                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
-                      max_waiting_seqs: int | None = None) -> ServerState:
-    """Load the tokenizer, start the engine ranks (waits until they have loaded the model).
-    max_waiting_seqs: waiting sequences per rank before new requests get a 503 (default
-    WAITING_PER_RUNNING x max_num_seqs)."""
+                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS, max_waiting_seqs: int | None = None,
+                      chat_template: str | None = None) -> ServerState:
+    """Load the tokenizer and the chat template, start the engine ranks (waits until they have loaded
+    the model). max_waiting_seqs: waiting sequences per rank before new requests get a 503 (default
+    WAITING_PER_RUNNING x max_num_seqs). chat_template: --chat-template (a file, the template itself,
+    or the name of one of the model's templates; default: the model's own)."""
     if max_waiting_seqs is None:
         max_waiting_seqs = WAITING_PER_RUNNING * config.max_num_seqs
     if max_waiting_seqs < 0:
         raise ValueError(f"max_waiting_seqs: expected >= 0, got {max_waiting_seqs}")
-    codec = as_codec(importlib.import_module(config.loader).load_tokenizer(config))
+    template = load_chat_template(config.model, chat_template)
+    tokenizer = importlib.import_module(config.loader).load_tokenizer(config)
+    codec = as_codec(tokenizer)
     metrics = ServingMetrics(config.served_model_name, config.data_parallel_size)
     coordinator = DPCoordinator(config, metrics)
     info = coordinator.start(start_timeout_s)
     capacity = len(coordinator.load()) * (config.max_num_seqs + max_waiting_seqs)  # over the ranks served here
     return ServerState(coordinator, codec, metrics, config.served_model_name, config.model, info.max_model_len,
-                       info.vocab_size, api_key, frozenset(open_paths), capacity)
+                       info.vocab_size, api_key, frozenset(open_paths), capacity, tokenizer=tokenizer,
+                       chat_template=template)
 
 
 class APIError(Exception):
@@ -210,22 +237,88 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await _Completion(state, body, raw).run()
+        return await _TextCompletionCall(state, body, raw).run()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await _ChatCompletionCall(state, body, raw).run()
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        data = await _json_object(raw)
+        body: TokenizeChatRequest | TokenizeCompletionRequest
+        if "messages" in data:
+            body = _parse(TokenizeChatRequest, data)
+            _check_model(state, body.model)
+            _refuse((("chat_template", body.chat_template is not None), ("tools", bool(body.tools)),
+                     ("mm_processor_kwargs", bool(body.mm_processor_kwargs))))
+            chat = _conversation(body.messages)
+            ids = await asyncio.to_thread(_chat_prompt, state, chat, body.add_generation_prompt,
+                                          body.continue_final_message, body.chat_template_kwargs,
+                                          body.add_special_tokens)
+        else:
+            body = _parse(TokenizeCompletionRequest, data)
+            _check_model(state, body.model)
+            ids = await asyncio.to_thread(_encode_prompt, state, body.prompt, body.add_special_tokens, "prompt")
+        strs = _token_strs(state, ids) if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _check_model(state, body.model)
+        _check_token_ids(state, body.tokens)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(_decode_all, state, body.tokens))
 
     return app
 
 
-class _Completion:
-    """One /v1/completions call: n choices for each prompt, each an engine request."""
+class _CompletionCall:
+    """One call of a completions endpoint: n choices for each prompt, each an engine request. The
+    endpoint's subclass says what its prompts are (_items, _encode), which fields it refuses, and what
+    its responses and stream chunks look like."""
 
-    def __init__(self, state: ServerState, body: CompletionRequest, raw: Request) -> None:
+    id_prefix: ClassVar[str]
+
+    def __init__(self, state: ServerState, body: Any, raw: Request) -> None:
         self.state, self.body, self.raw = state, body, raw
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())  # one time for the response and every chunk of its stream, as OpenAI's
 
+    # ------------------------------------------------------------------ what an endpoint says
+    @property
+    def max_tokens(self) -> int | None:
+        return self.body.max_tokens
+
+    def _refuse_unsupported(self) -> None:
+        raise NotImplementedError
+
+    def _items(self) -> list[Any]:
+        """The prompts of the request, before tokenizing."""
+        raise NotImplementedError
+
+    def _encode(self, item: Any, where: str) -> list[int]:
+        """One prompt's token ids (a 400 when it cannot be tokenized); runs in a worker thread."""
+        raise NotImplementedError
+
+    def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def _opening_chunks(self) -> list[dict]:
+        """Chunks a stream starts with, before any output."""
+        return []
+
+    def _chunk(self, index: int, out: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def _usage_chunk(self, usage: UsageInfo) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the call
     async def run(self) -> Response:
-        self._check_model()
-        _refuse_unsupported(self.body)
+        _check_model(self.state, self.body.model)
+        if self.state.shutdown_deadline is not None:
+            raise APIError(503, SHUTTING_DOWN)
+        self._refuse_unsupported()
         items = self._items()
         self._admit(len(items) * self.body.n)  # before the work of tokenizing
         prompts = await asyncio.to_thread(self._tokenize, items)
@@ -248,12 +341,6 @@ class _Completion:
             return StreamingResponse(self._stream(), media_type="text/event-stream")
         return await self._complete()
 
-    # ------------------------------------------------------------------ checks
-    def _check_model(self) -> None:
-        model = self.body.model
-        if model is not None and model not in (self.state.served_model_name, self.state.model_path):
-            raise APIError(404, f"The model `{model}` does not exist.", "model")
-
     def _admit(self, need: int) -> None:
         """400 for a request larger than the server's capacity; 503 with Retry-After when `need` more
         sequences would not fit beside those in flight (the ranks' running and waiting limits)."""
@@ -269,34 +356,21 @@ class _Completion:
             raise APIError(503, f"the server is busy ({in_flight} sequences running or waiting, at most "
                                 f"{capacity}): retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _items(self) -> list[Any]:
-        """The prompts of the request, each a string or a list of token ids."""
-        prompt = self.body.prompt
-        if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif prompt and all(isinstance(x, int) for x in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
-        if not items:
-            raise APIError(400, "prompt: expected at least one prompt", "prompt")
-        return items
-
     def _tokenize(self, items: list[Any]) -> list[list[int]]:
         """Each prompt's token ids, checked by sequence.check_prompt (the vocabulary, max_model_len)."""
         token_lists = []
         for i, item in enumerate(items):
-            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            where = self._where(i, len(items))
+            ids = self._encode(item, where)
             try:
-                ids = self.state.codec.encode(item) if isinstance(item, str) else list(item)
-            except ValueError as e:  # text this tokenizer cannot take (UnicodeError is a ValueError too)
-                raise APIError(400, f"{where}: cannot be tokenized: {e}", "prompt") from None
-            try:
-                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.body.max_tokens, where)
+                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.max_tokens, where)
             except BadRequest as e:
                 raise APIError(400, str(e), e.param) from None
             token_lists.append(ids)
         return token_lists
+
+    def _where(self, index: int, count: int) -> str:
+        return "prompt" if count == 1 else f"prompt[{index}]"
 
     def _params(self, prompt: list[int], choice: int) -> SamplingParams:
         """The engine's SamplingParams for one choice; a 400 for a value they refuse."""
@@ -306,9 +380,10 @@ class _Completion:
         if bad is not None:
             raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.state.vocab_size})",
                            "stop_token_ids")
+        max_tokens = self.max_tokens
         try:
             return SamplingParams(
-                max_tokens=b.max_tokens if b.max_tokens is not None else self.state.max_model_len - len(prompt),
+                max_tokens=max_tokens if max_tokens is not None else self.state.max_model_len - len(prompt),
                 temperature=1.0 if b.temperature is None else b.temperature,
                 top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0,
                 seed=None if b.seed is None else b.seed + choice,
@@ -325,11 +400,19 @@ class _Completion:
         return put
 
     async def _next(self) -> tuple[int, RequestOutput] | None:
-        """The next output; None once the client has gone. The client is checked at least every
+        """The next output; None once the client has gone; a 503 once the server is shutting down and
+        the grace for requests in flight is over. The client is checked at least every
         _DISCONNECT_POLL_S, also while outputs keep coming."""
         while True:
+            wait = _DISCONNECT_POLL_S
+            deadline = self.state.shutdown_deadline
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise APIError(503, SHUTTING_DOWN)
+                wait = min(wait, left)
             try:
-                item = await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
+                item = await asyncio.wait_for(self.queue.get(), wait)
             except asyncio.TimeoutError:
                 item = None
             now = time.monotonic()
@@ -351,6 +434,10 @@ class _Completion:
             dead = not self.state.coordinator.alive
             raise APIError(503 if dead else 400, _public(out.error))
 
+    def _usage(self, completion_tokens: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=self.prompt_tokens + completion_tokens)
+
     async def _complete(self) -> Response:
         texts = [""] * len(self.request_ids)
         finals: list[RequestOutput | None] = [None] * len(self.request_ids)
@@ -366,24 +453,21 @@ class _Completion:
                     finals[index] = out
         finally:
             self._abort_pending()  # the client went away, an error, or cancelled: free the engine's blocks
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=f.finish_reason, stop_reason=f.stop_reason)
-                   for i, f in enumerate(finals) if f is not None]
-        completion_tokens = sum(f.num_output_tokens for f in finals if f is not None)
-        usage = UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=self.prompt_tokens + completion_tokens)
-        response = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
-                                      choices=choices, usage=usage)
+        done = [f for f in finals if f is not None]
+        response = self._response(texts, done, self._usage(sum(f.num_output_tokens for f in done)))
         return JSONResponse(response.model_dump())
 
     async def _stream(self) -> AsyncIterator[str]:
         completion_tokens = 0
         try:
+            for chunk in self._opening_chunks():
+                yield _sse(chunk)
             while self.pending:
-                item = await self._next()
-                if item is None:
-                    return
-                index, out = item
                 try:
+                    item = await self._next()
+                    if item is None:
+                        return
+                    index, out = item
                     self._account(index, out)
                 except APIError as e:
                     yield _sse(error_body(e.status, e.message))
@@ -392,42 +476,277 @@ class _Completion:
                 # A chunk per step that made tokens, even when they add no text yet (an incomplete
                 # UTF-8 sequence), as vLLM does: clients time tokens by chunks.
                 if out.new_text or out.new_token_ids or out.finished:
-                    choice = CompletionChoice(index=index, text=out.new_text, finish_reason=out.finish_reason,
-                                              stop_reason=out.stop_reason)
-                    chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
-                                               choices=[choice])
-                    yield _sse(chunk.model_dump(exclude={"usage"}))
+                    yield _sse(self._chunk(index, out))
             else:
                 options = self.body.stream_options
                 if options is not None and options.include_usage:
-                    usage = UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                                      total_tokens=self.prompt_tokens + completion_tokens)
-                    chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
-                                               choices=[], usage=usage)
-                    yield _sse(chunk.model_dump())
+                    yield _sse(self._usage_chunk(self._usage(completion_tokens)))
             yield "data: [DONE]\n\n"
         finally:
             self._abort_pending()  # the client went away, an error, or cancelled: free the engine's blocks
 
 
+class _TextCompletionCall(_CompletionCall):
+    """/v1/completions: prompts are strings or token ids, encoded with the tokenizer's special tokens."""
+
+    id_prefix = "cmpl"
+    body: CompletionRequest
+
+    def _refuse_unsupported(self) -> None:
+        _refuse_unsupported(self.body)
+
+    def _items(self) -> list[Any]:
+        """The prompts of the request, each a string or a list of token ids."""
+        prompt = self.body.prompt
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt: expected at least one prompt", "prompt")
+        return items
+
+    def _encode(self, item: Any, where: str) -> list[int]:
+        return _encode_prompt(self.state, item, True, where) if isinstance(item, str) else list(item)
+
+    def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+                   for i, f in enumerate(finals)]
+        return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                  choices=choices, usage=usage)
+
+    def _chunk(self, index: int, out: RequestOutput) -> dict:
+        choice = CompletionChoice(index=index, text=out.new_text, finish_reason=out.finish_reason,
+                                  stop_reason=out.stop_reason)
+        chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                   choices=[choice])
+        return chunk.model_dump(exclude={"usage"})
+
+    def _usage_chunk(self, usage: UsageInfo) -> dict:
+        return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name, choices=[],
+                                  usage=usage).model_dump()
+
+
+class _ChatCompletionCall(_CompletionCall):
+    """/v1/chat/completions: one prompt, the messages rendered by the chat template and encoded without
+    adding special tokens again (as transformers' apply_chat_template(tokenize=True))."""
+
+    id_prefix = "chatcmpl"
+    body: ChatCompletionRequest
+
+    @property
+    def max_tokens(self) -> int | None:
+        b = self.body
+        return b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+
+    def _refuse_unsupported(self) -> None:
+        b = self.body
+        _refuse((("logprobs", bool(b.logprobs)), ("top_logprobs", b.top_logprobs not in (None, 0)),
+                 ("logit_bias", bool(b.logit_bias)), ("best_of", b.best_of not in (None, b.n)),
+                 ("presence_penalty", b.presence_penalty not in (None, 0.0)),
+                 ("frequency_penalty", b.frequency_penalty not in (None, 0.0)),
+                 ("repetition_penalty", b.repetition_penalty not in (None, 1.0)),
+                 ("min_p", b.min_p not in (None, 0.0)),
+                 ("response_format", b.response_format not in (None, {"type": "text"})),
+                 ("tools", bool(b.tools)), ("tool_choice", b.tool_choice not in (None, "none")),
+                 ("chat_template", b.chat_template is not None)))
+        if b.stream_options is not None and not b.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+    def _items(self) -> list[Any]:
+        return [_conversation(self.body.messages)]
+
+    def _where(self, index: int, count: int) -> str:
+        return "messages"
+
+    def _encode(self, item: Any, where: str) -> list[int]:
+        b = self.body
+        return _chat_prompt(self.state, item, b.add_generation_prompt, b.continue_final_message,
+                            b.chat_template_kwargs, False)
+
+    def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
+        choices = [ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
+                                        finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+                   for i, f in enumerate(finals)]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                      choices=choices, usage=usage)
+
+    def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> dict:
+        chunk = ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+                                             choices=choices, usage=usage)
+        return chunk.model_dump(exclude=None if usage is not None else {"usage"})
+
+    def _opening_chunks(self) -> list[dict]:
+        """The role of each choice, before its text (as OpenAI and vLLM send it)."""
+        return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": "assistant", "content": ""})])
+                for i in range(len(self.request_ids))]
+
+    def _chunk(self, index: int, out: RequestOutput) -> dict:
+        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
+                                                              stop_reason=out.stop_reason)])
+
+    def _usage_chunk(self, usage: UsageInfo) -> dict:
+        return self._stream_chunk([], usage)
+
+
+# ---------------------------------------------------------------------------- shared by the endpoints
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in (state.served_model_name, state.model_path):
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def _refuse(checks: tuple[tuple[str, bool], ...]) -> None:
+    """400 naming the first field (name, set to something but its default) this server does not implement."""
+    for name, bad in checks:
+        if bad:
+            raise APIError(400, f"{name}: not supported by this server (leave it at its default)", name)
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them: role, content (a list of text parts joined by
+    newlines, as vLLM does for templates that take a string) and name when given. A 400 naming any
+    role or content part type that is not served."""
+    unsupported: dict[str, str] = {}  # part type -> where it first is
+    chat = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
+                                f"{m.role!r}", "messages")
+        texts = [m.content] if isinstance(m.content, str) else []
+        for j, part in enumerate([] if isinstance(m.content, str) else m.content):
+            if part.type != "text":
+                unsupported.setdefault(part.type, f"messages[{i}].content[{j}]")
+            elif part.text is None:
+                raise APIError(400, f"messages[{i}].content[{j}].text: expected a string", "messages")
+            else:
+                texts.append(part.text)
+        chat.append({"role": m.role, "content": "\n".join(texts), "name": m.name})
+    if unsupported:
+        names = ", ".join(repr(t) for t in unsupported)
+        raise APIError(400, f"{next(iter(unsupported.values()))}: content parts of type {names} are not supported "
+                            f"(only 'text')", "messages")
+    return chat
+
+
+def _chat_prompt(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
+                 continue_final_message: bool, variables: dict[str, Any] | None,
+                 add_special_tokens: bool) -> list[int]:
+    """The token ids of a chat: rendered by the chat template, then encoded (with the tokenizer's
+    special tokens on top of the template's only when add_special_tokens)."""
+    try:
+        text = state.chat_template.render(chat, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, variables=variables)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), e.param) from None
+    return _encode_prompt(state, text, add_special_tokens, "messages")
+
+
+def _encode_prompt(state: ServerState, text: str, add_special_tokens: bool, where: str) -> list[int]:
+    """A text's token ids, with or without the tokenizer's special tokens (a codec that is not a
+    tokenizers or transformers tokenizer encodes as it does); a 400 for text it cannot take."""
+    tok = state.tokenizer
+    try:
+        if add_special_tokens or tok is None:
+            return state.codec.encode(text)
+        if _is_tokenizers(tok):
+            return list(tok.encode(text, add_special_tokens=False).ids)
+        if hasattr(tok, "convert_ids_to_tokens"):
+            return list(tok.encode(text, add_special_tokens=False))
+        return state.codec.encode(text)
+    except ValueError as e:  # text this tokenizer cannot take (UnicodeError is a ValueError too)
+        param = "messages" if where == "messages" else "prompt"
+        raise APIError(400, f"{where}: cannot be tokenized: {e}", param) from None
+
+
+def _check_token_ids(state: ServerState, ids: list[int]) -> None:
+    """400 for an id outside the model's vocabulary or one the tokenizer does not have."""
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
+    tok = state.tokenizer
+    if _is_tokenizers(tok):
+        missing = next((t for t in ids if tok.id_to_token(t) is None), None)
+    elif hasattr(tok, "convert_ids_to_tokens"):
+        missing = next((t for t in ids if t >= len(tok)), None)
+    else:
+        missing = None
+    if missing is not None:
+        raise APIError(400, f"tokens: token id {missing} is not in the tokenizer's vocabulary", "tokens")
+
+
+def _decode_all(state: ServerState, ids: list[int]) -> str:
+    """The text of token ids, special tokens included (vLLM's /detokenize)."""
+    tok = state.tokenizer
+    if _is_tokenizers(tok) or hasattr(tok, "convert_ids_to_tokens"):
+        return tok.decode(list(ids), skip_special_tokens=False)
+    return state.codec.decode(list(ids))
+
+
+def _token_strs(state: ServerState, ids: list[int]) -> list[str]:
+    """Each token id's string in the tokenizer's vocabulary (byte-level BPE's "Ġ" for a space included)."""
+    tok = state.tokenizer
+    if _is_tokenizers(tok):
+        return [tok.id_to_token(t) for t in ids]
+    if hasattr(tok, "convert_ids_to_tokens"):
+        return list(tok.convert_ids_to_tokens(ids))
+    return [state.codec.decode([t]) for t in ids]
+
+
+def _is_tokenizers(tok: Any) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - tokenizers is a dependency
+        return False
+    return isinstance(tok, Tokenizer)
+
+
+async def _json_object(raw: Request) -> dict[str, Any]:
+    try:
+        data = json.loads(await raw.body())
+    except ValueError as e:
+        raise APIError(400, f"invalid JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"body: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _parse(model: type[BaseModel], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, param = _describe_validation_errors(e.errors(), {})
+        raise APIError(400, message, param) from None
+
+
 _PROMPT_TYPES = "expected a string, a list of strings, a list of token ids or a list of lists of token ids"
+_UNION_FIELDS = {"prompt": _PROMPT_TYPES}  # fields whose pydantic errors (one per union branch) say too much
+_CONTENT_TYPES = 'expected a message content: a string or a list of {"type": "text", "text": string} parts'
 
 
-def _describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
-    """One line per offending field (pydantic reports each union branch apart: keep the first), and
-    the first field's name as `param`."""
+def _describe_validation_errors(errors: list[Any],
+                                union_fields: dict[str, str] = _UNION_FIELDS) -> tuple[str, str | None]:
+    """One line per offending field (pydantic reports each union branch apart: keep the first, or
+    union_fields' line for the field), and the first field's name as `param`."""
     by_field: dict[str, str] = {}
     for e in errors:
         loc = [x for x in e.get("loc", ()) if x != "body"]
         if e.get("type") == "json_invalid":
             return f"invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
         field = str(loc[0]) if loc and isinstance(loc[0], str) else "body"
-        if field == "prompt" and e.get("type") == "value_error":  # a string of the right type, but invalid
+        # Where in the field, without pydantic's names of union branches ("list[int]", "function-after[...]").
+        path = [x for x in loc[1:] if not (isinstance(x, str) and "[" in x)]
+        detail = ".".join(str(x) for x in path)
+        type_error = e.get("type") not in ("missing", "value_error")
+        if field in union_fields and e.get("type") == "value_error":  # a string of the right type, but invalid
             by_field[field] = e.get("msg")
-        elif field == "prompt" and e.get("type") != "missing":
-            by_field.setdefault(field, _PROMPT_TYPES)
+        elif field in union_fields and type_error:
+            by_field.setdefault(field, union_fields[field])
+        elif field == "messages" and type_error and path[1:2] == ["content"]:
+            by_field.setdefault(field, f"{_CONTENT_TYPES} (at {path[0]}.content)")
         else:
-            detail = ".".join(str(x) for x in loc[1:])
             by_field.setdefault(field, f"{e.get('msg')}{f' (at {detail})' if detail else ''}")
     if not by_field:
         return "invalid request body", None
@@ -447,21 +766,26 @@ def _refuse_unsupported(b: CompletionRequest) -> None:
               ("presence_penalty", b.presence_penalty not in (None, 0.0)),
               ("frequency_penalty", b.frequency_penalty not in (None, 0.0)),
               ("repetition_penalty", b.repetition_penalty not in (None, 1.0)))
-    for name, bad in checks:
-        if bad:
-            raise APIError(400, f"{name}: not supported by this server (leave it at its default)", name)
+    _refuse(checks)
     if b.stream_options is not None and not b.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
 
-def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info") -> None:
+def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info",
+             shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """Serve build_app(state) until SIGTERM or SIGINT, then return: new connections stop at once,
-    requests in flight get SHUTDOWN_GRACE_S to finish (then they are cancelled, which aborts them
-    in the engine). The caller stops the engine ranks afterwards, and the process exits normally."""
+    requests in flight get shutdown_grace_s to finish; those still running then end with a 503
+    (SHUTTING_DOWN; a stream: an error event, then data: [DONE]), which aborts them in the engine.
+    The caller stops the engine ranks afterwards, and the process exits normally."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            state.shutdown_deadline = time.monotonic() + shutdown_grace_s  # read by the calls in flight
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=shutdown_grace_s + SHUTDOWN_FLUSH_S))
     if threading.current_thread() is not threading.main_thread():
         server.run()
         return
