@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import jinja2
 import pytest
-from test_serving_api import check_envelope, http_server, sse_events
+from test_serving_api import TOK, check_envelope, expected, fake_config, fake_server, http_server, sse_events
 
 from serving.api.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_tokens
 from serving.api.server import ServerState, make_server_state
@@ -198,6 +198,8 @@ def test_where_templates_come_from(tmp_path):
         load_chat_template(str(model), str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="does not compile"):
         load_chat_template(str(model), "{% for %}")
+    with pytest.raises(ValueError, match="looks like a file path"):  # before any rank starts
+        make_server_state(fake_config(model="fake", chat_template="templates/missing.jinja"))
 
 
 def test_render_errors():
@@ -343,6 +345,21 @@ def test_unknown_model_is_404(client):
     check_envelope(chat(client, messages=CHAT, model="gpt-4"), 404)
     check_envelope(client.post("/tokenize", json={"model": "gpt-4", "prompt": "a"}), 404)
     check_envelope(client.post("/detokenize", json={"model": "gpt-4", "tokens": [5]}), 404)
+
+
+def test_chat_template_from_the_config_with_a_plain_codec():
+    """EngineConfig.chat_template (--chat-template) on a model without tokenizer files, whose tokenizer
+    is a bare codec (the fake's: no special tokens): chat = completion of the rendered text."""
+    source = "{% for m in messages %}{{ m.role }} {{ m.content }}. {% endfor %}{% if add_generation_prompt %}" \
+             "assistant {% endif %}"
+    messages = [{"role": "user", "content": "the cat and the dog"}]
+    text = "user the cat and the dog. assistant "
+    with fake_server(model="fake", chat_template=source) as (url, _), httpx.Client(base_url=url, timeout=30) as c:
+        assert c.post("/tokenize", json={"messages": messages}).json()["tokens"] == TOK.encode(text)
+        resp = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 9, "temperature": 0,
+                                                    "ignore_eos": True})
+        assert resp.json()["choices"][0]["message"]["content"] == expected(text, 9)
+        assert c.post("/detokenize", json={"tokens": TOK.encode(text)}).json() == {"prompt": text}
 
 
 # ---------------------------------------------------------------------------- /tokenize, /detokenize

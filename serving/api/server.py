@@ -98,17 +98,16 @@ class ServerState:
 
 
 def make_server_state(config: EngineConfig, api_key: str | None = None, start_timeout_s: float = 600.0, *,
-                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS, max_waiting_seqs: int | None = None,
-                      chat_template: str | None = None) -> ServerState:
-    """Load the tokenizer and the chat template, start the engine ranks (waits until they have loaded
-    the model). max_waiting_seqs: waiting sequences per rank before new requests get a 503 (default
-    WAITING_PER_RUNNING x max_num_seqs). chat_template: --chat-template (a file, the template itself,
-    or the name of one of the model's templates; default: the model's own)."""
+                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
+                      max_waiting_seqs: int | None = None) -> ServerState:
+    """Load the tokenizer and the chat template (config.chat_template, else the tokenizer directory's
+    own), start the engine ranks (waits until they have loaded the model). max_waiting_seqs: waiting
+    sequences per rank before new requests get a 503 (default WAITING_PER_RUNNING x max_num_seqs)."""
     if max_waiting_seqs is None:
         max_waiting_seqs = WAITING_PER_RUNNING * config.max_num_seqs
     if max_waiting_seqs < 0:
         raise ValueError(f"max_waiting_seqs: expected >= 0, got {max_waiting_seqs}")
-    template = load_chat_template(config.model, chat_template)
+    template = load_chat_template(config.tokenizer or config.model, config.chat_template)
     tokenizer = importlib.import_module(config.loader).load_tokenizer(config)
     codec = as_codec(tokenizer)
     metrics = ServingMetrics(config.served_model_name, config.data_parallel_size)
