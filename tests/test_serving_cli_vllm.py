@@ -311,9 +311,7 @@ def test_startup_summary_states_the_layout():
     assert "1 data-parallel rank, all 16 experts on each, Buffer backend reference (a rank alone" in alone
 
 
-# ---------------------------------------------------------------------------- what the ranks still ignore
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="serving/engine/loading.py builds the model in bfloat16 whatever EngineConfig.dtype says")
+# ---------------------------------------------------------------------------- what the ranks load
 def test_the_default_loader_builds_the_model_in_config_dtype(tmp_path):
     from serving.engine.loading import load_model
     from serving.tiny_model import tiny_checkpoint
@@ -323,8 +321,6 @@ def test_the_default_loader_builds_the_model_in_config_dtype(tmp_path):
     assert model.dtype == torch.float32
 
 
-@pytest.mark.xfail(strict=True, reason="serving/engine/loading.py reads the tokenizer from EngineConfig.model, "
-                                       "not EngineConfig.tokenizer")
 def test_the_default_loader_reads_config_tokenizer(tmp_path):
     from serving.engine.loading import load_tokenizer
     from serving.tiny_model import tiny_checkpoint

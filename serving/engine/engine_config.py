@@ -112,12 +112,6 @@ class EngineConfig:
         return share - held_bytes
 
     @property
-    def kv_cache_memory_fraction(self) -> float:
-        """The fraction serving.engine.rank_worker applies today, to the GPU memory left after loading;
-        kv_cache_budget_bytes is vLLM's meaning, which the rank is to use instead."""
-        return self.gpu_memory_utilization
-
-    @property
     def local_ranks(self) -> range:
         """The global ranks this process runs."""
         n = self.data_parallel_size_local

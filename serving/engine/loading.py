@@ -16,14 +16,15 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
     from .. import loader
 
     rank = dist.get_rank(group) if group is not None else 0
+    dtype = getattr(torch, loader.load_config(config.model).serving_dtype(config.dtype))
     model = loader.load_model(config.model, group=group, backend=config.ep_backend,
                               max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
-                              load_format=config.load_format)
-    return model.eval(), loader.load_tokenizer(config.model)
+                              load_format=config.load_format, dtype=dtype)
+    return model.eval(), load_tokenizer(config)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
-    """The tokenizer alone (for the API server process)."""
+    """The tokenizer (--tokenizer, else the model's directory)."""
     from .. import loader
 
-    return loader.load_tokenizer(config.model)
+    return loader.load_tokenizer(config.tokenizer or config.model)

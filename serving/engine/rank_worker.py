@@ -62,9 +62,10 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
 
 
 def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_model_len: int) -> int:
-    """config.num_kv_blocks, else what memory allows: on GPU a fraction of the memory left after
-    loading (split between the ranks that share the GPU), on CPU cpu_kv_cache_bytes; never more than
-    max_num_seqs full-length sequences need, never less than one."""
+    """config.num_kv_blocks, else what memory allows: on GPU vLLM's gpu_memory_utilization share of the
+    whole GPU (split between the ranks that share it) less what this rank holds already, and no more
+    than is free; on CPU cpu_kv_cache_bytes; never more than max_num_seqs full-length sequences need,
+    never less than one."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     cfg = model.config
@@ -74,9 +75,10 @@ def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_mo
         block_bytes = config.block_size * cfg.num_hidden_layers * cfg.kv_cache_dim * 2  # bf16 latent KV
     per_seq = -(-max_model_len // config.block_size)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         ranks_per_gpu = -(-len(config.local_ranks) // torch.cuda.device_count())
-        budget = int(free * config.kv_cache_memory_fraction / ranks_per_gpu)
+        held = torch.cuda.memory_reserved(device)  # torch's; the Buffer's own memory counts only through `free`
+        budget = min(free, config.kv_cache_budget_bytes(total, held, ranks_per_gpu))
     else:
         budget = config.cpu_kv_cache_bytes
     return max(per_seq, min(budget // block_bytes, per_seq * config.max_num_seqs))
