@@ -21,7 +21,7 @@ from dist_harness import run_ranks
 
 from ep_layer import Buffer
 
-TIMEOUT_S = 1.0
+TIMEOUT_S = 3.0  # a live peer on a loaded 2-core machine must never look late
 T, H, E, K = 6, 128, 8, 3
 
 
