@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="ep-serve",
         description="Serve a DeepSeek-V3 checkpoint over an OpenAI-compatible HTTP API (/v1/completions, "
-                    "/v1/models, /health, /version, /metrics). vLLM's flags mean what they mean in `vllm serve`.",
+                    "/v1/chat/completions, /tokenize, /detokenize, /v1/models, /health, /version, /metrics). "
+                    "vLLM's flags mean what they mean in `vllm serve`.",
         formatter_class=_HelpFormatter)
     p.add_argument("--version", action=_VersionAction, help="print ep-serve's version and exit")
     _add_model_args(p)
