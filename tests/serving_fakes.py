@@ -104,15 +104,22 @@ class FakeModel(nn.Module):
         self.max_batch_tokens = max(self.max_batch_tokens, batch.num_tokens)
         self.batches.append((batch.num_seqs, batch.num_tokens))
         self.kv[batch.slot_mapping] = batch.input_ids + 1
-        out = torch.empty(batch.num_seqs, VOCAB, dtype=torch.float32)
+        # One row per entry of logits_indices (a sequence's last new token, or each of its new tokens
+        # where it asks for prompt logprobs): the logits after the tokens up to that one.
+        rows = batch.logits_indices.tolist()
+        starts = batch.query_start.tolist()
+        out = torch.empty(len(rows), VOCAB, dtype=torch.float32)
         bs = self.block_size
-        for i in range(batch.num_seqs):
-            length = int(batch.seq_lens[i])
+        i = 0
+        for r, j in enumerate(rows):
+            while j >= starts[i + 1]:
+                i += 1
+            length = int(batch.positions[j]) + 1  # the sequence's tokens up to and including token j
             table = batch.block_tables[i]
             positions = range(max(0, length - _WINDOW), length)
             window = [int(self.kv[int(table[p // bs]) * bs + p % bs]) - 1 for p in positions]
             assert min(window) >= 0, f"sequence {i}: read a KV slot that was never written"
-            out[i] = _logits_for(window, length - 1, self.eos_bias)
+            out[r] = _logits_for(window, length - 1, self.eos_bias)
         return out
 
     def _check(self, b: ForwardBatch) -> None:
@@ -122,18 +129,22 @@ class FakeModel(nn.Module):
         assert b.query_start.dtype == torch.int32 and b.seq_lens.dtype == torch.int32
         assert b.block_tables.dtype == torch.int32 and b.block_tables.dim() == 2
         assert b.positions.shape == (n,) and b.slot_mapping.shape == (n,)
-        assert b.query_start.shape == (s + 1,) and b.logits_indices.shape == (s,)
+        assert b.query_start.shape == (s + 1,) and b.logits_indices.dim() == 1
         assert b.block_tables.shape[0] == s
         assert n <= self.max_tokens_per_rank, f"{n} tokens > max_tokens_per_rank={self.max_tokens_per_rank}"
         assert int(b.query_start[0]) == 0 and int(b.query_start[-1]) == n
         assert n == 0 or (int(b.input_ids.min()) >= 0 and int(b.input_ids.max()) < VOCAB)
+        rows = b.logits_indices.tolist()
+        assert rows == sorted(set(rows)) and all(0 <= j < n for j in rows), f"logits_indices {rows}"
         bs = self.block_size
         for i in range(s):
             lo, hi = int(b.query_start[i]), int(b.query_start[i + 1])
             length = int(b.seq_lens[i])
             assert hi > lo, f"sequence {i} has no new tokens"
             assert b.positions[lo:hi].tolist() == list(range(length - (hi - lo), length))
-            assert int(b.logits_indices[i]) == hi - 1
+            # This sequence's rows: its last new token, or all its new tokens (prompt logprobs).
+            mine = [j for j in rows if lo <= j < hi]
+            assert mine in ([hi - 1], list(range(lo, hi))), f"sequence {i}: logits rows {mine}, new tokens [{lo}, {hi})"
             table = b.block_tables[i].tolist()
             used = -(-length // bs)
             assert all(x >= 0 for x in table[:used]) and all(x == -1 for x in table[used:])

@@ -38,16 +38,18 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(BaseModel):
     """Fields we do not support are refused with a 400 when set to anything but their default
-    (see server.unsupported); unknown fields are ignored, as vLLM does."""
+    (see server._refuse_unsupported); unknown fields are ignored, as vLLM does. max_tokens 0 only
+    with echo (the prompt alone, as vLLM)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
     prompt: Prompt
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     temperature: Annotated[Float, Field(ge=0.0)] | None = 1.0
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = 1.0
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Float | None = 0.0
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=UINT64_MAX)] | None = None
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -57,15 +59,15 @@ class CompletionRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    # Accepted only at their defaults:
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
-    suffix: Text | None = None
-    logit_bias: dict[str, Float] | None = None
+    logprobs: StrictInt | None = None  # top-N per token (range checked by SamplingParams: a 400 naming it)
     presence_penalty: Float | None = 0.0
     frequency_penalty: Float | None = 0.0
     repetition_penalty: Float | None = 1.0
+    # Accepted only at their defaults:
+    best_of: StrictInt | None = None
+    suffix: Text | None = None
+    logit_bias: dict[str, Float] | None = None
 
 
 class ContentPart(BaseModel):
@@ -116,14 +118,14 @@ class ChatCompletionRequest(BaseModel):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[Text, Any] | None = None
-    # Accepted only at their defaults:
     logprobs: StrictBool | None = False
-    top_logprobs: StrictInt | None = None
-    logit_bias: dict[str, Float] | None = None
+    top_logprobs: StrictInt | None = None  # 0..20, only with logprobs
     presence_penalty: Float | None = 0.0
     frequency_penalty: Float | None = 0.0
     repetition_penalty: Float | None = 1.0
     min_p: Float | None = 0.0
+    # Accepted only at their defaults:
+    logit_bias: dict[str, Float] | None = None
     best_of: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -137,10 +139,21 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogProbs(BaseModel):
+    """vLLM's (OpenAI's legacy completions logprobs): per token its string, log-probability, the top
+    {token string: logprob} (the request's N and the token itself: N or N + 1 entries; None where the
+    token has none, the first of an echoed prompt) and its offset in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None
 
@@ -154,6 +167,20 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None  # the token string's UTF-8 bytes
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -162,7 +189,7 @@ class AssistantMessage(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None
 
@@ -182,7 +209,7 @@ class ChatCompletionStreamChoice(BaseModel):
 
     index: int
     delta: dict[str, str]
-    logprobs: None = None
+    logprobs: ChatCompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None
 

@@ -9,6 +9,7 @@ Error bodies never carry a traceback: those go to the server log."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import importlib
@@ -34,20 +35,24 @@ from ep_layer import __version__
 from ..engine.detokenizer import Codec, as_codec
 from ..engine.dp_coordinator import DPCoordinator, EngineDeadError
 from ..engine.engine_config import EngineConfig
-from ..engine.messages import RequestOutput
-from ..engine.sequence import BadRequest, SamplingParams, check_prompt
+from ..engine.messages import RequestOutput, TokenLogprobs
+from ..engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams, check_prompt
 from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from .metrics import ServingMetrics
 from .protocol import (
     CHAT_ROLES,
     AssistantMessage,
     ChatCompletionChoice,
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
     CompletionChoice,
+    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -71,6 +76,7 @@ SHUTDOWN_FLUSH_S = 5  # after the grace: for those 503s to be written, before uv
 _DISCONNECT_POLL_S = 1.0
 _STATS_TIMEOUT_S = 5.0
 _TRACEBACK = "Traceback (most recent call last):"
+MIN_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no -inf; vLLM's and OpenAI's floor)
 log = logging.getLogger(__name__)
 
 
@@ -322,7 +328,14 @@ class _CompletionCall:
         self._admit(len(items) * self.body.n)  # before the work of tokenizing
         prompts = await asyncio.to_thread(self._tokenize, items)
         params = [self._params(p, j) for p in prompts for j in range(self.body.n)]
+        self.items, self.prompts = items, prompts
         self.prompt_tokens = sum(len(p) for p in prompts)
+        count = len(params)
+        # What each choice has had so far: token ids, their logprobs, the prompt's logprobs (once).
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
+        self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * count
+        self._token_str_cache: dict[int, str] = {}
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.request_ids = [f"{self.id}-{i}" for i in range(len(params))]
         self.pending = set(self.request_ids)
@@ -381,15 +394,43 @@ class _CompletionCall:
                            "stop_token_ids")
         max_tokens = self.max_tokens
         try:
+            logprobs, prompt_logprobs = self._logprobs_params()
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else self.state.max_model_len - len(prompt),
                 temperature=1.0 if b.temperature is None else b.temperature,
                 top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0,
                 seed=None if b.seed is None else b.seed + choice,
                 stop=(b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ()), stop_token_ids=stop_ids,
-                ignore_eos=b.ignore_eos)
+                ignore_eos=b.ignore_eos, min_p=0.0 if b.min_p is None else b.min_p,
+                presence_penalty=0.0 if b.presence_penalty is None else b.presence_penalty,
+                frequency_penalty=0.0 if b.frequency_penalty is None else b.frequency_penalty,
+                repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except BadRequest as e:
             raise APIError(400, str(e), e.param) from None
+
+    def _logprobs_params(self) -> tuple[int | None, int | None]:
+        """SamplingParams' (logprobs, prompt_logprobs) for the request."""
+        raise NotImplementedError
+
+    def _transform(self, out: RequestOutput) -> RequestOutput:
+        """An engine output as the endpoint counts it (the same, but for /v1/completions' echo alone)."""
+        return out
+
+    def _collect(self, index: int, out: RequestOutput) -> None:
+        """Keep what a choice's output adds (token ids, logprobs, the prompt's logprobs)."""
+        self.token_ids[index] += out.new_token_ids
+        if out.logprobs is not None:
+            self.logprobs[index] += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = out.prompt_logprobs
+
+    def _token_str(self, token_id: int) -> str:
+        """A token's text on its own (vLLM's decoded token: the tokenizer's decode of the one id)."""
+        text = self._token_str_cache.get(token_id)
+        if text is None:
+            text = self._token_str_cache[token_id] = _decode_all(self.state, [token_id])
+        return text
 
     # ------------------------------------------------------------------ outputs
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Any:
@@ -446,7 +487,9 @@ class _CompletionCall:
                 if item is None:
                     return _error(400, "client disconnected")
                 index, out = item
+                out = self._transform(out)
                 self._account(index, out)
+                self._collect(index, out)
                 texts[index] += out.new_text
                 if out.finished:
                     finals[index] = out
@@ -467,7 +510,9 @@ class _CompletionCall:
                     if item is None:
                         return
                     index, out = item
+                    out = self._transform(out)
                     self._account(index, out)
+                    self._collect(index, out)
                 except APIError as e:
                     yield _sse(error_body(e.status, e.message))
                     break
@@ -486,13 +531,40 @@ class _CompletionCall:
 
 
 class _TextCompletionCall(_CompletionCall):
-    """/v1/completions: prompts are strings or token ids, encoded with the tokenizer's special tokens."""
+    """/v1/completions: prompts are strings or token ids, encoded with the tokenizer's special tokens.
+    echo puts the prompt's text before the choice's (and, with logprobs, its tokens and their
+    logprobs, the first None, before the choice's); echo with max_tokens 0 is the prompt alone (the
+    engine makes one token for the prompt's logprobs, which is dropped), as vLLM's serving_completion."""
 
     id_prefix = "cmpl"
     body: CompletionRequest
 
+    @property
+    def prompt_only(self) -> bool:
+        return self.body.echo and self.body.max_tokens == 0
+
+    @property
+    def max_tokens(self) -> int | None:
+        return 1 if self.prompt_only else self.body.max_tokens
+
+    def __init__(self, state: ServerState, body: Any, raw: Request) -> None:
+        super().__init__(state, body, raw)
+        self.echoed: set[int] = set()  # the choices whose stream has had the prompt
+        self.text_lens: dict[int, int] = {}  # the text a choice's stream has sent (vLLM's text_offset base)
+
     def _refuse_unsupported(self) -> None:
         _refuse_unsupported(self.body)
+
+    def _logprobs_params(self) -> tuple[int | None, int | None]:
+        b = self.body
+        return b.logprobs, b.logprobs if b.echo and b.logprobs is not None else None
+
+    def _transform(self, out: RequestOutput) -> RequestOutput:
+        if not self.prompt_only:
+            return out
+        return dataclasses.replace(out, new_token_ids=[], new_text="", num_output_tokens=0,
+                                   logprobs=None if out.logprobs is None else [],
+                                   finish_reason="length" if out.finished else None, stop_reason=None)
 
     def _items(self) -> list[Any]:
         """The prompts of the request, each a string or a list of token ids."""
@@ -510,14 +582,70 @@ class _TextCompletionCall(_CompletionCall):
     def _encode(self, item: Any, where: str) -> list[int]:
         return _encode_prompt(self.state, item, True, where) if isinstance(item, str) else list(item)
 
+    def _prompt_text(self, index: int) -> str:
+        item = self.items[index // self.body.n]
+        return item if isinstance(item, str) else _decode_all(self.state, list(item))
+
+    def _echo(self, index: int) -> tuple[str, list[int], list[TokenLogprobs | None]]:
+        """The prompt's text, token ids and logprobs (the first None) as a choice's echo."""
+        plps = self.prompt_logprobs[index]
+        prompt = self.prompts[index // self.body.n]
+        return self._prompt_text(index), list(prompt), list(plps) if plps is not None else [None] * len(prompt)
+
+    def _completion_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs | None],
+                             offset: int) -> CompletionLogProbs:
+        """vLLM's _create_completion_logprobs: per token its string, logprob, the top N and the token
+        itself as {string: logprob} (N or N + 1 entries; likeliest first here, the likelier kept where
+        two tokens have the same string), and the offset of its text, from `offset` on."""
+        result = CompletionLogProbs()
+        for token_id, entry in zip(token_ids, entries):
+            token = self._token_str(token_id)
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(max(entry.logprob, MIN_LOGPROB))
+            ranked = list(entry.top)
+            if all(t != token_id for t, _ in ranked):
+                ranked.append((token_id, entry.logprob))
+            ranked.sort(key=lambda x: -x[1])
+            top: dict[str, float] = {}
+            for t, lp in ranked:
+                top.setdefault(self._token_str(t), max(lp, MIN_LOGPROB))
+            result.top_logprobs.append(top)
+        return result
+
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=f.finish_reason, stop_reason=f.stop_reason)
-                   for i, f in enumerate(finals)]
+        b = self.body
+        choices = []
+        for i, f in enumerate(finals):
+            text, token_ids = texts[i], self.token_ids[i]
+            entries: list[TokenLogprobs | None] = list(self.logprobs[i])
+            if b.echo:
+                prompt_text, prompt_ids, prompt_entries = self._echo(i)
+                text, token_ids, entries = prompt_text + text, prompt_ids + token_ids, prompt_entries + entries
+            logprobs = self._completion_logprobs(token_ids, entries, 0) if b.logprobs is not None else None
+            choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=f.finish_reason,
+                                            stop_reason=f.stop_reason))
         return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                   choices=choices, usage=usage)
 
     def _chunk(self, index: int, out: RequestOutput) -> dict:
-        choice = CompletionChoice(index=index, text=out.new_text, finish_reason=out.finish_reason,
+        b = self.body
+        text, token_ids = out.new_text, list(out.new_token_ids)
+        entries: list[TokenLogprobs | None] = list(out.logprobs or [])
+        if b.echo and index not in self.echoed:
+            self.echoed.add(index)
+            prompt_text, prompt_ids, prompt_entries = self._echo(index)
+            text, token_ids, entries = prompt_text + text, prompt_ids + token_ids, prompt_entries + entries
+        logprobs = None
+        if b.logprobs is not None:
+            logprobs = self._completion_logprobs(token_ids, entries, self.text_lens.get(index, 0))
+        self.text_lens[index] = self.text_lens.get(index, 0) + len(text)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason)
         chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                    choices=[choice])
@@ -542,17 +670,36 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _refuse_unsupported(self) -> None:
         b = self.body
-        _refuse((("logprobs", bool(b.logprobs)), ("top_logprobs", b.top_logprobs not in (None, 0)),
-                 ("logit_bias", bool(b.logit_bias)), ("best_of", b.best_of not in (None, b.n)),
-                 ("presence_penalty", b.presence_penalty not in (None, 0.0)),
-                 ("frequency_penalty", b.frequency_penalty not in (None, 0.0)),
-                 ("repetition_penalty", b.repetition_penalty not in (None, 1.0)),
-                 ("min_p", b.min_p not in (None, 0.0)),
+        _refuse((("logit_bias", bool(b.logit_bias)), ("best_of", b.best_of not in (None, b.n)),
                  ("response_format", b.response_format not in (None, {"type": "text"})),
                  ("tools", bool(b.tools)), ("tool_choice", b.tool_choice not in (None, "none")),
                  ("chat_template", b.chat_template is not None)))
         if b.stream_options is not None and not b.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        if b.top_logprobs is not None:  # vLLM's checks (ChatCompletionRequest.check_logprobs)
+            if not b.logprobs:
+                raise APIError(400, "top_logprobs: only allowed when logprobs is true", "top_logprobs")
+            if not 0 <= b.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"top_logprobs: expected in [0, {MAX_LOGPROBS}], got {b.top_logprobs}",
+                               "top_logprobs")
+
+    def _logprobs_params(self) -> tuple[int | None, int | None]:
+        b = self.body
+        return (b.top_logprobs or 0) if b.logprobs else None, None
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> ChatCompletionLogProbs:
+        """vLLM's _create_chat_logprobs: per token its string, logprob and UTF-8 bytes, and the
+        top_logprobs likeliest tokens likewise (likeliest first)."""
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            token = self._token_str(token_id)
+            return {"token": token, "logprob": max(logprob, MIN_LOGPROB),
+                    "bytes": list(token.encode("utf-8", errors="replace"))}
+
+        n = self.body.top_logprobs or 0
+        return ChatCompletionLogProbs(content=[
+            ChatCompletionLogProbsContent(**one(t, e.logprob),
+                                          top_logprobs=[ChatCompletionLogProb(**one(u, lp)) for u, lp in e.top[:n]])
+            for t, e in zip(token_ids, entries)])
 
     def _items(self) -> list[Any]:
         return [_conversation(self.body.messages)]
@@ -566,8 +713,10 @@ class _ChatCompletionCall(_CompletionCall):
                             b.chat_template_kwargs, False)
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
+        want = bool(self.body.logprobs)
         choices = [ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
-                                        finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+                                        logprobs=self._chat_logprobs(self.token_ids[i], self.logprobs[i]) if want
+                                        else None, finish_reason=f.finish_reason, stop_reason=f.stop_reason)
                    for i, f in enumerate(finals)]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                       choices=choices, usage=usage)
@@ -584,7 +733,11 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _chunk(self, index: int, out: RequestOutput) -> dict:
         delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-        return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
+        logprobs = None
+        if self.body.logprobs:
+            logprobs = self._chat_logprobs(list(out.new_token_ids), list(out.logprobs or []))
+        return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                              finish_reason=out.finish_reason,
                                                               stop_reason=out.stop_reason)])
 
     def _usage_chunk(self, usage: UsageInfo) -> dict:
@@ -760,12 +913,11 @@ def _sse(payload: dict) -> str:
 
 def _refuse_unsupported(b: CompletionRequest) -> None:
     """400 for OpenAI fields this server does not implement, when set to anything but their default."""
-    checks = (("echo", b.echo), ("logprobs", b.logprobs is not None), ("suffix", b.suffix is not None),
-              ("logit_bias", bool(b.logit_bias)), ("best_of", b.best_of not in (None, b.n)),
-              ("presence_penalty", b.presence_penalty not in (None, 0.0)),
-              ("frequency_penalty", b.frequency_penalty not in (None, 0.0)),
-              ("repetition_penalty", b.repetition_penalty not in (None, 1.0)))
+    checks = (("suffix", b.suffix is not None), ("logit_bias", bool(b.logit_bias)),
+              ("best_of", b.best_of not in (None, b.n)))
     _refuse(checks)
+    if b.max_tokens == 0 and not b.echo:
+        raise APIError(400, "max_tokens: expected >= 1 (0 only with echo: the prompt alone)", "max_tokens")
     if b.stream_options is not None and not b.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
