@@ -30,6 +30,7 @@ import pytest
 import torch
 from serving_fakes import FakeModel, FakeTokenizer, reference_greedy, reference_next
 from serving_model_helpers import PagedRunner
+from test_serving_engine import prompt_of, run, tokens
 
 from serving.engine.engine import LLMEngine
 from serving.engine.messages import RequestOutput, TokenLogprobs
@@ -264,27 +265,6 @@ def fake_engine(async_scheduling: bool, num_blocks: int = 256, max_model_len: in
     return LLMEngine(FakeModel(8), TOK, num_blocks=num_blocks, block_size=4, max_model_len=max_model_len,
                      max_num_seqs=8, max_tokens_per_rank=8, device=torch.device("cpu"),
                      async_scheduling=async_scheduling)
-
-
-def prompt_of(n: int, salt: int = 0) -> list[int]:
-    return [1 + (7 * i + 3 * salt) % 30 for i in range(n)]
-
-
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
-        max_steps: int = 2000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return outs
-        for out in engine.step():
-            outs[out.request_id].append(out)
-    raise AssertionError(f"not finished after {max_steps} steps")
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def logprobs(outs: list[RequestOutput]) -> list[TokenLogprobs]:
