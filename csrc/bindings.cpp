@@ -13,8 +13,9 @@
 
 namespace py = pybind11;
 
-#define EP_STRINGIFY_(x) #x
-#define EP_STRINGIFY(x) EP_STRINGIFY_(x)
+// Variadic: __CUDA_ARCH_LIST__ of a several-arch build is a comma list ("800,900").
+#define EP_STRINGIFY_(...) #__VA_ARGS__
+#define EP_STRINGIFY(...) EP_STRINGIFY_(__VA_ARGS__)
 using ep::Common;
 
 namespace {

@@ -213,7 +213,7 @@ class Buffer:
         """Whether our CUDA kernels were built for Hopper (sm_90a)."""
         from . import native
 
-        return native.available() and "900" in native.load().CUDA_ARCHS.split(",")
+        return native.available() and "900" in (a.strip() for a in native.load().CUDA_ARCHS.split(","))
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
