@@ -1,9 +1,11 @@
-"""ep-layer: low-latency expert-parallel dispatch and combine for serving Mixture-of-Experts LLMs."""
+"""ep-layer: expert-parallel dispatch and combine (low-latency and normal mode) for serving Mixture-of-Experts LLMs."""
 
 from .backends import RowsInPlace
+from .backends.normal import NormalHandle
 from .buffer import Buffer
+from .config import Config
 from .errors import EPTimeoutError
 from .event import EventOverlap
 
-__all__ = ["Buffer", "EPTimeoutError", "EventOverlap", "RowsInPlace"]
+__all__ = ["Buffer", "Config", "EPTimeoutError", "EventOverlap", "NormalHandle", "RowsInPlace"]
 __version__ = "0.1.0"

@@ -3,7 +3,8 @@
 The class validates every argument, then forwards to the backend (`reference` or `cuda`); it owns what
 is the same for all backends: hooks, `async_finish` events, and per-dispatch state such as the
 zero-copy combine buffer. It has every name of DeepEP's `Buffer` that vLLM and SGLang use, so that the
-`deep_ep` drop-in (dropin/) is this class; DeepEP's normal mode raises NotImplementedError.
+`deep_ep` drop-in (dropin/) is this class. DeepEP's normal (high-throughput) mode comes from the
+NormalMode mixin (ep_layer/normal_mode.py).
 
 Eager calls are on the host's critical path (every call of an engine that runs without CUDA graphs),
 so a call validates its arguments once per combination of shapes, dtypes, devices and flags and
@@ -21,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .backends import Backend, DispatchSpec, Handle, create_backend
+from .backends import Backend, DispatchSpec, Handle, create_backend, resolve_backend
 from .backends.exchange import group_rank_and_size
 from .checks import (
     MAX_TOKENS_PER_RANK,
@@ -36,6 +37,7 @@ from .config import Config
 from .event import EventOverlap
 from .latency import LatencyHistogram
 from .layout import low_latency_buffer_bytes
+from .normal_mode import NormalMode
 
 DEFAULT_TIMEOUT_S = 100.0
 _OUTSTANDING = 2  # results that may be pending at once (double buffering, as in DeepEP)
@@ -47,8 +49,6 @@ _FORK_ONLY = {
     "low_latency_combine": ("overlap", "src_signals", "src_signal_expect_value", "packed_recv_count",
                             "comp_signal", "block_m", "threshold", "num_sms"),
 }
-_NORMAL_MODE = ("DeepEP's normal (high-throughput) mode is not implemented in ep-layer yet; use the "
-                "low-latency calls (low_latency_dispatch / low_latency_combine)")
 
 Hook = Callable[[], None]
 _no_torch_function = torch._C.DisableTorchFunction  # our tensors always name their device
@@ -107,11 +107,13 @@ class _DispatchRecord:
         return id(handle) == self.handle_id and self.src_info() is handle[0]
 
 
-class Buffer:
-    """Expert-parallel communication buffer with DeepEP's low-latency interface.
+class Buffer(NormalMode):
+    """Expert-parallel communication buffer with DeepEP's interface: the low-latency calls (a Buffer made
+    with `low_latency_mode=True`) and the normal-mode ones (a Buffer made with `num_nvl_bytes` > 0; both
+    at once, as SGLang's auto mode uses them, with both).
 
-    `group` is the EP process group (None = a single rank). DeepEP's tuning arguments are accepted and
-    ignored (`num_nvl_bytes`: no normal-mode buffer is allocated). `enable_shrink` is DeepEP's rank
+    `group` is the EP process group (None = a single rank). DeepEP's RDMA tuning arguments are accepted
+    and ignored. `enable_shrink` is DeepEP's rank
     masking (fault tolerance): a peer that misses a wait is masked instead of failing the call.
     `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or "reference";
     `timeout_s` bounds every wait for a peer rank.
@@ -127,8 +129,6 @@ class Buffer:
         if comm is not None:
             raise NotImplementedError("comm: an MPI communicator is not supported; pass the torch.distributed "
                                       "group of the EP ranks as `group`")
-        if not low_latency_mode:
-            raise NotImplementedError(f"low_latency_mode=False: {_NORMAL_MODE}")
         expect(type(num_nvl_bytes) is int and num_nvl_bytes >= 0, "num_nvl_bytes", "a non-negative int",
                num_nvl_bytes)
         expect(type(num_rdma_bytes) is int and num_rdma_bytes >= 0, "num_rdma_bytes", "a non-negative int",
@@ -136,8 +136,11 @@ class Buffer:
         expect(type(timeout_s) in (int, float) and 0 < timeout_s < math.inf, "timeout_s",
                "a positive, finite number of seconds", timeout_s)
         rank, size = group_rank_and_size(group)
+        if not low_latency_mode and resolve_backend(backend) == "cuda":
+            raise NotImplementedError("low_latency_mode=False: the cuda backend has no normal (high-throughput) "
+                                      "kernels yet; pass backend='reference' for normal mode")
         self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s),
-                                    shrink=bool(enable_shrink)))
+                                    shrink=bool(enable_shrink)), bool(low_latency_mode))
         self.num_nvl_bytes = num_nvl_bytes
         self.explicitly_destroy = explicitly_destroy
 
@@ -146,16 +149,16 @@ class Buffer:
         """A Buffer around an existing backend (e.g. one of several ranks emulated in one process)."""
         expect(isinstance(backend, Backend), "backend", "an ep_layer.backends.Backend", type(backend).__name__)
         buffer = cls.__new__(cls)
-        buffer._attach(backend)
+        buffer._attach(backend, True)
         buffer.num_nvl_bytes = 0
         buffer.explicitly_destroy = False
         return buffer
 
-    def _attach(self, backend: Backend) -> None:
+    def _attach(self, backend: Backend, low_latency_mode: bool) -> None:
         self.group = backend.group
         self.rank, self.group_size = backend.rank, backend.num_ranks
         self.num_rdma_bytes = backend.num_rdma_bytes
-        self.low_latency_mode = True
+        self.low_latency_mode = low_latency_mode
         self.enable_shrink = backend.shrink
         self.timeout_s = backend.timeout_s
         self._backend: Backend | None = backend
@@ -219,6 +222,7 @@ class Buffer:
                                  num_experts: int) -> None:
         """Forget outstanding dispatches and reset the backend's communication state."""
         backend = self._live()
+        _check_low_latency(self.low_latency_mode, "clean_low_latency_buffer")
         check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", MAX_TOKENS_PER_RANK)
         check_positive_int(hidden, "hidden")
         check_experts(num_experts, self.group_size)
@@ -231,8 +235,9 @@ class Buffer:
         """This rank's communication buffer as a flat `dtype` tensor from byte `offset` (or its first
         `size` elements viewed as `size`). Only the low-latency ("RDMA") buffer exists here."""
         if not use_rdma_buffer:
-            raise NotImplementedError(f"get_local_buffer_tensor(use_rdma_buffer=False): the NVLink buffer "
-                                      f"belongs to normal mode. {_NORMAL_MODE}")
+            raise NotImplementedError("get_local_buffer_tensor(use_rdma_buffer=False): ep-layer keeps no separate "
+                                      "NVLink buffer (normal-mode messages are fresh tensors); pass "
+                                      "use_rdma_buffer=True for the low-latency buffer")
         expect(isinstance(dtype, torch.dtype), "dtype", "a torch.dtype", dtype)
         expect(type(offset) is int and 0 <= offset <= self.num_rdma_bytes, "offset",
                f"a byte offset in [0, {self.num_rdma_bytes}]", offset)
@@ -305,16 +310,6 @@ class Buffer:
             raise RuntimeError(f"{op}: rank masking is off; build the Buffer with enable_shrink=True")
         return backend
 
-    # ------------------------------------------------------------------ DeepEP's normal mode
-    def get_dispatch_layout(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(f"get_dispatch_layout: {_NORMAL_MODE}")
-
-    def dispatch(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(f"dispatch: {_NORMAL_MODE}")
-
-    def combine(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError(f"combine: {_NORMAL_MODE}")
-
     # ------------------------------------------------------------------ dispatch
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -365,6 +360,7 @@ class Buffer:
                         round_scale: bool, use_ue8m0: bool, async_finish: bool, return_recv_hook: bool,
                         rows_in_place: bool) -> DispatchSpec:
         """Every check of a dispatch's arguments (raises ValueError naming the argument); the spec."""
+        _check_low_latency(self.low_latency_mode, "low_latency_dispatch")
         expect(isinstance(x, torch.Tensor), "x", "a torch.Tensor", type(x).__name__)
         assert isinstance(x, torch.Tensor)
         device = backend.device or x.device
@@ -524,6 +520,12 @@ class Buffer:
                 buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
             self._combine_buffers[record.slot] = buf
         return buf
+
+
+def _check_low_latency(low_latency_mode: bool, op: str) -> None:
+    if not low_latency_mode:
+        raise RuntimeError(f"{op}: this Buffer was made with low_latency_mode=False (normal mode only); make it "
+                           "with low_latency_mode=True and num_rdma_bytes >= get_low_latency_rdma_size_hint(...)")
 
 
 def _check_modes(async_finish: bool, return_recv_hook: bool) -> None:

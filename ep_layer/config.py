@@ -1,10 +1,12 @@
 """`Config`: DeepEP's tuning of its normal-mode kernels (SMs and chunk sizes), with DeepEP's names and
-defaults. The low-latency kernels here need none of it: a Config is accepted, checked and kept, so that
-engines which build one (SGLang's `--deepep-config`) run unchanged."""
+defaults, and the normal-mode buffer size it implies. The low-latency kernels need none of it; engines
+build one per call (vLLM) or from `--deepep-config` (SGLang)."""
 
 from __future__ import annotations
 
-from .checks import expect
+from .checks import check_positive_int, expect
+from .layout import MAX_RANKS, MAX_TOPK
+from .quant import FP8_GROUP
 
 
 class Config:
@@ -30,16 +32,31 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        raise NotImplementedError("Config.get_nvl_buffer_size_hint: DeepEP's normal (high-throughput) mode is not "
-                                  "implemented in ep-layer yet; size a low-latency Buffer with "
-                                  "Buffer.get_low_latency_rdma_size_hint")
+        """Bytes of NVLink buffer normal mode needs for rows of `hidden_bytes` among `num_ranks` ranks of one
+        node: a ring of `num_max_nvl_chunked_recv_tokens` token slots per channel (two SMs) and source
+        rank, each slot a row, its scales, its top-k ids and weights and its source index, plus a control
+        block per channel and rank pair."""
+        check_positive_int(hidden_bytes, "hidden_bytes")
+        check_positive_int(num_ranks, "num_ranks", MAX_RANKS)
+        channels = max(self.num_sms // 2, 1)
+        slot = _align(hidden_bytes + hidden_bytes // FP8_GROUP * 4 + MAX_TOPK * 12 + 8, 16)
+        control = _align(channels * num_ranks * num_ranks * 16, 128)
+        return _align(control + channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * slot, 128)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        raise NotImplementedError("Config.get_rdma_buffer_size_hint: DeepEP's normal (high-throughput) mode is not "
-                                  "implemented in ep-layer yet; size a low-latency Buffer with "
-                                  "Buffer.get_low_latency_rdma_size_hint")
+        """0: normal mode runs inside one node (up to 8 ranks), where it needs no RDMA buffer."""
+        check_positive_int(hidden_bytes, "hidden_bytes")
+        check_positive_int(num_ranks, "num_ranks")
+        if num_ranks > MAX_RANKS:
+            raise NotImplementedError(f"Config.get_rdma_buffer_size_hint: normal mode across nodes ({num_ranks} "
+                                      f"ranks > {MAX_RANKS}) is not implemented in ep-layer")
+        return 0
 
     def __repr__(self) -> str:
         fields = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                   "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
         return "Config(" + ", ".join(f"{f}={getattr(self, f)}" for f in fields) + ")"
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to

@@ -1,6 +1,7 @@
 """`deep_ep`: ep-layer under DeepEP's module name, so that engines that import DeepEP (vLLM's
-`deepep_low_latency` all2all backend, SGLang's `--moe-a2a-backend deepep`) run its low-latency path on
-ep-layer unchanged. `Buffer` is `ep_layer.Buffer` itself; normal mode raises NotImplementedError.
+`deepep_low_latency` and `deepep_high_throughput` all2all backends, SGLang's `--moe-a2a-backend deepep`)
+run on ep-layer unchanged. `Buffer` is `ep_layer.Buffer` itself: the low-latency calls on every
+backend, normal mode on the reference backend (the cuda backend's normal-mode kernels are not written yet).
 
 There is deliberately no `ElasticBuffer`: vLLM would take it for DeepEP v2 and use that path instead.
 """
@@ -14,8 +15,7 @@ import warnings
 import torch
 
 import ep_layer
-from ep_layer import Buffer, EventOverlap
-from ep_layer.config import Config
+from ep_layer import Buffer, Config, EventOverlap
 
 BACKEND = "ep_layer"  # which library this `deep_ep` is (a real DeepEP has no such name)
 __version__ = f"{ep_layer.__version__}+ep.layer"  # PEP 440: ep-layer's version, local label "ep.layer"

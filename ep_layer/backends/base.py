@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
+from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
 
 # (src_info int32 [E_l, R*T], layout_range int64 [E_l, R], T, H, E), as DeepEP's handle.
 Handle = tuple[torch.Tensor, torch.Tensor, int, int, int]
@@ -107,6 +108,17 @@ class Backend(ABC):
                 wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
         """Launch the send half of combine; the returned callable writes the weighted sums to `out`. With
         `hook=False` the caller runs it right after, so a backend may do both halves at once here."""
+
+    # DeepEP's normal (high-throughput) mode: the Buffer checked the arguments (docs/design.md section 2).
+    def normal_dispatch(self, args: NormalDispatchArgs) -> NormalDispatchResult:
+        """Send each token once to every rank in its row of is_token_in_rank; the rows received."""
+        raise NotImplementedError(f"dispatch: the {self.name} backend has no normal (high-throughput) mode yet; "
+                                  "use backend='reference', or the low-latency calls")
+
+    def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sum each token's rows back on its rank; (combined bf16 [T, H], summed top-k weights or None)."""
+        raise NotImplementedError(f"combine: the {self.name} backend has no normal (high-throughput) mode yet; "
+                                  "use backend='reference', or the low-latency calls")
 
     def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor | None:
         """The bf16 [E_l, R*T, H] zero-copy combine buffer of dispatch slot `slot` (0 or 1), if this backend

@@ -22,6 +22,8 @@ from ..latency import HostLatencyRecorder, LatencyHistogram
 from ..quant import per_token_cast_to_fp8
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
 from .exchange import PeerExchange
+from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
+from .reference_normal import ReferenceNormalMode
 
 _DISPATCH, _COMBINE = 1, 2
 # Header each rank sends every peer before the data: the operation, what ranks must agree on, rows.
@@ -51,6 +53,7 @@ class ReferenceBackend(Backend):
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
         self._masked: set[int] | None = set() if shrink else None  # shared with the exchange
         self._exchange = PeerExchange(group, timeout_s, self._masked)
+        self._normal = ReferenceNormalMode(self._exchange, rank, num_ranks)
         self._latency = HostLatencyRecorder()
         self._device = None
         if num_ranks > 1 and dist.get_backend(group) == "nccl":
@@ -69,6 +72,12 @@ class ReferenceBackend(Backend):
         """Empty: the reference backend keeps no communication buffer (messages are fresh tensors)."""
         del offset
         return torch.zeros(0, dtype=torch.uint8, device=self._device or "cpu")
+
+    def normal_dispatch(self, args: NormalDispatchArgs) -> NormalDispatchResult:
+        return self._normal.dispatch(args)
+
+    def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._normal.combine(args)
 
     # ---------------------------------------------------------------- rank masking
     def _is_masked(self, rank: int) -> bool:
