@@ -1,5 +1,6 @@
 """`FusedMoE`: DeepSeek-V3's MoE layer (router, routed experts over expert parallelism, shared experts)
-on top of `ep_layer.Buffer`'s low-latency dispatch and combine (docs/design.md section 4).
+on top of `ep_layer.Buffer`'s low-latency dispatch and combine (docs/design.md section 4), or, for
+batches larger than the low-latency buffer's T, its normal mode (normal_forward.py).
 
 One micro-batch's forward is written once, as steps (`FusedMoE.steps`): route; send the dispatch;
 then the shared expert's gate_up projection while the tokens travel, the dispatch hook, the expert GEMMs
@@ -24,9 +25,11 @@ from ..backends import resolve_backend
 from ..backends.exchange import group_rank_and_size
 from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
+from ..config import Config
 from ..quant import FP8_GROUP
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
+from .normal_forward import normal_forward
 from .routing import RoutingConfig
 from .schedule import (
     COMBINE_HOOKED,
@@ -45,6 +48,7 @@ from .schedule import (
 from .weights import ExpertWeights
 
 QUANT_MODES = ("bf16", "fp8-block")
+DISPATCH_MODES = ("low_latency", "normal")  # the Buffer calls a forward runs on
 SHARED_UNDER = ("both", "dispatch", "combine")
 # Where each micro-batch of the overlapped forward runs its shared expert (`steps`' shared_under): the
 # second one's dispatch already runs under the first one's experts, and its combine has nothing else to run under.
@@ -130,12 +134,19 @@ class FusedMoE(nn.Module):
             self.rank * self.num_local_experts, self.num_experts, self.shared_experts))
 
     # ------------------------------------------------------------------ forward
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """bf16 [N, H] -> bf16 [N, H], N <= max_tokens_per_rank (N may be 0; all ranks call together).
-        On a GPU the dispatch and combine run on the layer's side streams (CommStreams), so the shared
-        expert computes while they run (its gate_up projection under the dispatch, its down projection
-        under the combine); on one stream it would wait for the send kernel, which moves the rows itself
-        (CUDA IPC, and ranks sharing a GPU)."""
+    def forward(self, hidden_states: torch.Tensor, mode: str = "low_latency") -> torch.Tensor:
+        """bf16 [N, H] -> bf16 [N, H] (N may be 0; all ranks call together, in the same mode).
+
+        mode "low_latency": N <= max_tokens_per_rank. On a GPU the dispatch and combine run on the layer's
+        side streams (CommStreams), so the shared expert computes while they run (its gate_up projection
+        under the dispatch, its down projection under the combine); on one stream it would wait for the
+        send kernel, which moves the rows itself (CUDA IPC, and ranks sharing a GPU).
+        mode "normal": any N, through the Buffer's normal mode (a Buffer made with num_nvl_bytes > 0:
+        make_buffer(..., normal_mode=True)); the host waits for the dispatch's counts."""
+        if mode == "normal":
+            return normal_forward(self, self._check_input(hidden_states, normal=True))
+        if mode != "low_latency":
+            raise ValueError(f"mode: expected one of {DISPATCH_MODES}, got {mode!r}")
         x = self._check_input(hidden_states)
         return run_to_end(self.steps(x, self.comm_streams(x.device)))
 
@@ -245,15 +256,17 @@ class FusedMoE(nn.Module):
         return self._kernels_for(act.device).dense_down(act, self.shared_experts)
 
     # ------------------------------------------------------------------ helpers
-    def _check_input(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _check_input(self, hidden_states: torch.Tensor, normal: bool = False) -> torch.Tensor:
+        """hidden_states, contiguous, once it is bf16 [N, H] on the layer's device with N <= max_tokens_per_rank
+        (any N in normal mode)."""
         ok = (isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == torch.bfloat16
               and hidden_states.dim() == 2 and hidden_states.shape[1] == self.hidden
-              and hidden_states.shape[0] <= self.max_tokens_per_rank)
+              and (normal or hidden_states.shape[0] <= self.max_tokens_per_rank))
         if not ok:
             given = (f"{hidden_states.dtype} {list(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
                      else type(hidden_states).__name__)
-            raise ValueError(f"hidden_states: expected bf16 [N, {self.hidden}] with N <= max_tokens_per_rank="
-                             f"{self.max_tokens_per_rank}, got {given}")
+            limit = "" if normal else f" with N <= max_tokens_per_rank={self.max_tokens_per_rank}"
+            raise ValueError(f"hidden_states: expected bf16 [N, {self.hidden}]{limit}, got {given}")
         if hidden_states.device != self.gate_weight.device:
             raise ValueError(f"hidden_states: expected device {self.gate_weight.device} (the layer's), "
                              f"got {hidden_states.device}")
@@ -319,12 +332,15 @@ def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_toke
 
 
 def make_buffer(group: dist.ProcessGroup | None, max_tokens_per_rank: int, hidden: int, num_experts: int,
-                backend: str = "auto", device: torch.device | str | None = None) -> Buffer:
+                backend: str = "auto", device: torch.device | str | None = None, *,
+                normal_mode: bool = False) -> Buffer:
     """A low-latency Buffer for `group` (None: the default group, else one rank) sized for MoE layers on
-    `device` that dispatch up to max_tokens_per_rank tokens of `hidden` channels to num_experts experts."""
+    `device` that dispatch up to max_tokens_per_rank tokens of `hidden` channels to num_experts experts;
+    with `normal_mode`, sized for normal-mode calls too (FusedMoE.forward(..., mode="normal"))."""
     _, ranks = group_rank_and_size(group)
     if num_experts % ranks:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ranks}, got {num_experts}")
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, ranks, num_experts)
+    nvl_bytes = Config().get_nvl_buffer_size_hint(2 * hidden, ranks) if normal_mode else 0
     backend = resolve_backend(backend, device=torch.empty(0, device=device).device)
-    return Buffer(group, num_rdma_bytes=size, low_latency_mode=True, backend=backend)
+    return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=size, low_latency_mode=True, backend=backend)

@@ -1,0 +1,117 @@
+"""FusedMoE through normal (high-throughput) mode on CPU ranks (reference backend), against the
+low-latency path and a float64 oracle.
+
+- one rank: the two modes run the same GEMMs on the same rows and weigh them in the same order, so they
+  agree bit for bit (bf16 and FP8);
+- several ranks: normal mode rounds each rank's partial sum to bf16 before the combine adds them (DeepEP's
+  combine takes bf16 rows), the low-latency combine rounds once. Each rounding is 2**-9 relative to a
+  partial sum that can exceed the result; with the shared expert's and the final add's roundings, we bound
+  |normal - low-latency| by 2**-6 * (|ref| + rms(ref)) per element;
+- a batch larger than the low-latency buffer's T goes through normal mode, against float64 (test_moe.py's
+  tolerances and their reasons);
+- the expert-load counters count normal mode's rows as the low-latency ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_ranks
+from moe_helpers import MoeConfig, hf_weights, moe_float64, random_tokens
+from test_moe import TOL_FP8_RMS, TOL_FP8_TOKEN, assert_close
+
+from ep_layer import Buffer
+from ep_layer.moe import FusedMoE
+
+TOL_MODES = 2**-6  # normal vs low-latency on several ranks (module docstring)
+TOL_BF16_F64 = 2**-5  # bf16 weights vs float64 (test_moe.py's float32 bound: our path's bf16 roundings)
+
+
+def both_modes_rank(rank: int, world: int, cfg: MoeConfig, quant: str, weights: dict[str, torch.Tensor],
+                    tokens: list[torch.Tensor], big: list[torch.Tensor]) -> dict[str, np.ndarray]:
+    """This rank's tokens through both modes, and a batch larger than T through normal mode."""
+    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, low_latency_mode=True, backend="reference")
+    layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, dist.group.WORLD,
+                     n_group=cfg.n_group, topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                     quant=quant, n_shared_experts=cfg.n_shared_experts, buffer=buffer,
+                     max_tokens_per_rank=cfg.max_tokens)
+    per_rank = cfg.num_experts // world
+    mine = range(rank * per_rank, (rank + 1) * per_rank)
+    layer.load_weights((n, t) for n, t in weights.items()
+                       if not n.startswith("experts.") or int(n.split(".")[1]) in mine)
+    x = tokens[rank]
+    results = {"low_latency": layer(x)}
+    load_low_latency = layer.stats().expert_load.clone()
+    results["normal"] = layer(x, mode="normal")
+    results["load_normal"] = layer.stats().expert_load - load_low_latency
+    results["load_low_latency"] = load_low_latency
+    results["big"] = layer(big[rank], mode="normal")
+    for name, batch in (("", x), ("big_", big[rank])):
+        results[name + "topk_idx"], results[name + "topk_weights"] = layer.route(batch)
+    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy() for k, v in results.items()}
+
+
+def run_both_modes(world: int, quant: str, seed: int, cfg: MoeConfig) -> tuple[list[dict[str, torch.Tensor]], dict,
+                                                                             list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = hf_weights(cfg, gen, "fp8" if quant == "fp8-block" else "bf16")
+    tokens = random_tokens(cfg, gen, world)
+    big = random_tokens(replace(cfg, max_tokens=3 * cfg.max_tokens), gen, world, min_tokens=cfg.max_tokens + 1)
+    raw = run_ranks(both_modes_rank, world, cfg, quant, weights, tokens, big)
+    return [{k: torch.from_numpy(v) for k, v in r.items()} for r in raw], weights, tokens, big
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
+def test_one_rank_modes_agree_bit_for_bit(quant: str, seed: int) -> None:
+    cfg = MoeConfig(intermediate=192 if quant == "fp8-block" else 64)
+    (got,), _, _, _ = run_both_modes(1, quant, seed, cfg)
+    assert torch.equal(got["normal"], got["low_latency"]), f"seed={seed} {quant}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_modes_agree_across_ranks_and_large_batches_are_right(world: int, seed: int) -> None:
+    cfg = MoeConfig(num_experts=12 if world == 3 else 16, intermediate=64)
+    results, weights, tokens, big = run_both_modes(world, "bf16", seed, cfg)
+    for rank, got in enumerate(results):
+        what = f"seed={seed} EP={world} rank {rank}"
+        assert_close(got["normal"], got["low_latency"], TOL_MODES, what + ": normal vs low-latency")
+        want = torch.from_numpy(moe_float64(cfg, weights, big[rank], got["big_topk_idx"], got["big_topk_weights"]))
+        assert got["big"].shape[0] > cfg.max_tokens
+        assert_close(got["big"], want, TOL_BF16_F64, what + ": a batch larger than T vs float64")
+        assert torch.equal(got["load_normal"], got["load_low_latency"]), what + ": expert-load counters"
+    # Each routed (token, expert) pair was counted once, at its expert.
+    routed = torch.cat([r["topk_idx"] for r in results]).flatten()
+    load = torch.cat([r["load_normal"] for r in results])
+    assert torch.equal(load, torch.bincount(routed, minlength=cfg.num_experts).int())
+
+
+def test_fp8_large_batch_matches_float64(seed: int) -> None:
+    cfg = MoeConfig(intermediate=192, max_tokens=16)
+    results, weights, _, big = run_both_modes(2, "fp8-block", seed, cfg)
+    for rank, got in enumerate(results):
+        what = f"seed={seed} rank {rank}"
+        want = torch.from_numpy(moe_float64(cfg, weights, big[rank], got["big_topk_idx"], got["big_topk_weights"]))
+        err = got["big"].double() - want
+        rel_rms = (err.pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+        assert rel_rms <= TOL_FP8_RMS, f"{what}: relative RMS error {rel_rms:.4f}"
+        per_token = (err.norm(dim=1) / want.norm(dim=1)).max().item()
+        assert per_token <= TOL_FP8_TOKEN, f"{what}: worst token's relative error {per_token:.4f}"
+        assert_close(got["normal"], got["low_latency"], TOL_MODES, what + ": normal vs low-latency")
+
+
+def test_mode_errors() -> None:
+    cfg = MoeConfig()
+    layer = cfg.layer(None, "bf16")  # a low-latency Buffer only: no normal-mode buffer
+    x = torch.zeros(cfg.max_tokens + 1, cfg.hidden, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^mode: expected one of \('low_latency', 'normal'\), got 'fast'"):
+        layer(x[:1], mode="fast")
+    with pytest.raises(ValueError, match=r"hidden_states: expected bf16 \[N, 256\] with N <= max_tokens_per_rank"):
+        layer(x)
+    with pytest.raises(RuntimeError, match=r"num_nvl_bytes=0"):
+        layer(x, mode="normal")
+    with pytest.raises(ValueError, match=r"hidden_states: expected bf16 \[N, 256\], got torch.float32"):
+        layer(x.float(), mode="normal")
