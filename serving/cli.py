@@ -13,7 +13,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .engine.engine_config import DEFAULT_LOADER, EP_BACKENDS, LOAD_FORMATS, EngineConfig
+from .engine.engine_config import (
+    DEEPEP_MODES,
+    DEFAULT_LOADER,
+    DEFAULT_MAX_TOKENS_PER_RANK,
+    EP_BACKENDS,
+    LOAD_FORMATS,
+    EngineConfig,
+)
 from .model_config import AUTO_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
@@ -113,10 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens (prompt + completion) per request, e.g. 4096 or 4k (default: the model's "
                         "max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once per rank")
-    p.add_argument("--max-num-batched-tokens", "--max-tokens-per-rank", dest="max_tokens_per_rank", type=human_int,
-                   default=256, metavar="N",
-                   help="tokens per step and rank (vLLM's per-engine budget: each data-parallel rank schedules "
-                        "its own steps): the chunked-prefill budget and the MoE layers' T; e.g. 256 or 1K")
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=None, metavar="N",
+                   help="tokens a rank schedules per step (vLLM's per-engine budget: each data-parallel rank "
+                        "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "
+                        "--max-tokens-per-rank, or 2048 with --deepep-mode auto or normal)")
+    p.add_argument("--max-tokens-per-rank", type=human_int, default=None, metavar="T",
+                   help="tokens per rank of a low-latency dispatch, the MoE layers' T (default: "
+                        "--max-num-batched-tokens with --deepep-mode low_latency, else 256)")
     _add_parallel_args(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--num-kv-blocks", type=int, default=None,
@@ -185,6 +195,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="1 only: ep-serve scales by --data-parallel-size N with --enable-expert-parallel (attention "
                         "replicated on every rank, the experts sharded over them), not by tensor parallelism")
+    p.add_argument("--deepep-mode", choices=DEEPEP_MODES, default="low_latency",
+                   help="the MoE layers' dispatch and combine (SGLang's flag): 'low_latency' every step, 'normal' "
+                        "(high-throughput) every step, or 'auto': normal mode for steps in which a rank holds "
+                        "more than --max-tokens-per-rank tokens (long prefills), low-latency for the others; "
+                        "normal mode runs on --ep-backend reference (its CUDA kernels are not written yet)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
                    help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
                         "torch.distributed one, or 'auto' (cuda when built and on GPU)")
@@ -276,6 +291,16 @@ def local_path(name: str, download_dir: str | None, flag: str) -> str:
     raise SystemExit(f"ep-serve: {flag} {name!r}: no such directory")
 
 
+def low_latency_tokens(args: argparse.Namespace) -> int:
+    """The low-latency dispatch's T: --max-tokens-per-rank, else in low-latency mode the step budget
+    (every step goes through that buffer), else 256."""
+    if args.max_tokens_per_rank is not None:
+        return args.max_tokens_per_rank
+    if args.deepep_mode == "low_latency" and args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return DEFAULT_MAX_TOKENS_PER_RANK
+
+
 def engine_config(args: argparse.Namespace, model: str, served_name: str, loader: str = DEFAULT_LOADER) -> EngineConfig:
     """The parsed flags as an EngineConfig for the checkpoint directory `model` (dtype "auto" and the
     quantization are resolved against the checkpoint afterwards: EngineConfig.resolved)."""
@@ -291,7 +316,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         model=model, served_model_name=served_name, tokenizer=tokenizer, dtype=DTYPES[args.dtype],
         quantization=args.quantization, loader=loader, load_format=args.load_format,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_tokens_per_rank=low_latency_tokens(args),
+        max_num_batched_tokens=args.max_num_batched_tokens, deepep_mode=args.deepep_mode, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
@@ -398,15 +424,26 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
         buffer = f"Buffer backend reference over torch.distributed ({'NCCL' if device.type == 'cuda' else 'gloo'})"
     if config.enforce_eager:
         graphs = "CUDA graphs off (--enforce-eager)"
+    elif config.deepep_mode == "normal" and backend is not None:
+        graphs = "CUDA graphs off (--deepep-mode normal: every step dispatches in normal mode)"
     elif (reason := why_eager(device, backend, info.max_model_len)) is not None:
         graphs = f"CUDA graphs off ({reason})"
     else:
         sizes = graph_sizes(min(config.max_num_seqs, config.max_tokens_per_rank))
         graphs = f"decode CUDA graphs for batch sizes {sizes}"
+    if backend is None:
+        dispatch = ""
+    elif config.deepep_mode == "low_latency":
+        dispatch = f", low-latency dispatch of up to {config.max_tokens_per_rank} tokens a rank"
+    elif config.deepep_mode == "normal":
+        dispatch = f", normal-mode dispatch, {config.token_budget} tokens a step"
+    else:
+        dispatch = (f", dispatch auto: low-latency up to {config.max_tokens_per_rank} tokens a rank, normal mode "
+                    f"above (up to {config.token_budget} a step)")
     weights = ", FP8 block weights" if checkpoint.fp8 else ""
     return (f"ep-serve ready at {url}: model {config.served_model_name} ({config.model}), dtype {config.dtype}"
-            f"{weights}, {ranks}, {buffer}, {graphs}, on {info.device}; KV cache {info.num_kv_blocks} blocks of "
-            f"{info.block_size} tokens a rank, max_model_len {info.max_model_len}")
+            f"{weights}, {ranks}, {buffer}{dispatch}, {graphs}, on {info.device}; KV cache {info.num_kv_blocks} "
+            f"blocks of {info.block_size} tokens a rank, max_model_len {info.max_model_len}")
 
 
 class RequestLog:

@@ -41,6 +41,9 @@ class ForwardBatch:
     # same): the model then attends without reading the layout on the host (CUDA-graph capturable).
     decode: bool = False
     host_layout: HostLayout | None = None
+    # The MoE layers' dispatch mode (ep_layer.moe.FusedMoE.forward), the same on every rank: "low_latency"
+    # (at most the buffer's T tokens) or "normal" (any number).
+    moe_mode: str = "low_latency"
 
     @property
     def num_tokens(self) -> int:

@@ -87,6 +87,7 @@ class FakeModel(nn.Module):
         self.num_empty_forwards = 0
         self.max_batch_tokens = 0
         self.batches: list[tuple[int, int]] = []  # (num_seqs, num_tokens) of each forward
+        self.moe_modes: list[str] = []  # ForwardBatch.moe_mode of each forward
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         # Token id + 1 per slot (0 = never written), so a read of a stale or foreign slot shows up.
@@ -96,13 +97,14 @@ class FakeModel(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         assert self.kv is not None, "allocate_kv_cache was not called"
         self._check(batch)
-        self._lockstep()
+        self._lockstep(batch.moe_mode)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         self.num_forwards += 1
         self.num_empty_forwards += batch.num_tokens == 0
         self.max_batch_tokens = max(self.max_batch_tokens, batch.num_tokens)
         self.batches.append((batch.num_seqs, batch.num_tokens))
+        self.moe_modes.append(batch.moe_mode)
         self.kv[batch.slot_mapping] = batch.input_ids + 1
         # One row per entry of logits_indices (a sequence's last new token, or each of its new tokens
         # where it asks for prompt logprobs): the logits after the tokens up to that one.
@@ -131,7 +133,9 @@ class FakeModel(nn.Module):
         assert b.positions.shape == (n,) and b.slot_mapping.shape == (n,)
         assert b.query_start.shape == (s + 1,) and b.logits_indices.dim() == 1
         assert b.block_tables.shape[0] == s
-        assert n <= self.max_tokens_per_rank, f"{n} tokens > max_tokens_per_rank={self.max_tokens_per_rank}"
+        assert b.moe_mode in ("low_latency", "normal"), b.moe_mode
+        assert n <= self.max_tokens_per_rank or b.moe_mode == "normal", \
+            f"{n} tokens > max_tokens_per_rank={self.max_tokens_per_rank} in low-latency mode"
         assert int(b.query_start[0]) == 0 and int(b.query_start[-1]) == n
         assert n == 0 or (int(b.input_ids.min()) >= 0 and int(b.input_ids.max()) < VOCAB)
         rows = b.logits_indices.tolist()
@@ -153,14 +157,16 @@ class FakeModel(nn.Module):
                 assert int(b.slot_mapping[j]) == table[p // bs] * bs + p % bs
         assert len(set(b.slot_mapping.tolist())) == n, "two tokens write the same KV slot"
 
-    def _lockstep(self) -> None:
+    def _lockstep(self, moe_mode: str) -> None:
+        """Every rank runs its n-th forward together with the others, in the same MoE dispatch mode."""
         if self.group is None:
             return
-        mine = torch.tensor([self.num_forwards], dtype=torch.int64)
+        mine = torch.tensor([self.num_forwards, moe_mode == "normal"], dtype=torch.int64)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(every, mine, group=self.group)
-        counts = [int(t) for t in every]
+        counts, normal = [int(t[0]) for t in every], [bool(t[1]) for t in every]
         assert len(set(counts)) == 1, f"ranks out of step: forward counts {counts}"
+        assert len(set(normal)) == 1, f"ranks disagree on the MoE dispatch mode (normal: {normal})"
 
 
 def reference_next(tokens: list[int], eos_bias: float = -4.0) -> torch.Tensor:

@@ -191,16 +191,35 @@ def test_start_up_refuses_what_the_checkpoint_cannot_run(fp8_checkpoint, bf16_ch
 
 # ---------------------------------------------------------------------------- sizes and memory
 def test_max_num_batched_tokens_is_the_per_rank_step_budget(capsys):
-    assert config().max_tokens_per_rank == 256
-    assert config("--max-num-batched-tokens", "512").max_tokens_per_rank == 512
-    assert config("--max-tokens-per-rank", "512").max_tokens_per_rank == 512  # ep-serve's older name
+    """In low-latency mode every step goes through the low-latency buffer: the budget is its T."""
+    assert (config().max_tokens_per_rank, config().token_budget) == (256, 256)
+    for argv in (("--max-num-batched-tokens", "512"), ("--max-tokens-per-rank", "512")):
+        assert (config(*argv).max_tokens_per_rank, config(*argv).token_budget) == (512, 512), argv
     assert config("--max-num-batched-tokens", "1K").max_tokens_per_rank == 1024  # vLLM's human-readable ints
     assert config("--max-num-batched-tokens", "1k", "--max-num-seqs", "8").max_tokens_per_rank == 1000
+    assert config("--max-tokens-per-rank", "512", "--max-num-batched-tokens", "128").token_budget == 128
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens: expected at most max_tokens_per_rank=256 with "
+                                         r"deepep_mode 'low_latency' .*, got 1024; deepep_mode 'auto'"):
+        config("--max-tokens-per-rank", "256", "--max-num-batched-tokens", "1K")
     assert config("--max-model-len", "25.6k").max_model_len == 25600
     assert config("--max-model-len", "4K").max_model_len == 4096
     assert "a binary suffix (K) takes a whole number" in usage_error(capsys, "--max-model-len", "1.5K")
     with pytest.raises(ValueError, match="max_tokens_per_rank: expected >= 1"):
         config("--max-num-batched-tokens", "0")
+    with pytest.raises(ValueError, match="max_num_batched_tokens: expected >= 1"):
+        config("--max-num-batched-tokens", "0", "--deepep-mode", "auto")
+
+
+def test_deepep_mode_sets_the_step_budget_apart_from_the_low_latency_t(capsys):
+    """SGLang's --deepep-mode: with normal mode a step may hold more tokens than the low-latency T."""
+    assert config().deepep_mode == "low_latency"
+    auto = config("--deepep-mode", "auto")
+    assert (auto.deepep_mode, auto.max_tokens_per_rank, auto.token_budget) == ("auto", 256, 2048)
+    auto = config("--deepep-mode", "auto", "--max-num-batched-tokens", "4K", "--max-tokens-per-rank", "128")
+    assert (auto.max_tokens_per_rank, auto.token_budget) == (128, 4096)
+    normal = config("--deepep-mode", "normal", "--max-num-batched-tokens", "300")
+    assert (normal.deepep_mode, normal.max_tokens_per_rank, normal.token_budget) == ("normal", 256, 300)
+    assert "invalid choice: 'fast'" in usage_error(capsys, "--deepep-mode", "fast")
 
 
 def test_gpu_memory_utilization_is_a_fraction_of_the_whole_gpu():
@@ -302,7 +321,13 @@ def test_startup_summary_states_the_layout():
     line = startup_summary(ep, tiny(), info, "http://127.0.0.1:8000")
     assert line.startswith("ep-serve ready at http://127.0.0.1:8000: model ckpt (ckpt), dtype float32, 2 data-parallel "
                            "ranks with expert parallelism, 8 of 16 experts a rank, Buffer backend reference over "
-                           "torch.distributed (gloo), CUDA graphs off (no GPU), on cpu;"), line
+                           "torch.distributed (gloo), low-latency dispatch of up to 256 tokens a rank, CUDA graphs "
+                           "off (no GPU), on cpu;"), line
+    auto = config("--enable-expert-parallel", "-dp", "2", "--deepep-mode", "auto").resolved(tiny())
+    assert ("dispatch auto: low-latency up to 256 tokens a rank, normal mode above (up to 2048 a step)"
+            in startup_summary(auto, tiny(), info, "http://h:1"))
+    normal = config("--enable-expert-parallel", "-dp", "2", "--deepep-mode", "normal").resolved(tiny())
+    assert "normal-mode dispatch, 2048 tokens a step" in startup_summary(normal, tiny(), info, "http://h:1")
     host1 = config("--enable-expert-parallel", "-dp", "4", "-dpl", "2", "-dpr", "2", "--enforce-eager").resolved(tiny())
     line = startup_summary(host1, tiny(), info, "http://h:1")
     assert "4 data-parallel ranks (2..3 here) with expert parallelism, 4 of 16 experts a rank" in line
@@ -345,7 +370,8 @@ def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
         assert ready[1] == server.url, ready[0]
         assert ready[2].startswith(f"model ep-layer-tiny ({model_dir}), dtype float32, 2 data-parallel ranks with "
                                    f"expert parallelism, 8 of 16 experts a rank, Buffer backend reference over "
-                                   f"torch.distributed (gloo), CUDA graphs off (no GPU), on cpu; KV cache "), ready[0]
+                                   f"torch.distributed (gloo), low-latency dispatch of up to 256 tokens a rank, CUDA "
+                                   f"graphs off (no GPU), on cpu; KV cache "), ready[0]
         assert ready[2].endswith("blocks of 16 tokens a rank, max_model_len 2048"), ready[0]
         assert server.log.read_text().count("ep-serve ready at") == 1
         resp = httpx.post(f"{server.url}/v1/completions", timeout=60,

@@ -26,11 +26,14 @@ BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 def make_engine(budget: int = 8, block_size: int = 4, num_blocks: int = 256, max_model_len: int = 128,
                 max_num_seqs: int = 8, eos_bias: float = -4.0, group=None, rank: int = 0,
-                num_ranks: int = 1, async_scheduling: bool = False) -> LLMEngine:
+                num_ranks: int = 1, async_scheduling: bool = False, token_budget: int | None = None,
+                deepep_mode: str = "low_latency") -> LLMEngine:
+    """budget: the low-latency T; token_budget: the tokens a step may hold (None: T)."""
     model = FakeModel(budget, group, eos_bias)
     return LLMEngine(model, TOK, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=budget, device=torch.device("cpu"),
-                     rank=rank, num_ranks=num_ranks, async_scheduling=async_scheduling)
+                     rank=rank, num_ranks=num_ranks, async_scheduling=async_scheduling, token_budget=token_budget,
+                     deepep_mode=deepep_mode)
 
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
@@ -410,6 +413,50 @@ def test_expert_parallel_ranks_step_together_with_empty_batches(async_scheduling
     assert results[0]["forwards"] == results[1]["forwards"]  # FakeModel also checks this at every forward
     assert all(r["left"] for r in results), results
     assert results[0]["empty"] == 0 and results[1]["empty"] > 0
+
+
+def _deepep_mode_rank(rank: int, world_size: int, deepep_mode: str) -> dict:
+    import torch.distributed as dist
+
+    sync = StepSync(dist.new_group(backend="gloo"))
+    engine = make_engine(budget=8, group=dist.group.WORLD, rank=rank, num_ranks=world_size, token_budget=32,
+                         deepep_mode=deepep_mode)
+    mine = {0: [30, 5], 1: [3]}[rank]  # rank 0's first prompt fits one 32-token step, not the T of 8
+    for i, n in enumerate(mine):
+        engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
+    got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
+    for _ in range(500):
+        for out in engine.step(sync):
+            got[out.request_id] += out.new_token_ids
+        if not sync.plan.step and not engine.has_work():
+            break
+    want = {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
+            for i, n in enumerate(mine)}
+    return {"ok": got == want, "modes": engine.model.moe_modes, "batches": engine.model.batches}
+
+
+@pytest.mark.parametrize("deepep_mode", ["auto", "normal"])
+def test_deepep_mode_runs_large_steps_in_normal_mode_on_every_rank(deepep_mode: str):
+    """With a step budget above the low-latency T, a step in which any rank holds more than T tokens runs
+    in normal mode on every rank (auto), or every step does (normal); FakeModel checks at each forward
+    that the ranks agree and that a low-latency step holds at most T tokens."""
+    results = run_ranks(_deepep_mode_rank, 2, deepep_mode, timeout_s=60)
+    assert all(r["ok"] for r in results), results
+    first = results[0]
+    assert first["batches"][0][1] == 32  # the whole budget: 30 + 2 prompt tokens, four times T
+    if deepep_mode == "normal":
+        assert set(first["modes"]) == {"normal"}
+    else:
+        steps = list(zip(*(zip(r["batches"], r["modes"]) for r in results)))
+        for step in steps:  # normal exactly where some rank holds more than T
+            assert {m for _, m in step} == {"normal" if max(n for (_, n), _ in step) > 8 else "low_latency"}, step
+        assert {"normal", "low_latency"} <= set(first["modes"])
+
+
+def test_low_latency_mode_never_steps_past_t():
+    engine = make_engine(budget=8)
+    run(engine, {"a": (prompt_of(30), GREEDY)})
+    assert set(engine.model.moe_modes) == {"low_latency"} and engine.model.max_batch_tokens == 8
 
 
 def _agree_rank(rank: int, world_size: int) -> list[tuple]:

@@ -71,7 +71,8 @@ class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, num_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_tokens_per_rank: int, device: torch.device,
                  seed: int = 0, rank: int = 0, num_ranks: int = 1, use_cuda_graphs: bool = False,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, token_budget: int | None = None,
+                 deepep_mode: str = "low_latency") -> None:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = eos_token_ids(cfg)
@@ -82,9 +83,11 @@ class LLMEngine:
         self.codec: Codec = as_codec(tokenizer)
         self.device, self.rank, self.num_ranks = device, rank, num_ranks
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_tokens_per_rank, max_model_len)
+        self.max_tokens_per_rank, self.deepep_mode = max_tokens_per_rank, deepep_mode
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, token_budget or max_tokens_per_rank,
+                                   max_model_len)
         self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank,
-                                  max_num_seqs, use_cuda_graphs)
+                                  max_num_seqs, use_cuda_graphs and deepep_mode != "normal")
         self.sampler = Sampler(device, seed)
         self.token_counts = TokenCounts(self.vocab_size, device)
         self.model = model
@@ -124,17 +127,19 @@ class LLMEngine:
     def schedule(self) -> ScheduledBatch:
         return self.scheduler.schedule(time.monotonic())
 
-    def execute(self, batch: ScheduledBatch, graph_size: int | None = None) -> list[RequestOutput]:
+    def execute(self, batch: ScheduledBatch, graph_size: int | None = None,
+                moe_mode: str = "low_latency") -> list[RequestOutput]:
         """Run the model on `batch` (an empty one too: the MoE layers must take part), sample the
         sequences whose prompt is complete, and return their outputs; with async scheduling, the
         outputs of the step before instead (this step's come from the next execute or flush).
         graph_size: replay the decode graph of that size (a decode-only or empty batch;
-        ModelRunner.graph_size), None: eagerly."""
+        ModelRunner.graph_size), None: eagerly. moe_mode: the MoE layers' dispatch mode, the same on
+        every rank (FusedMoE.forward)."""
         start = time.perf_counter()
         kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
         before, self._pending = self._pending, None
         outputs: list[RequestOutput] = []
-        logits = self.runner.execute(batch, graph_size, before.tokens if before is not None else None)
+        logits = self.runner.execute(batch, graph_size, before.tokens if before is not None else None, moe_mode)
         ends = list(itertools.accumulate(logits_rows(batch)))  # past each sequence's logits rows
         self._prompt_logprobs(batch, ends, logits)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
@@ -179,12 +184,22 @@ class LLMEngine:
         if not leaving and (flushed := self.flush_if_prompt_next()):
             return flushed
         batch = ScheduledBatch() if leaving else self.schedule()
-        plan = (sync if sync is not None else self._alone).agree(len(batch.seqs), batch.is_decode_only, leaving)
+        plan = (sync if sync is not None else self._alone).agree(len(batch.seqs), batch.is_decode_only, leaving,
+                                                                 batch.num_tokens)
         if plan.stop:
             return []
         if not plan.step:
             return self.flush()
-        return self.execute(batch, self._graph_size(plan))
+        mode = self.moe_mode(plan)
+        return self.execute(batch, self._graph_size(plan) if mode == "low_latency" else None, mode)
+
+    def moe_mode(self, plan: StepPlan) -> str:
+        """The MoE layers' dispatch mode for `plan` (every rank derives the same one from it): deepep_mode,
+        where "auto" is normal mode for a step in which some rank holds more tokens than the low-latency
+        buffer's T."""
+        if self.deepep_mode == "auto":
+            return "normal" if plan.max_num_tokens > self.max_tokens_per_rank else "low_latency"
+        return self.deepep_mode
 
     def _graph_size(self, plan: StepPlan) -> int | None:
         """The decode graph the ranks replay for `plan` (None: eager): where no rank computes a prefill

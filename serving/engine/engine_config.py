@@ -10,6 +10,9 @@ from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
 
 DEFAULT_LOADER = "serving.engine.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
+DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
+DEFAULT_MAX_TOKENS_PER_RANK = 256
+DEFAULT_NORMAL_BUDGET = 2048  # tokens per step with normal mode (vLLM's default max_num_batched_tokens)
 LOAD_FORMATS = ("auto", "dummy")
 GIB = 1 << 30
 
@@ -18,7 +21,11 @@ GIB = 1 << 30
 class EngineConfig:
     """model: checkpoint directory. loader: a module with load_model(config, group, device) -> (model,
     tokenizer), run in each rank, and load_tokenizer(config), run in the server (default:
-    serving.engine.loading). max_tokens_per_rank: tokens per step and rank, the MoE layer's T.
+    serving.engine.loading). max_tokens_per_rank: the low-latency dispatch's T (tokens per rank).
+    deepep_mode: which Buffer calls the MoE layers use (SGLang's --deepep-mode): "low_latency" for every
+    step, "normal" for every step, "auto" normal mode for steps where some rank holds more than
+    max_tokens_per_rank tokens and low-latency for the others. max_num_batched_tokens: the tokens a rank
+    schedules per step (None: max_tokens_per_rank, or with normal mode DEFAULT_NORMAL_BUDGET).
     max_model_len / num_kv_blocks: None = from the model / from memory. tokenizer, dtype, quantization,
     gpu_memory_utilization and chat_template mean what vLLM's flags of those names mean (serving.cli).
 
@@ -36,7 +43,9 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (serving.loader)
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_tokens_per_rank: int = 256
+    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
+    max_num_batched_tokens: int | None = None
+    deepep_mode: str = "low_latency"
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # of each GPU's whole memory, for this server's ranks on it (vLLM's)
@@ -64,9 +73,17 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a fraction in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        if self.deepep_mode not in DEEPEP_MODES:
+            raise ValueError(f"deepep_mode: expected one of {DEEPEP_MODES}, got {self.deepep_mode!r}")
         for name in ("max_num_seqs", "max_tokens_per_rank", "block_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
+        if self.deepep_mode == "low_latency" and self.token_budget > self.max_tokens_per_rank:
+            raise ValueError(f"max_num_batched_tokens: expected at most max_tokens_per_rank={self.max_tokens_per_rank} "
+                             f"with deepep_mode 'low_latency' (every step goes through the low-latency buffer), got "
+                             f"{self.token_budget}; deepep_mode 'auto' runs larger steps through normal mode")
         if self.max_num_seqs > self.max_tokens_per_rank:
             raise ValueError(f"max_num_seqs: expected at most max_tokens_per_rank={self.max_tokens_per_rank} (each "
                              f"running sequence needs a token of every decode step), got {self.max_num_seqs}")
@@ -92,6 +109,15 @@ class EngineConfig:
             if not lowest <= self.dist_port < 65536:
                 raise ValueError(f"dist_port: expected the rendezvous port every host uses, in [{lowest}, 65535], "
                                  f"got {self.dist_port}")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one rank schedules per step (the chunked-prefill budget)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.deepep_mode == "low_latency":
+            return self.max_tokens_per_rank
+        return max(self.max_tokens_per_rank, DEFAULT_NORMAL_BUDGET)
 
     def resolved(self, model: ModelConfig) -> EngineConfig:
         """This config for the checkpoint `model` describes: dtype "auto" made the dtype it stands for,

@@ -19,7 +19,8 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
     dtype = getattr(torch, loader.load_config(config.model).serving_dtype(config.dtype))
     model = loader.load_model(config.model, group=group, backend=config.ep_backend,
                               max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
-                              load_format=config.load_format, dtype=dtype)
+                              load_format=config.load_format, dtype=dtype,
+                              normal_mode=config.deepep_mode != "low_latency")
     return model.eval(), load_tokenizer(config)
 
 

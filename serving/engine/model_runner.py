@@ -217,15 +217,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ running
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, graph_size: int | None = None,
-                pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                pending_tokens: torch.Tensor | None = None, moe_mode: str = "low_latency") -> torch.Tensor:
         """Logits float32 [sum(logits_rows(batch)), vocab] (one row per sequence unless one computes
         prompt logprobs); an empty batch still runs the model (its MoE layers take part in the other
         ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay that captured decode
         graph (see `graph_size`), None: run eagerly. pending_tokens: the previous step's sampled tokens
-        on the device, where the batch's pending tokens are (see pending_inputs)."""
+        on the device, where the batch's pending tokens are (see pending_inputs). moe_mode: the MoE
+        layers' dispatch mode (ForwardBatch.moe_mode; the decode graphs are low-latency ones)."""
         if graph_size is not None:
+            if moe_mode != "low_latency":
+                raise ValueError(f"graph_size: the decode graphs dispatch in low-latency mode, not {moe_mode!r}")
             return self._replay(batch, graph_size, pending_tokens)
         inputs = self.prepare(batch)
+        inputs.moe_mode = moe_mode
         self._fill_pending(inputs.input_ids, batch, pending_tokens)
         return self.model(inputs)
 

@@ -94,6 +94,9 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
         config = dataclasses.replace(config, ep_backend=resolve_backend(config.ep_backend, device=device,
                                                                         one_node=not config.spans_processes))
+        if config.deepep_mode != "low_latency" and config.ep_backend == "cuda":
+            raise ValueError(f"deepep_mode {config.deepep_mode!r}: normal mode has no CUDA kernels yet; run it on "
+                             "the reference backend (--ep-backend reference) or use --deepep-mode low_latency")
         group, sync_group = _init_group(config, rank, device)
         model, tokenizer = load_model(config, group, device)
         max_positions = int(model.config.max_position_embeddings)
@@ -106,7 +109,8 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
                            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                            max_tokens_per_rank=config.max_tokens_per_rank, device=device, seed=config.seed + rank,
                            rank=rank, num_ranks=config.data_parallel_size,
-                           use_cuda_graphs=not config.enforce_eager, async_scheduling=config.async_scheduling)
+                           use_cuda_graphs=not config.enforce_eager, async_scheduling=config.async_scheduling,
+                           token_budget=config.token_budget, deepep_mode=config.deepep_mode)
         if rank == 0 and engine.runner.captured_sizes:
             print(f"Captured decode CUDA graphs for batch sizes {engine.runner.captured_sizes} in "
                   f"{engine.runner.capture_seconds:.1f} s", file=sys.stderr, flush=True)

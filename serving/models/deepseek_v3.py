@@ -63,11 +63,11 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, fp8=c.fp8, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | DecodeMetadata, moe_mode: str = "low_latency") -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         h = self.post_attention_layernorm(x)
         # FusedMoE works in bf16 (its dispatch sends bf16 or FP8); other dtypes round-trip through it.
-        h = self.mlp(h.to(torch.bfloat16)).to(x.dtype) if self.is_moe else self.mlp(h)
+        h = self.mlp(h.to(torch.bfloat16), mode=moe_mode).to(x.dtype) if self.is_moe else self.mlp(h)
         return x + h
 
 
@@ -90,8 +90,9 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     ep_buffer: the ep_layer low-latency Buffer all MoE layers share; without one, a Buffer is made for
     `group` (None: the default process group if torch.distributed is initialised, else one rank)
-    with `backend` ("auto" | "cuda" | "reference"). max_tokens_per_rank: the most tokens one step may
-    hold (every rank dispatches with this T). dtype: activations and unquantised weights; FP8
+    with `backend` ("auto" | "cuda" | "reference"). max_tokens_per_rank: the most tokens a low-latency
+    step may hold (every rank dispatches with this T); normal_mode: the Buffer serves normal-mode steps
+    too (ForwardBatch.moe_mode "normal", of any size). dtype: activations and unquantised weights; FP8
     checkpoints keep e4m3 weights with their block scales. Weights start at zero: serving.loader loads
     them (load_tensors by checkpoint name, load_weights from a checkpoint directory).
     """
@@ -101,7 +102,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, ep_buffer: Buffer | None = None,
                  group: dist.ProcessGroup | None = None, backend: str = "auto", max_tokens_per_rank: int = 128,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
-                 expert_kernels: str = "auto") -> None:
+                 expert_kernels: str = "auto", normal_mode: bool = False) -> None:
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
@@ -111,7 +112,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         has_moe = config.first_k_dense_replace < config.num_hidden_layers
         if ep_buffer is None and has_moe:
             ep_buffer = make_buffer(group, max_tokens_per_rank, config.hidden_size, config.n_routed_experts, backend,
-                                    self.device)
+                                    self.device, normal_mode=normal_mode)
         self.ep_buffer = ep_buffer
         self.ep_rank, self.ep_size = (ep_buffer.rank, ep_buffer.group_size) if ep_buffer is not None else (0, 1)
         if config.n_routed_experts % self.ep_size:
@@ -153,7 +154,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache[i], meta)
+            x = layer(x, cos, sin, cache[i], meta, batch.moe_mode)
         h = self.model.norm(x[batch.logits_indices])
         return self.lm_head(h).float()
 
@@ -169,6 +170,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if value.dtype != dtype or tuple(value.shape) != shape or value.device != self.device:
                 raise ValueError(f"batch.{name}: expected {dtype} {list(shape)} on {self.device}, got "
                                  f"{value.dtype} {list(value.shape)} on {value.device}")
-        if t > self.max_tokens_per_rank:
+        if t > self.max_tokens_per_rank and batch.moe_mode == "low_latency":
             raise ValueError(f"batch: {t} tokens, expected at most max_tokens_per_rank={self.max_tokens_per_rank} "
-                             "(every rank's MoE dispatch is sized for it; schedule fewer tokens per step)")
+                             "(every rank's low-latency MoE dispatch is sized for it; schedule fewer tokens per "
+                             "step, or run the step in normal mode: batch.moe_mode)")
