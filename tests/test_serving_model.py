@@ -557,3 +557,43 @@ def test_v3_shaped_directory(tmp_path) -> None:
     assert load_tokenizer(path).encode("hello").ids
     with pytest.raises(ValueError, match="num_layers"):
         write_v3_shaped(tmp_path / "v3-1", 1)
+
+
+# ---------------------------------------------------------------------------- normal (high-throughput) mode
+TOL_NORMAL_MODE = 2.0 ** -6  # normal vs low-latency: each rank's partial expert sum rounded to bf16 once more
+
+
+def normal_mode_rank(rank: int, world: int, path: str, dtype: torch.dtype) -> dict[str, object]:
+    """One prefill step of this rank's prompt, run through both dispatch modes (the step writes the same
+    KV slots each time), and then, in a step of more tokens than T (which only normal mode takes), the
+    same prompt again beside a longer one."""
+    import torch.distributed as dist
+
+    from serving.engine.engine import LLMEngine
+    from serving.engine.sequence import SamplingParams
+
+    model = load_model(path, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=24, dtype=dtype,
+                       progress=False, normal_mode=True)
+    engine = LLMEngine(model, load_tokenizer(path), num_blocks=64, block_size=16, max_model_len=128,
+                       max_num_seqs=4, max_tokens_per_rank=24, device=torch.device("cpu"), token_budget=64,
+                       deepep_mode="auto")
+    gen = torch.Generator().manual_seed(SEED + rank)
+    engine.add_request("a", torch.randint(3, 500, ({0: 20, 1: 6}[rank],), generator=gen).tolist(),
+                       SamplingParams(max_tokens=1))
+    batch = engine.schedule()
+    logits = {mode: engine.runner.execute(batch, moe_mode=mode) for mode in ("low_latency", "normal")}
+    engine.add_request("b", torch.randint(3, 500, (40,), generator=gen).tolist(), SamplingParams(max_tokens=1))
+    large = engine.schedule()
+    big = engine.runner.execute(large, moe_mode="normal")
+    with pytest.raises(ValueError, match=r"batch: \d+ tokens, expected at most max_tokens_per_rank=24"):
+        engine.runner.execute(large, moe_mode="low_latency")  # all ranks raise before any dispatch
+    # "a" again, beside "b": its last token's logits as in the low-latency step (tokens never mix).
+    return {"error": relative_error(logits["normal"], logits["low_latency"]), "big_tokens": large.num_tokens,
+            "big_error": relative_error(big[:1], logits["low_latency"])}
+
+
+def test_normal_mode_step_matches_low_latency(checkpoints: dict[str, str]) -> None:
+    results = run_ranks(normal_mode_rank, 2, checkpoints["bf16"], torch.float32)
+    for rank, r in enumerate(results):
+        assert r["error"] <= TOL_NORMAL_MODE, f"rank {rank}: relative error {r['error']:.2e}"
+        assert r["big_tokens"] > 24 and r["big_error"] <= TOL_NORMAL_MODE, r
