@@ -75,7 +75,7 @@ def test_one_rank_modes_agree_bit_for_bit(quant: str, seed: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_modes_agree_across_ranks_and_large_batches_are_right(world: int, seed: int) -> None:
     cfg = MoeConfig(num_experts=12 if world == 3 else 16, intermediate=64)
-    results, weights, tokens, big = run_both_modes(world, "bf16", seed, cfg)
+    results, weights, _, big = run_both_modes(world, "bf16", seed, cfg)
     for rank, got in enumerate(results):
         what = f"seed={seed} EP={world} rank {rank}"
         assert_close(got["normal"], got["low_latency"], TOL_MODES, what + ": normal vs low-latency")
