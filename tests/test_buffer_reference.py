@@ -618,11 +618,15 @@ def rank_errors(rank: int, world: int, kind: str, seed: int) -> int:
             failures.append(f"{label}: {e}")
     assert not failures, case.msg("\n" + "\n".join(failures))
 
-    # Constructor errors; DeepEP's normal mode and MPI communicators are not implemented, by name.
-    for kwargs, names in (({"low_latency_mode": False}, ("low_latency_mode",)),
-                          ({"low_latency_mode": True, "comm": object()}, ("comm",))):
-        with raises(NotImplementedError, *names):
-            Buffer(grp.buffer_group, **kwargs)
+    # Constructor errors; MPI communicators are not implemented, by name. A normal-mode-only Buffer
+    # refuses the low-latency calls.
+    with raises(NotImplementedError, "comm"):
+        Buffer(grp.buffer_group, low_latency_mode=True, comm=object())
+    normal_only = Buffer(grp.buffer_group, num_nvl_bytes=1 << 20, low_latency_mode=False, backend="reference")
+    with raises(RuntimeError, "low_latency_dispatch", "low_latency_mode=False"):
+        normal_only.low_latency_dispatch(case.x, case.topk_idx, case.t, case.e)
+    with raises(RuntimeError, "clean_low_latency_buffer", "low_latency_mode=False"):
+        normal_only.clean_low_latency_buffer(case.t, case.x.shape[1], case.e)
     for kwargs, names in (({"low_latency_mode": True, "backend": "nccl-ish"}, ("backend",)),
                           ({"low_latency_mode": True, "timeout_s": 0}, ("timeout_s",)),
                           ({"low_latency_mode": True, "num_rdma_bytes": -1}, ("num_rdma_bytes",))):

@@ -393,7 +393,11 @@ def test_tiny_model_logprobs_and_prompt_logprobs_match_a_whole_sequence_forward(
     state rounds differently when its prompt was split in chunks: logprobs then agree to ~3e-3 only
     (a logprob of the wrong position or token is off by ~2, the spread of these logprobs)."""
     engine = tiny_engine(checkpoint, async_scheduling, budget)
+    # A prompt prefilled in one step computes as the whole-sequence forward does (1e-4); chunks, and the
+    # generated tokens' decode steps, attend by another path, whose float32 differences flip some of the MoE
+    # layers' bf16 roundings (2**-9 relative): logprobs then move by a few 1e-3.
     atol = 1e-4 if budget == 64 else 1e-2
+    decode_atol = 1e-2
     asks = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=2)
     prompt_only = SamplingParams(max_tokens=3, temperature=0.9, seed=3, ignore_eos=True, prompt_logprobs=0)
     plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -418,7 +422,7 @@ def test_tiny_model_logprobs_and_prompt_logprobs_match_a_whole_sequence_forward(
         else:
             assert len(logprobs(outs[rid])) == len(got)
             for j, entry in enumerate(logprobs(outs[rid])):
-                check_logprobs(entry, logits[len(prompt) - 1 + j], got[j], p.logprobs, atol)
+                check_logprobs(entry, logits[len(prompt) - 1 + j], got[j], p.logprobs, atol if j == 0 else decode_atol)
         if p.greedy:
             assert got == logits[len(prompt) - 1:].argmax(-1).tolist(), rid
 

@@ -23,7 +23,9 @@ _AGREED = ("operation (dispatch, cached dispatch or combine)", "bytes per token"
 def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     """`t`'s rows ([T] or [T, ...]) as uint8 [T, bytes], so that every dtype travels the same way."""
     width = math.prod(t.shape[1:]) * t.element_size()
-    return t.contiguous().view(torch.uint8).view(t.shape[0], width)
+    # A fresh copy: torch counts an empty tensor, or one whose last dimension has size 1, as contiguous
+    # whatever its strides, and view(uint8) needs a unit last stride.
+    return t.clone(memory_format=torch.contiguous_format).view(torch.uint8).view(t.shape[0], width)
 
 
 def _from_byte_rows(b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
