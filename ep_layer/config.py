@@ -33,9 +33,9 @@ class Config:
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of NVLink buffer normal mode needs for rows of `hidden_bytes` among `num_ranks` ranks (the
-        NVLink peers: at most the 8 of one node): a ring of `num_max_nvl_chunked_recv_tokens` token slots per channel (two SMs) and source
-        rank, each slot a row, its scales, its top-k ids and weights and its source index, plus a control
-        block per channel and rank pair."""
+        NVLink peers: at most the 8 of one node): a ring of `num_max_nvl_chunked_recv_tokens` token slots
+        per channel (two SMs) and source rank, each slot a row, its scales, its top-k ids and weights and
+        its source index, plus a control block per channel and rank pair."""
         check_positive_int(hidden_bytes, "hidden_bytes")
         num_ranks = min(check_positive_int(num_ranks, "num_ranks"), MAX_RANKS)  # the NVLink peers of one node
         channels = max(self.num_sms // 2, 1)

@@ -131,9 +131,10 @@ class NormalMode:
         if topk_weights is not None:
             check_tensor(topk_weights, "topk_weights", torch.float32, (rows, None), device)
         biases = _split_bias(bias)
-        for i, b in enumerate(biases):
-            check_tensor(b, f"bias[{i}]" if isinstance(bias, tuple) else "bias", torch.bfloat16,
-                         (num_tokens, hidden), device)
+        named = [(f"bias[{i}]", b) for i, b in enumerate(bias) if b is not None] if isinstance(bias, tuple) else \
+            [("bias", b) for b in biases]
+        for name, b in named:
+            check_tensor(b, name, torch.bfloat16, (num_tokens, hidden), device)
         _check_config(config)
         _check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
         args = NormalCombineArgs(x, topk_weights, biases, handle)

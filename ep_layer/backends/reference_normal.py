@@ -152,7 +152,9 @@ class ReferenceNormalMode:
         in_rank = handle.is_token_in_rank
         num_tokens, hidden = in_rank.shape[0], x.shape[1]
         k = 0 if args.topk_weights is None else args.topk_weights.shape[1]
-        self._agree("combine", [_COMBINE, 2 * hidden, k, int(args.topk_weights is not None), 0], device)
+        # As long as a dispatch's header, so that ranks calling different operations compare the fields.
+        self._agree("combine", [_COMBINE, 2 * hidden, k, int(args.topk_weights is not None), 0, *[0] * num_ranks],
+                    device)
 
         # Back to each source rank the rows it sent here, in the order it sent them.
         prefix = handle.rank_prefix_matrix[:, me].tolist()
