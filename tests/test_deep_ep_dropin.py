@@ -1304,7 +1304,29 @@ class DeepEPLLDispatchOutput(NamedTuple):
     expected_m: int
 
 
-class SglangLLDispatcher:
+class SglangDispatcherBase:
+    """deepep.py@003a81bf: what `DeepEPDispatcher`'s implementations share: the stage order of the four calls,
+    and the one DeepEPBuffer, sized by the dispatcher's fields."""
+
+    deepep_buffer: DeepEPBuffer
+    group: Any
+    hidden_size: int
+    params_bytes: int
+    deepep_mode: DeepEPMode
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    stage: str
+
+    def _shared_buffer(self) -> Any:
+        return self.deepep_buffer.get_deepep_buffer(self.group, self.hidden_size, self.params_bytes, self.deepep_mode,
+                                                    self.num_max_dispatch_tokens_per_rank, self.num_experts)
+
+    def _update_stage(self, old: str, new: str) -> None:
+        assert self.stage == old
+        self.stage = new
+
+
+class SglangLLDispatcher(SglangDispatcherBase):
     """deepep.py@003a81bf `DeepEPDispatcher` in low-latency mode, with its `_DeepEPDispatcherImplLowLatency`:
     dispatch_a sends (low_latency_dispatch), dispatch_b receives (the hook, or the event's wait with
     return_recv_hook=False); combine_a / combine_b the same for low_latency_combine, all keywords. The dispatch
@@ -1327,12 +1349,7 @@ class SglangLLDispatcher:
 
     def _get_buffer(self) -> Any:
         self.deepep_buffer.set_dispatch_mode_as_low_latency()
-        return self.deepep_buffer.get_deepep_buffer(self.group, self.hidden_size, self.params_bytes, self.deepep_mode,
-                                                    self.num_max_dispatch_tokens_per_rank, self.num_experts)
-
-    def _update_stage(self, old: str, new: str) -> None:
-        assert self.stage == old
-        self.stage = new
+        return self._shared_buffer()
 
     def dispatch_a(self, hidden_states: torch.Tensor, topk_output: TopKOutput) -> None:
         self._update_stage("initial", "after_dispatch_a")
@@ -1655,7 +1672,7 @@ def sglang_per_token_group_quant_fp8(x: torch.Tensor, group_size: int, column_ma
     return data, scales
 
 
-class SglangNormalDispatcher:
+class SglangNormalDispatcher(SglangDispatcherBase):
     """deepep.py@003a81bf `DeepEPDispatcher` in normal mode, with its `_DeepEPDispatcherImplNormal`: dispatch_a
     quantises for DeepGEMM (unless the dispatch is bf16) and, with async_finish, captures an event;
     dispatch_b runs get_dispatch_layout and dispatch on it (expert_alignment 128 for DeepGEMM's contiguous
@@ -1680,12 +1697,7 @@ class SglangNormalDispatcher:
 
     def _get_buffer(self) -> Any:
         self.deepep_buffer.set_dispatch_mode_as_normal()
-        return self.deepep_buffer.get_deepep_buffer(self.group, self.hidden_size, self.params_bytes, self.deepep_mode,
-                                                    self.num_max_dispatch_tokens_per_rank, self.num_experts)
-
-    def _update_stage(self, old: str, new: str) -> None:
-        assert self.stage == old
-        self.stage = new
+        return self._shared_buffer()
 
     def dispatch_a(self, hidden_states: torch.Tensor, topk_output: TopKOutput) -> None:
         self._update_stage("initial", "after_dispatch_a")

@@ -382,27 +382,32 @@ def test_async_scheduling_survives_preemption_and_aborts_with_pending_tokens():
 
 
 # ---------------------------------------------------------------------------- expert parallelism
+def greedy_in_step(engine: LLMEngine, sync: StepSync, rank: int, prompt_lengths: list[int]) -> bool:
+    """Greedy requests of these prompt lengths, stepped with the peers (as serving.engine.rank_worker.RankLoop
+    steps) until no rank has work: whether each got the reference's tokens."""
+    for i, n in enumerate(prompt_lengths):
+        engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
+    got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(prompt_lengths))}
+    for _ in range(500):
+        for out in engine.step(sync):
+            got[out.request_id] += out.new_token_ids
+        if not sync.plan.step and not engine.has_work():
+            break
+    return got == {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
+                   for i, n in enumerate(prompt_lengths)}
+
+
 def _ep_rank(rank: int, world_size: int, async_scheduling: bool) -> dict:
     import torch.distributed as dist
 
     sync = StepSync(dist.new_group(backend="gloo"))
     engine = make_engine(budget=8, group=dist.group.WORLD, rank=rank, num_ranks=world_size,
                          async_scheduling=async_scheduling)
-    mine = {0: [3, 20, 7], 1: [2]}[rank]
-    for i, n in enumerate(mine):
-        engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
-    got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
-    for _ in range(500):  # as serving.engine.rank_worker.RankLoop steps
-        for out in engine.step(sync):
-            got[out.request_id] += out.new_token_ids
-        if not sync.plan.step and not engine.has_work():
-            break
-    want = {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
-            for i, n in enumerate(mine)}
+    ok = greedy_in_step(engine, sync, rank, {0: [3, 20, 7], 1: [2]}[rank])
     engine.add_request("late", prompt_of(4), GREEDY)
     forwards = engine.model.num_forwards
     left = engine.step(sync, leaving=rank == 1)  # rank 1 was told to stop: both leave, neither steps
-    return {"ok": got == want, "forwards": forwards, "empty": engine.model.num_empty_forwards,
+    return {"ok": ok, "forwards": forwards, "empty": engine.model.num_empty_forwards,
             "left": left == [] and sync.plan.stop and engine.model.num_forwards == forwards}
 
 
@@ -421,18 +426,9 @@ def _deepep_mode_rank(rank: int, world_size: int, deepep_mode: str) -> dict:
     sync = StepSync(dist.new_group(backend="gloo"))
     engine = make_engine(budget=8, group=dist.group.WORLD, rank=rank, num_ranks=world_size, token_budget=32,
                          deepep_mode=deepep_mode)
-    mine = {0: [30, 5], 1: [3]}[rank]  # rank 0's first prompt fits one 32-token step, not the T of 8
-    for i, n in enumerate(mine):
-        engine.add_request(f"r{rank}-{i}", prompt_of(n, 10 * rank + i), GREEDY)
-    got: dict[str, list[int]] = {f"r{rank}-{i}": [] for i in range(len(mine))}
-    for _ in range(500):
-        for out in engine.step(sync):
-            got[out.request_id] += out.new_token_ids
-        if not sync.plan.step and not engine.has_work():
-            break
-    want = {f"r{rank}-{i}": reference_greedy(prompt_of(n, 10 * rank + i), 12, ignore_eos=True)
-            for i, n in enumerate(mine)}
-    return {"ok": got == want, "modes": engine.model.moe_modes, "batches": engine.model.batches}
+    # Rank 0's first prompt fits one 32-token step, not the T of 8.
+    ok = greedy_in_step(engine, sync, rank, {0: [30, 5], 1: [3]}[rank])
+    return {"ok": ok, "modes": engine.model.moe_modes, "batches": engine.model.batches}
 
 
 @pytest.mark.parametrize("deepep_mode", ["auto", "normal"])
