@@ -6,6 +6,10 @@ floor of one decode step: the weight bytes one rank reads per step (its attentio
 experts and lm_head, plus its experts that the step's tokens activate; tensor sizes from config.json,
 as the checkpoint stores them) over the HBM bandwidth.
 
+`--api chat` sends the prompts as one user message to /v1/chat/completions. `--logprobs N` runs every
+level twice, side by side: without logprobs, then with the top N of each token (completions'
+`logprobs=N`, chat's `logprobs` + `top_logprobs=N`), and prints what the logprobs cost in TPOT.
+
     python benchmarks/bench_serving.py                                  # launches ep-serve (tiny model, EP=2, CPU)
     python benchmarks/bench_serving.py --launch "/ckpt --enable-expert-parallel --data-parallel-size 8"
     python benchmarks/bench_serving.py --url http://127.0.0.1:8000 --model-dir /ckpt --concurrency 1 8 32
@@ -14,6 +18,7 @@ A DeepSeek-V3-shaped model on one GPU (V3's widths at 4 layers, random FP8 weigh
 
     python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
     python benchmarks/bench_serving.py --launch "/tmp/v3-4l --load-format dummy --max-model-len 1024"
+    python benchmarks/bench_serving.py --launch "..." --api chat --logprobs 5 --concurrency 1 64
 """
 
 from __future__ import annotations
@@ -52,13 +57,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> Sample:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+def request_body(api: str, model: str, prompt: str, max_tokens: int, logprobs: int | None) -> tuple[str, dict]:
+    """The endpoint and JSON body of one streamed greedy request; `logprobs`: the top N of each token."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if logprobs is not None:
+            body.update(logprobs=True, top_logprobs=logprobs)
+        return "/v1/chat/completions", body
+    body["prompt"] = prompt
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    return "/v1/completions", body
+
+
+def has_logprobs(chunk: dict) -> bool:
+    return any(choice.get("logprobs") for choice in chunk.get("choices", ()))
+
+
+async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> Sample:
     start = time.perf_counter()
     first = None
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    logprobs_seen = False
+    async with client.stream("POST", endpoint, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
         async for line in response.aiter_lines():
@@ -67,22 +90,27 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
             chunk = json.loads(line[6:])
             if chunk.get("choices") and first is None:
                 first = time.perf_counter()
+            logprobs_seen = logprobs_seen or has_logprobs(chunk)
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
     if first is None or tokens == 0:
         raise RuntimeError("stream ended without tokens")
+    wants_logprobs = "logprobs" in body
+    if logprobs_seen != wants_logprobs:
+        raise RuntimeError(f"asked for logprobs: {wants_logprobs}, but the stream had "
+                           f"{'some' if logprobs_seen else 'none'}")
     return Sample(first - start, (end - first) / max(tokens - 1, 1), tokens)
 
 
-async def sweep_level(url: str, model: str, concurrency: int, requests: int, prompt_len: int,
-                      max_tokens: int) -> tuple[list[Sample], float]:
+async def sweep_level(url: str, api: str, model: str, concurrency: int, requests: int, prompt_len: int,
+                      max_tokens: int, logprobs: int | None) -> tuple[list[Sample], float]:
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(i: int) -> Sample:
         async with gate:
             prompt = " ".join(f"w{(i * 7 + j) % 97}" for j in range(prompt_len))
-            return await one_request(client, model, prompt, max_tokens)
+            return await one_request(client, *request_body(api, model, prompt, max_tokens, logprobs))
 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
         start = time.perf_counter()
@@ -147,10 +175,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=0, help="requests per level (default 4 x concurrency, >= 8)")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt words")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--api", choices=("completions", "chat"), default="completions",
+                        help="the endpoint: /v1/completions, or /v1/chat/completions with one user message")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="run each level without and then with the top-N logprobs of every token (0-20)")
     parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
     parser.add_argument("--metrics-out", type=Path, default=None,
                         help="save the server's /metrics text here after the sweep")
     args = parser.parse_args()
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        parser.error(f"--logprobs: expected 0..20 (OpenAI's bound), got {args.logprobs}")
 
     server = None
     log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's lifetime, closed in finally)
@@ -167,25 +201,33 @@ def main() -> None:
                                if server is not None and "--data-parallel-size" in args.launch else 1)
         print(f"# model {model} ({model_dir}), {ranks} rank(s), prompt {args.prompt_len} words, "
               f"{args.max_tokens} tokens per request, HBM {args.hbm_bytes_per_s / 1e12:.1f} TB/s", flush=True)
+        variants = [None] if args.logprobs is None else [None, args.logprobs]
         rows = []
         for concurrency in args.concurrency:
             requests = args.requests or max(8, 4 * concurrency)
-            samples, elapsed = asyncio.run(sweep_level(url, model, concurrency, requests, args.prompt_len,
-                                                       args.max_tokens))
-            ttft = [s.ttft * 1e3 for s in samples]
-            tpot = [s.tpot * 1e3 for s in samples]
-            tokens = sum(s.tokens for s in samples)
             per_rank = max(1, round(concurrency / ranks))
             floor_us = decode_step_bytes(model_dir, per_rank, ranks) / args.hbm_bytes_per_s * 1e6 \
                 if model_dir.is_dir() else float("nan")
-            rows.append((concurrency, requests, percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50),
-                         percentile(tpot, 99), tokens / elapsed, floor_us))
-            print(" ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
-        header = ("conc", "requests", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "out_tok/s",
-                  "step_floor_us")
+            for logprobs in variants:
+                samples, elapsed = asyncio.run(sweep_level(url, args.api, model, concurrency, requests,
+                                                           args.prompt_len, args.max_tokens, logprobs))
+                ttft = [s.ttft * 1e3 for s in samples]
+                tpot = [s.tpot * 1e3 for s in samples]
+                tokens = sum(s.tokens for s in samples)
+                rows.append((concurrency, "-" if logprobs is None else str(logprobs), requests,
+                             percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
+                             tokens / elapsed, floor_us))
+                print(" ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
+        header = ("conc", "logprobs", "requests", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                  "out_tok/s", "step_floor_us")
         print("\n" + " | ".join(f"{h:>12}" for h in header))
         for row in rows:
             print(" | ".join(f"{v:12.2f}" if isinstance(v, float) else f"{v:>12}" for v in row))
+        if args.logprobs is not None:
+            for plain, scored in zip(rows[::2], rows[1::2]):
+                print(f"logprobs={args.logprobs} at {plain[0]} concurrent: TPOT p50 {plain[5]:.2f} -> "
+                      f"{scored[5]:.2f} ms ({(scored[5] / plain[5] - 1) * 100:+.1f} %), "
+                      f"{plain[7]:.0f} -> {scored[7]:.0f} tokens/s")
         print("step_floor_us: one rank's decode-step weight bytes over the HBM bandwidth (the TPOT floor on a GPU)")
         if args.metrics_out is not None:
             args.metrics_out.write_text(httpx.get(f"{url}/metrics", timeout=30).text)
