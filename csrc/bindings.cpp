@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "normal.cuh"
 #include "runtime.h"
 
 namespace py = pybind11;
@@ -235,6 +236,130 @@ void bind_launchers(py::module_& m) {
   });
 }
 
+// ---------------------------------------------------------------- normal (high-throughput) mode
+struct NormalCommonArgs {
+  int rank, num_ranks;
+  bool system_scope;
+  std::vector<long long> peer_bases;
+  long long local_base, half_bytes;
+  long long host_error;  // device pointer of the host-mapped error flag
+  double timeout_s;
+  long long ticket;      // device unsigned: the sequence number of the call in flight
+};
+
+ep::NormalCommon make_normal_common(const NormalCommonArgs& a) {
+  if (a.peer_bases.size() != static_cast<size_t>(a.num_ranks) || a.num_ranks > ep::kMaxRanks)
+    throw std::invalid_argument("make_normal_common: one buffer per rank, at most " + std::to_string(ep::kMaxRanks));
+  if (a.half_bytes <= ep::kStageHeaderBytes || a.half_bytes % 128 != 0)
+    throw std::invalid_argument("make_normal_common: half_bytes must be a multiple of 128 above the header");
+  ep::NormalCommon c{};
+  c.rank = a.rank;
+  c.num_ranks = a.num_ranks;
+  c.system_scope = a.system_scope;
+  for (int r = 0; r < a.num_ranks; ++r) c.peer_bases[r] = a.peer_bases[r];
+  c.local_base = ptr<unsigned char>(a.local_base);
+  c.half_bytes = a.half_bytes;
+  c.host_error = ptr<volatile int>(a.host_error);
+  c.timeout_ns = static_cast<unsigned long long>(a.timeout_s * 1e9);
+  c.ticket = ptr<unsigned>(a.ticket);
+  return c;
+}
+
+// A normal call's sizes (ep::NormalCall's int fields, the same names).
+struct NormalShape {
+  int op, num_rows, x_bytes, scale_bytes, num_topk;
+  bool has_idx, has_weights;
+  int num_experts, out_rows, num_tokens;
+};
+
+enum NormalPointer {
+  kNX, kNScales, kNTopkIdx, kNTopkWeights, kNInRank, kNRowsToRank, kNTokensPerExpert, kNMeta, kNRankPrefix,
+  kNExpectedPrefix, kNSrcIdx, kNSrcRank, kNOutX, kNOutScales, kNOutTopkIdx, kNOutWeights, kNSendPos, kNOut,
+  kNBias0, kNBias1, kNCombinedWeights, kNumNormalPointers
+};
+const char* const kNormalPointerNames[kNumNormalPointers] = {
+    "x", "scales", "topk_idx", "topk_weights", "in_rank", "rows_to_rank", "tokens_per_expert", "meta",
+    "rank_prefix", "expected_prefix", "src_idx", "src_rank", "out_x", "out_scales", "out_topk_idx", "out_weights",
+    "send_pos", "out", "bias0", "bias1", "combined_weights"};
+using NormalPointers = std::array<long long, kNumNormalPointers>;
+
+ep::NormalCall normal_call(const NormalShape& s, const NormalPointers& p) {
+  ep::NormalCall call{};
+  call.op = s.op;
+  call.num_rows = s.num_rows;
+  call.x_bytes = s.x_bytes;
+  call.scale_bytes = s.scale_bytes;
+  call.num_topk = s.num_topk;
+  call.has_idx = s.has_idx;
+  call.has_weights = s.has_weights;
+  call.num_experts = s.num_experts;
+  call.out_rows = s.out_rows;
+  call.num_tokens = s.num_tokens;
+  call.x = ptr<const void>(p[kNX]);
+  call.scales = ptr<const void>(p[kNScales]);
+  call.topk_idx = ptr<const long long>(p[kNTopkIdx]);
+  call.topk_weights = ptr<const float>(p[kNTopkWeights]);
+  call.in_rank = ptr<const bool>(p[kNInRank]);
+  call.rows_to_rank = ptr<const int>(p[kNRowsToRank]);
+  call.tokens_per_expert = ptr<const int>(p[kNTokensPerExpert]);
+  call.meta = ptr<int>(p[kNMeta]);
+  call.rank_prefix = ptr<int>(p[kNRankPrefix]);
+  call.expected_prefix = ptr<const int>(p[kNExpectedPrefix]);
+  call.src_idx = ptr<int>(p[kNSrcIdx]);
+  call.src_rank = ptr<int>(p[kNSrcRank]);
+  call.out_x = ptr<void>(p[kNOutX]);
+  call.out_scales = ptr<void>(p[kNOutScales]);
+  call.out_topk_idx = ptr<long long>(p[kNOutTopkIdx]);
+  call.out_weights = ptr<float>(p[kNOutWeights]);
+  call.send_pos = ptr<const int>(p[kNSendPos]);
+  call.out = ptr<__nv_bfloat16>(p[kNOut]);
+  call.bias0 = ptr<const __nv_bfloat16>(p[kNBias0]);
+  call.bias1 = ptr<const __nv_bfloat16>(p[kNBias1]);
+  call.combined_weights = ptr<float>(p[kNCombinedWeights]);
+  return call;
+}
+
+void bind_normal(py::module_& m) {
+  py::class_<ep::NormalCommon>(m, "NormalCommon");
+  bind_struct(m, "NormalCommonArgs", field("rank", &NormalCommonArgs::rank),
+              field("num_ranks", &NormalCommonArgs::num_ranks), field("system_scope", &NormalCommonArgs::system_scope),
+              field("peer_bases", &NormalCommonArgs::peer_bases), field("local_base", &NormalCommonArgs::local_base),
+              field("half_bytes", &NormalCommonArgs::half_bytes), field("host_error", &NormalCommonArgs::host_error),
+              field("timeout_s", &NormalCommonArgs::timeout_s), field("ticket", &NormalCommonArgs::ticket));
+  m.def("make_normal_common", &make_normal_common);
+  bind_struct(m, "NormalShape", field("op", &NormalShape::op), field("num_rows", &NormalShape::num_rows),
+              field("x_bytes", &NormalShape::x_bytes), field("scale_bytes", &NormalShape::scale_bytes),
+              field("num_topk", &NormalShape::num_topk), field("has_idx", &NormalShape::has_idx),
+              field("has_weights", &NormalShape::has_weights), field("num_experts", &NormalShape::num_experts),
+              field("out_rows", &NormalShape::out_rows), field("num_tokens", &NormalShape::num_tokens));
+  m.attr("NORMAL_POINTERS") = names(kNormalPointerNames);
+  using NC = const ep::NormalCommon&;
+  using NS = const NormalShape&;
+  using NP = const NormalPointers&;
+  m.def("normal_stage", [](NC c, NS s, NP p, int num_sms, long long stream) {
+    ep::normal_stage(c, normal_call(s, p), num_sms, ptr<CUstream_st>(stream));
+    ep::check_launch("normal-mode stage kernel");
+  });
+  m.def("normal_exchange", [](NC c, NS s, NP p, long long stream) {
+    ep::normal_exchange(c, normal_call(s, p), ptr<CUstream_st>(stream));
+    ep::check_launch("normal-mode exchange kernel");
+  });
+  m.def("normal_scan", [](NC c, NS s, NP p, long long stream) {
+    ep::normal_scan(c, normal_call(s, p), ptr<CUstream_st>(stream));
+    ep::check_launch("normal-mode scan kernel");
+  });
+  m.def("normal_gather", [](NC c, NS s, NP p, int num_sms, long long stream) {
+    ep::normal_gather(c, normal_call(s, p), num_sms, ptr<CUstream_st>(stream));
+    ep::check_launch("normal-mode gather kernel");
+  });
+  m.def("normal_reduce", [](NC c, NS s, NP p, int num_sms, long long stream) {
+    ep::normal_reduce(c, normal_call(s, p), num_sms, ptr<CUstream_st>(stream));
+    ep::check_launch("normal-mode reduce kernel");
+  });
+  m.attr("NORMAL_CONTROL_BYTES") = ep::kNormalControlBytes;
+  m.attr("STAGE_HEADER_BYTES") = ep::kStageHeaderBytes;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -243,6 +368,7 @@ PYBIND11_MODULE(_C, m) {
   bind_arguments(m);
   m.def("make_common", &make_common);
   bind_launchers(m);
+  bind_normal(m);
   m.def("alloc_buffer", &ep::alloc_buffer);
   m.def("free_buffer", &ep::free_buffer);
   m.def("ipc_handle", [](long long p) { return py::bytes(ep::ipc_handle(p)); });

@@ -132,35 +132,42 @@ constexpr int kMaxLatencyBounds = 32;  // size of the __constant__ table of boun
 // the data after a barrier with the poller.
 // The scope is the GPU when every rank shares this device (emulated ranks, processes on one GPU),
 // the system when peers sit on other GPUs; system-scope ordering costs microseconds, so only then.
-__device__ __forceinline__ unsigned ld_relaxed(const Common& c, const unsigned* p) {
+// `c` is any call state with a `system_scope` field (Common, NormalCommon).
+template <typename Scope>
+__device__ __forceinline__ unsigned ld_relaxed(const Scope& c, const unsigned* p) {
   unsigned v;
   if (c.system_scope) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   else asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ unsigned long long ld_relaxed(const Common& c, const unsigned long long* p) {
+template <typename Scope>
+__device__ __forceinline__ unsigned long long ld_relaxed(const Scope& c, const unsigned long long* p) {
   unsigned long long v;
   if (c.system_scope) asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   else asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ unsigned ld_acquire(const Common& c, const unsigned* p) {
+template <typename Scope>
+__device__ __forceinline__ unsigned ld_acquire(const Scope& c, const unsigned* p) {
   unsigned v;
   if (c.system_scope) asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   else asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ unsigned long long ld_acquire(const Common& c, const unsigned long long* p) {
+template <typename Scope>
+__device__ __forceinline__ unsigned long long ld_acquire(const Scope& c, const unsigned long long* p) {
   unsigned long long v;
   if (c.system_scope) asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   else asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void st_release(const Common& c, unsigned* p, unsigned v) {
+template <typename Scope>
+__device__ __forceinline__ void st_release(const Scope& c, unsigned* p, unsigned v) {
   if (c.system_scope) asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
   else asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ void st_release(const Common& c, unsigned long long* p, unsigned long long v) {
+template <typename Scope>
+__device__ __forceinline__ void st_release(const Scope& c, unsigned long long* p, unsigned long long v) {
   if (c.system_scope) asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
   else asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }

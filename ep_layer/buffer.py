@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .backends import Backend, DispatchSpec, Handle, create_backend, resolve_backend
+from .backends import Backend, DispatchSpec, Handle, create_backend
 from .backends.exchange import group_rank_and_size
 from .checks import (
     MAX_TOKENS_PER_RANK,
@@ -136,11 +136,8 @@ class Buffer(NormalMode):
         expect(type(timeout_s) in (int, float) and 0 < timeout_s < math.inf, "timeout_s",
                "a positive, finite number of seconds", timeout_s)
         rank, size = group_rank_and_size(group)
-        if not low_latency_mode and resolve_backend(backend) == "cuda":
-            raise NotImplementedError("low_latency_mode=False: the cuda backend has no normal (high-throughput) "
-                                      "kernels yet; pass backend='reference' for normal mode")
         self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s),
-                                    shrink=bool(enable_shrink)), bool(low_latency_mode))
+                                    shrink=bool(enable_shrink), num_nvl_bytes=num_nvl_bytes), bool(low_latency_mode))
         self.num_nvl_bytes = num_nvl_bytes
         self.explicitly_destroy = explicitly_destroy
 

@@ -1,6 +1,7 @@
-"""The device pointers of one dispatch or combine call, as the launchers of ep_layer._C take them: a tuple
-in the order of the names _C exports (DISPATCH_POINTERS, COMBINE_POINTERS), built here by field name.
-ep_layer.native checks at load that both orders agree, so that no pointer lands in another's place."""
+"""The device pointers of one call (a low-latency dispatch or combine, a normal-mode call), as the launchers
+of ep_layer._C take them: a tuple in the order of the names _C exports (DISPATCH_POINTERS, COMBINE_POINTERS,
+NORMAL_POINTERS), built here by field name. ep_layer.native checks at load that both orders agree, so that
+no pointer lands in another's place."""
 
 from __future__ import annotations
 
@@ -32,3 +33,29 @@ class CombinePointers(NamedTuple):
     topk_weights: int
     out: int
     wait_stats: int  # 0 = not given
+
+
+class NormalPointers(NamedTuple):
+    """One normal-mode call (csrc/normal.cuh: NormalCall, the same names); 0 where the call has none."""
+
+    x: int  # the rows this rank stages: a dispatch's x (bf16 or e4m3), a combine's expert outputs
+    scales: int
+    topk_idx: int
+    topk_weights: int
+    in_rank: int  # bool [T, R]
+    rows_to_rank: int  # int32 [R]
+    tokens_per_expert: int  # int32 [E]
+    meta: int  # int32 [2 + R + E/R]
+    rank_prefix: int  # int32 [R, R]
+    expected_prefix: int
+    src_idx: int
+    src_rank: int
+    out_x: int
+    out_scales: int
+    out_topk_idx: int
+    out_weights: int
+    send_pos: int  # int32 [T, R]
+    out: int
+    bias0: int
+    bias1: int
+    combined_weights: int

@@ -26,7 +26,8 @@ def _check_constants(module: ModuleType) -> None:
 def _check_pointer_orders(module: ModuleType) -> None:
     """Raise ImportError if the launchers' pointer tuples and ep_layer.kernel_args name fields differently."""
     for name, fields in (("DISPATCH_POINTERS", kernel_args.DispatchPointers._fields),
-                         ("COMBINE_POINTERS", kernel_args.CombinePointers._fields)):
+                         ("COMBINE_POINTERS", kernel_args.CombinePointers._fields),
+                         ("NORMAL_POINTERS", kernel_args.NormalPointers._fields)):
         built = tuple(getattr(module, name, ()))
         if built != fields:
             raise ImportError(f"ep_layer._C takes {name} in the order {built}, but ep_layer.kernel_args has "

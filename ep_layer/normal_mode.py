@@ -30,6 +30,7 @@ class NormalMode:
 
     group_size: int
     num_nvl_bytes: int
+    num_sms: int
     _live: Callable[[], Backend]
     get_comm_stream: Callable[[], torch.cuda.Stream]
 
@@ -84,7 +85,7 @@ class NormalMode:
             expect(topk_weights is None, "topk_weights", "None with a handle (a cached dispatch re-sends its "
                    "layout)", type(topk_weights).__name__)
             args = NormalDispatchArgs(columns, handle.is_token_in_rank, None, None, None, None, 0,
-                                      handle.recv_src_idx.shape[0], handle)
+                                      handle.recv_src_idx.shape[0], handle, self._sms(config))
         else:
             for value, name in ((num_tokens_per_rank, "num_tokens_per_rank"), (is_token_in_rank, "is_token_in_rank"),
                                 (num_tokens_per_expert, "num_tokens_per_expert")):
@@ -100,7 +101,7 @@ class NormalMode:
                 expect(topk_idx is not None, "topk_weights", "None without topk_idx", "a tensor")
                 check_tensor(topk_weights, "topk_weights", torch.float32, tuple(topk_idx.shape), device)
             args = NormalDispatchArgs(columns, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert,
-                                      topk_idx, topk_weights, e, num_worst_tokens, None)
+                                      topk_idx, topk_weights, e, num_worst_tokens, None, self._sms(config))
 
         inputs = tuple(t for t in (*columns, args.is_token_in_rank, topk_idx, topk_weights) if t is not None)
         result, event = self._run(lambda: backend.normal_dispatch(args), inputs, previous_event, async_finish,
@@ -137,11 +138,15 @@ class NormalMode:
             check_tensor(b, name, torch.bfloat16, (num_tokens, hidden), device)
         _check_config(config)
         _check_stream_flags(previous_event, async_finish, allocate_on_comm_stream)
-        args = NormalCombineArgs(x, topk_weights, biases, handle)
+        args = NormalCombineArgs(x, topk_weights, biases, handle, self._sms(config))
         inputs = tuple(t for t in (x, topk_weights, *biases) if t is not None)
         (combined, weights), event = self._run(lambda: backend.normal_combine(args), inputs, previous_event,
                                                async_finish, allocate_on_comm_stream)
         return combined, weights, event
+
+    def _sms(self, config: Config | None) -> int:
+        """The SMs a call's kernels may use: the config's, else the Buffer's (Buffer.set_num_sms)."""
+        return max(1, config.num_sms if config is not None else self.num_sms)
 
     def _normal_backend(self, op: str) -> Backend:
         backend = self._live()

@@ -29,8 +29,9 @@ def resolve_backend(name: str, *, one_node: bool = True, device: torch.device | 
 
 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                   num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False) -> Backend:
-    """The backend resolve_backend(name) names, for this rank of `group`."""
+                   num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False, num_nvl_bytes: int = 0) -> Backend:
+    """The backend resolve_backend(name) names, for this rank of `group`; `num_nvl_bytes` sizes the cuda
+    backend's normal-mode buffer (the reference backend needs none)."""
     name = resolve_backend(name)
     if name == "reference":
         return ReferenceBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
@@ -39,4 +40,4 @@ def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ra
     native.load()  # raises with the reason the extension is missing
     from .cuda import CudaBackend
 
-    return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink)
+    return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink, num_nvl_bytes=num_nvl_bytes)

@@ -29,6 +29,8 @@ from ..kernel_args import CombinePointers, DispatchPointers
 from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace
+from .cuda_normal import CudaNormalMode
+from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
 
 MAX_HIDDEN = 16384
 _OPS = ("low_latency_dispatch", "low_latency_combine")  # by the kernels' Op; latency.OPS is in the same order
@@ -172,17 +174,21 @@ class CudaBackend(Backend):
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False,
-                 peer_bases: list[int] | None = None, gpu_share: int = 1) -> None:
+                 peer_bases: list[int] | None = None, gpu_share: int = 1, num_nvl_bytes: int = 0) -> None:
         """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process,
         `gpu_share` how many of them run their kernels at the same time; without them the buffer is
-        allocated here, the peers' are mapped through CUDA IPC, and the ranks on this GPU share it."""
+        allocated here, the peers' are mapped through CUDA IPC, and the ranks on this GPU share it.
+        `num_nvl_bytes` > 0 adds normal mode, over a second buffer of that size (cuda_normal.py); then
+        `num_rdma_bytes` may be 0 (no low-latency calls: the low-latency buffer is only its control block)."""
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
         self._c = native.load()
         expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
                "the cuda backend", num_ranks)
-        expect(num_rdma_bytes > layout.CONTROL_BYTES, "num_rdma_bytes", "at least "
-               "Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E) bytes for the cuda backend",
-               num_rdma_bytes)
+        expect(num_rdma_bytes > layout.CONTROL_BYTES or (num_rdma_bytes == 0 and num_nvl_bytes > 0),
+               "num_rdma_bytes", "at least Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E) bytes for the "
+               "cuda backend (or 0 with num_nvl_bytes > 0: normal mode only)", num_rdma_bytes)
+        expect(num_nvl_bytes == 0 or peer_bases is None, "num_nvl_bytes", "0 for ranks emulated in one process "
+               "(they have no normal mode)", num_nvl_bytes)
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._num_sms = self._c.num_sms()
         self._opened: list[int] = []  # peers' buffers mapped through IPC, closed on destroy
@@ -193,7 +199,8 @@ class CudaBackend(Backend):
         # GPU keeps all of it.
         self._gpu_share = gpu_share
         if peer_bases is None:
-            peer_bases = self._exchange_handles(self._c.alloc_buffer(num_rdma_bytes))
+            ll_bytes = num_rdma_bytes or layout.CONTROL_BYTES
+            peer_bases = self._exchange_handles(self._c.alloc_buffer(ll_bytes), ll_bytes, "num_rdma_bytes")
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
         self._peer_bases = list(peer_bases)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
@@ -213,17 +220,23 @@ class CudaBackend(Backend):
         # Rank masking: 1 per masked rank, read by the kernels on every use; none when masking is off.
         with torch.inference_mode(False):
             self._mask = torch.zeros(num_ranks, dtype=torch.int32, device=self._device) if shrink else None
+        self._normal: CudaNormalMode | None = None
+        if num_nvl_bytes > 0:
+            nvl_bases = self._exchange_handles(self._c.alloc_buffer(num_nvl_bytes), num_nvl_bytes, "num_nvl_bytes")
+            self._nvl_base = nvl_bases[rank]
+            self._normal = CudaNormalMode(self._c, rank, num_ranks, nvl_bases, num_nvl_bytes, self._system_scope,
+                                          timeout_s, self._device)
 
-    def _exchange_handles(self, base: int) -> list[int]:
-        """Share our buffer's IPC handle through the group; map every peer's buffer."""
+    def _exchange_handles(self, base: int, num_bytes: int, name: str) -> list[int]:
+        """Share our buffer's IPC handle through the group; map every peer's buffer (closed on destroy)."""
         if self.num_ranks == 1:
             return [base]
         device_id = str(torch.cuda.get_device_properties(self._device).uuid)
-        mine = (self._c.ipc_handle(base), self.num_rdma_bytes, device_id)
+        mine = (self._c.ipc_handle(base), num_bytes, device_id)
         gathered: list = [None] * self.num_ranks
         dist.all_gather_object(gathered, mine, group=self.group)
         sizes = {r: g[1] for r, g in enumerate(gathered)}
-        expect(len(set(sizes.values())) == 1, "num_rdma_bytes", "the same on every rank", sizes)
+        expect(len(set(sizes.values())) == 1, name, "the same on every rank", sizes)
         self._system_scope = len({g[2] for g in gathered}) > 1
         self._gpu_share = sum(g[2] == device_id for g in gathered)
         bases = []
@@ -262,6 +275,20 @@ class CudaBackend(Backend):
     def check(self) -> None:
         torch.cuda.current_stream().synchronize()
         self._raise_recorded()
+        if self._normal is not None:
+            self._normal.raise_recorded()
+
+    # ------------------------------------------------------------------ normal mode
+    def normal_dispatch(self, args: NormalDispatchArgs) -> NormalDispatchResult:
+        return self._normal_mode("dispatch").dispatch(args, args.num_sms)
+
+    def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._normal_mode("combine").combine(args, args.num_sms)
+
+    def _normal_mode(self, op: str) -> CudaNormalMode:
+        if self._normal is None:
+            raise RuntimeError(f"{op}: this cuda backend was made without a normal-mode buffer (num_nvl_bytes=0)")
+        return self._normal
 
     def latency_stats(self) -> dict[str, LatencyHistogram]:
         torch.cuda.synchronize(self._device)  # every stream: a hook or async_finish may have run elsewhere
@@ -506,6 +533,9 @@ class CudaBackend(Backend):
         self._output_sets.clear()
         self._c.free_buffer(self._base)
         self._c.free_host_flag(self._host_flag)
+        if self._normal is not None:
+            self._c.free_buffer(self._nvl_base)
+            self._normal.destroy()
 
 
 class _DeviceArray:

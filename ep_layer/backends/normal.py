@@ -35,6 +35,7 @@ class NormalDispatchArgs(NamedTuple):
     num_experts: int  # E; 0 for a cached dispatch (its handle fixes the layout)
     num_worst_tokens: int  # 0: outputs sized to the rows received
     cached: NormalHandle | None  # the handle of an earlier dispatch whose layout this one re-sends
+    num_sms: int  # the SMs the kernels may use (Config.num_sms; DeepEP's budget)
 
 
 class NormalDispatchResult(NamedTuple):
@@ -50,3 +51,4 @@ class NormalCombineArgs(NamedTuple):
     topk_weights: torch.Tensor | None  # float32 [N, K]
     bias: tuple[torch.Tensor, ...]  # 0, 1 or 2 bf16 [T, H], added to the sums
     handle: NormalHandle
+    num_sms: int  # the SMs the kernels may use (Config.num_sms; DeepEP's budget)

@@ -1,0 +1,408 @@
+// Normal-mode kernels (normal.cuh): stage, exchange, scan, gather (dispatch) and reduce (combine).
+#include "normal.cuh"
+
+namespace ep {
+namespace {
+
+constexpr int kWarps = 16;  // warps per block of the copy kernels: one row (or token) per warp at a time
+constexpr int kScanThreads = 1024;
+
+__device__ __forceinline__ NormalControl* control_of(long long base) {
+  return reinterpret_cast<NormalControl*>(base);
+}
+
+__device__ __forceinline__ unsigned char* half_of(const NormalCommon& c, long long base, unsigned seq) {
+  return reinterpret_cast<unsigned char*>(base) + kNormalControlBytes + (seq & 1u) * c.half_bytes;
+}
+
+__device__ __forceinline__ int error_op(const NormalCall& call) {
+  return call.op == kNormalCombine ? kNormalCombineErrorOp : kNormalDispatchErrorOp;
+}
+
+__device__ void record_normal_error(const NormalCommon& c, int op, int code, unsigned ranks, int detail = 0) {
+  auto* ctrl = reinterpret_cast<NormalControl*>(c.local_base);
+  if (atomicCAS(&ctrl->error.code, 0, code) == 0) {
+    ctrl->error.op = op;
+    ctrl->error.detail = detail;
+  }
+  atomicOr(&ctrl->error.ranks, ranks);
+  __threadfence_system();
+  *c.host_error = 1;
+}
+
+// Polls rank src's ready flag in this rank's control block until it reaches `seq`; false after the timeout.
+__device__ bool wait_ready(const NormalCommon& c, const unsigned long long* flag, unsigned seq) {
+  if (static_cast<unsigned>(ld_acquire(c, flag)) == seq) return true;
+  const unsigned long long start = globaltimer();
+  while (static_cast<unsigned>(ld_acquire(c, flag)) != seq)
+    if (globaltimer() - start > c.timeout_ns) return false;
+  return true;
+}
+
+// Called by one thread of every block of a stage launch: each gets the same sequence number without
+// waiting for another block (take_ticket).
+__device__ __forceinline__ unsigned take_normal_ticket(const NormalCommon& c) {
+  auto* ctrl = reinterpret_cast<NormalControl*>(c.local_base);
+  const unsigned long long blocks = gridDim.x;
+  const unsigned long long add = blockIdx.x == 0 ? (1ull << kLaunchShift) - (blocks - 1) : 1ull;
+  return static_cast<unsigned>(atomicAdd(&ctrl->launches[0], add) >> kLaunchShift) + 1u;
+}
+
+__device__ __forceinline__ unsigned current_seq(const NormalCommon& c) {
+  return *reinterpret_cast<volatile unsigned*>(c.ticket);
+}
+
+// Copies `bytes` (a multiple of 4) from src to dst with the lanes of one warp: 16-byte vectors where both
+// are 16-byte aligned, else 4-byte words.
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
+    copy_vectors(static_cast<int4*>(dst), static_cast<const int4*>(src), bytes / 16, lane, 32);
+    return;
+  }
+  auto* d = static_cast<int*>(dst);
+  const auto* s = static_cast<const int*>(src);
+  for (int i = lane; i < bytes / 4; i += 32) d[i] = __ldcg(s + i);
+}
+
+__device__ __forceinline__ void warp_zero(void* dst, int bytes, int lane) {
+  auto* d = static_cast<int*>(dst);
+  for (int i = lane; i < bytes / 4; i += 32) d[i] = 0;
+}
+
+// ------------------------------------------------------------------------------------------------ stage
+// Packs this rank's rows (and a dispatch's is_token_in_rank) into its half of this call; block 0 writes
+// the header and the call's sequence number for the kernels after it.
+__global__ void __launch_bounds__(kWarps * 32) stage_kernel(NormalCommon c, NormalCall call) {
+  __shared__ unsigned ticket;
+  if (threadIdx.x == 0) ticket = take_normal_ticket(c);
+  __syncthreads();
+  const unsigned seq = ticket;
+  unsigned char* half = half_of(c, reinterpret_cast<long long>(c.local_base), seq);
+  const int idx_bytes = call.has_idx ? 8 * call.num_topk : 0;
+  const int weight_bytes = call.has_weights ? 4 * call.num_topk : 0;
+  const long long stride = row_stride(call.x_bytes, call.scale_bytes, idx_bytes, weight_bytes);
+  const int lane = threadIdx.x % 32;
+  if (blockIdx.x == 0) {
+    auto* h = reinterpret_cast<StageHeader*>(half);
+    if (threadIdx.x == 0) {
+      *c.ticket = seq;
+      h->op = call.op;
+      h->x_bytes = call.x_bytes;
+      h->scale_bytes = call.scale_bytes;
+      h->idx_bytes = idx_bytes;
+      h->weight_bytes = weight_bytes;
+      h->num_experts = call.num_experts;
+      h->num_rows = call.num_rows;
+    }
+    if (call.rows_to_rank != nullptr && threadIdx.x < c.num_ranks) h->rows_to_rank[threadIdx.x] = call.rows_to_rank[threadIdx.x];
+    if (call.tokens_per_expert != nullptr)
+      for (int e = threadIdx.x; e < call.num_experts; e += blockDim.x) h->tokens_per_expert[e] = call.tokens_per_expert[e];
+  }
+  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int warps = gridDim.x * kWarps;
+  for (int t = warp; t < call.num_rows; t += warps) {
+    unsigned char* row = half + kStageHeaderBytes + t * stride;
+    long long at = 0;
+    warp_copy(row, static_cast<const unsigned char*>(call.x) + static_cast<long long>(t) * call.x_bytes,
+              call.x_bytes, lane);
+    at += align_up(call.x_bytes, 16);
+    if (call.scale_bytes) {
+      warp_copy(row + at, static_cast<const unsigned char*>(call.scales) + static_cast<long long>(t) * call.scale_bytes,
+                call.scale_bytes, lane);
+      at += align_up(call.scale_bytes, 16);
+    }
+    if (idx_bytes) {
+      warp_copy(row + at, call.topk_idx + static_cast<long long>(t) * call.num_topk, idx_bytes, lane);
+      at += align_up(idx_bytes, 16);
+    }
+    if (weight_bytes) warp_copy(row + at, call.topk_weights + static_cast<long long>(t) * call.num_topk, weight_bytes, lane);
+  }
+  if (call.op != kNormalCombine) {  // is_token_in_rank, for the receivers' scans
+    unsigned char* in_rank = half + in_rank_offset(call.num_rows, stride);
+    const auto* src = reinterpret_cast<const unsigned char*>(call.in_rank);
+    const long long n = static_cast<long long>(call.num_rows) * c.num_ranks;
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) in_rank[i] = src[i];
+  }
+}
+
+// --------------------------------------------------------------------------------------------- exchange
+// One warp: lane r tells rank r that this rank's half is staged, then waits for rank r's; the lanes check
+// that every rank staged the same operation and row layout, and lane 0 writes what the receiver needs to
+// size and place its rows (meta, rank_prefix), meta[0] (ok) last.
+__global__ void exchange_kernel(NormalCommon c, NormalCall call) {
+  const unsigned seq = current_seq(c);
+  const int lane = threadIdx.x, r = c.num_ranks, me = c.rank;
+  const int op = error_op(call);
+  __shared__ unsigned missing, differing;
+  __shared__ int rows_to[kMaxRanks][kMaxRanks];  // [source][destination]
+  if (lane == 0) missing = differing = 0;
+  __syncwarp();
+  const auto* mine = reinterpret_cast<const StageHeader*>(half_of(c, reinterpret_cast<long long>(c.local_base), seq));
+  if (lane < r) {
+    if (c.system_scope) __threadfence_system();  // the stage kernel's rows before the flag, for peers on other GPUs
+    st_release(c, &control_of(c.peer_bases[lane])->ready[seq & 1u][me], static_cast<unsigned long long>(seq));
+    const unsigned long long* flag = &control_of(reinterpret_cast<long long>(c.local_base))->ready[seq & 1u][lane];
+    if (!wait_ready(c, flag, seq)) {
+      atomicOr(&missing, 1u << lane);
+    } else {
+      const auto* peer = reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[lane], seq));
+      const bool same = __ldcg(&peer->op) == mine->op && __ldcg(&peer->x_bytes) == mine->x_bytes &&
+                        __ldcg(&peer->scale_bytes) == mine->scale_bytes && __ldcg(&peer->idx_bytes) == mine->idx_bytes &&
+                        __ldcg(&peer->weight_bytes) == mine->weight_bytes &&
+                        __ldcg(&peer->num_experts) == mine->num_experts;
+      if (!same) atomicOr(&differing, 1u << lane);
+      for (int d = 0; d < r; ++d) rows_to[lane][d] = __ldcg(&peer->rows_to_rank[d]);
+    }
+  }
+  __syncwarp();
+  if (missing || differing) {
+    if (lane == 0) {
+      if (missing) record_normal_error(c, op, kTimeout, missing);
+      else record_normal_error(c, op, kMismatch, differing);
+      call.meta[0] = 0;
+    }
+    return;
+  }
+  if (call.op == kNormalCombine) {
+    if (lane == 0) call.meta[0] = 1;
+    return;
+  }
+  bool handle_differs = false;
+  if (lane < r) {  // lane d: the prefix column of destination d
+    int sum = 0;
+    for (int s = 0; s < r; ++s) {
+      sum += rows_to[s][lane];
+      if (call.op == kNormalCachedDispatch) handle_differs |= call.expected_prefix[s * r + lane] != sum;
+      else call.rank_prefix[s * r + lane] = sum;
+    }
+  }
+  if (__any_sync(0xffffffffu, handle_differs)) {
+    if (lane == 0) {
+      record_normal_error(c, op, kBadHandle, 0);
+      call.meta[0] = 0;
+    }
+    return;
+  }
+  if (call.op == kNormalDispatch) {  // rows per local expert, from every source's num_tokens_per_expert
+    const int num_local = call.num_experts / r;
+    for (int l = lane; l < num_local; l += 32) {
+      int sum = 0;
+      for (int s = 0; s < r; ++s)
+        sum += __ldcg(&reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[s], seq))->tokens_per_expert[me * num_local + l]);
+      call.meta[2 + r + l] = sum;
+    }
+  }
+  if (lane == 0) {
+    int total = 0;
+    for (int s = 0; s < r; ++s) {
+      call.meta[2 + s] = rows_to[s][me];
+      total += rows_to[s][me];
+    }
+    call.meta[1] = total;
+  }
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence();
+    call.meta[0] = 1;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------- scan
+// Block s: the tokens source s sends this rank, in ascending order, as rows base_s... of the outputs
+// (base_s: the rows of the sources before it); the rows past those received name source -1.
+__global__ void __launch_bounds__(kScanThreads) scan_kernel(NormalCommon c, NormalCall call) {
+  if (call.meta[0] == 0) return;
+  const unsigned seq = current_seq(c);
+  const int s = blockIdx.x, r = c.num_ranks, me = c.rank;
+  const int total = call.meta[1];
+  int base = 0;
+  for (int i = 0; i < s; ++i) base += call.meta[2 + i];
+  const unsigned char* half = half_of(c, c.peer_bases[s], seq);
+  const auto* h = reinterpret_cast<const StageHeader*>(half);
+  const int rows = static_cast<int>(__ldcg(&h->num_rows));
+  const long long stride = row_stride(__ldcg(&h->x_bytes), __ldcg(&h->scale_bytes), __ldcg(&h->idx_bytes),
+                                      __ldcg(&h->weight_bytes));
+  const unsigned char* in_rank = half + in_rank_offset(rows, stride);
+  // Thread i takes tokens [i * per, (i + 1) * per): count, scan the counts across the block, then place.
+  const int per = (rows + kScanThreads - 1) / kScanThreads;
+  const int first = threadIdx.x * per, last = min(first + per, rows);
+  int count = 0;
+  for (int t = first; t < last; ++t) count += __ldcg(in_rank + static_cast<long long>(t) * r + me) != 0;
+  __shared__ int warp_sums[kScanThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = count;
+  for (int d = 1; d < 32; d *= 2) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+    for (int d = 1; d < 32; d *= 2) {
+      const int v = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += v;
+    }
+    warp_sums[lane] = w;
+  }
+  __syncthreads();
+  int pos = base + inclusive - count + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int t = first; t < last; ++t) {
+    if (__ldcg(in_rank + static_cast<long long>(t) * r + me) == 0) continue;
+    if (pos < call.out_rows) {
+      call.src_idx[pos] = t;
+      call.src_rank[pos] = s;
+    }
+    ++pos;
+  }
+  for (int i = total + s * kScanThreads + threadIdx.x; i < call.out_rows; i += r * kScanThreads) {
+    call.src_idx[i] = -1;
+    call.src_rank[i] = -1;
+  }
+  if (s == 0 && threadIdx.x == 0 && total > call.out_rows)
+    record_normal_error(c, kNormalDispatchErrorOp, kTooManyRows, 0, total);
+}
+
+// ----------------------------------------------------------------------------------------------- gather
+// One warp per output row: the row's columns from its source's half, its top-k ids made local (-1 for
+// experts of other ranks, whose weights become 0); rows of source -1 are zero, ids -1.
+__global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, NormalCall call) {
+  if (call.meta[0] == 0) return;
+  const unsigned seq = current_seq(c);
+  const int lane = threadIdx.x % 32, me = c.rank;
+  const int k = call.num_topk;
+  const int idx_bytes = call.has_idx ? 8 * k : 0, weight_bytes = call.has_weights ? 4 * k : 0;
+  const long long stride = row_stride(call.x_bytes, call.scale_bytes, idx_bytes, weight_bytes);
+  const int num_local = call.num_experts / c.num_ranks;
+  const int warps = gridDim.x * kWarps;
+  for (int n = blockIdx.x * kWarps + threadIdx.x / 32; n < call.out_rows; n += warps) {
+    const int s = call.src_rank[n];
+    auto* out_x = static_cast<unsigned char*>(call.out_x) + static_cast<long long>(n) * call.x_bytes;
+    auto* out_scales = static_cast<unsigned char*>(call.out_scales) + static_cast<long long>(n) * call.scale_bytes;
+    if (s < 0) {
+      warp_zero(out_x, call.x_bytes, lane);
+      if (call.scale_bytes) warp_zero(out_scales, call.scale_bytes, lane);
+      if (call.has_idx && lane < k) call.out_topk_idx[static_cast<long long>(n) * k + lane] = -1;
+      if (call.has_weights && lane < k) call.out_weights[static_cast<long long>(n) * k + lane] = 0.f;
+      continue;
+    }
+    const unsigned char* row = half_of(c, c.peer_bases[s], seq) + kStageHeaderBytes + call.src_idx[n] * stride;
+    warp_copy(out_x, row, call.x_bytes, lane);
+    long long at = align_up(call.x_bytes, 16);
+    if (call.scale_bytes) {
+      warp_copy(out_scales, row + at, call.scale_bytes, lane);
+      at += align_up(call.scale_bytes, 16);
+    }
+    bool local = false;
+    if (call.has_idx) {
+      if (lane < k) {
+        const long long id = __ldcg(reinterpret_cast<const long long*>(row + at) + lane);
+        local = id >= static_cast<long long>(me) * num_local && id < static_cast<long long>(me + 1) * num_local;
+        call.out_topk_idx[static_cast<long long>(n) * k + lane] = local ? id - static_cast<long long>(me) * num_local : -1;
+      }
+      at += align_up(idx_bytes, 16);
+    }
+    if (call.has_weights && lane < k) {
+      const float w = __ldcg(reinterpret_cast<const float*>(row + at) + lane);
+      call.out_weights[static_cast<long long>(n) * k + lane] = local ? w : 0.f;
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------- reduce
+// One warp per token of this rank: the float32 sum of the rows the ranks it went to send back, in
+// ascending rank, plus the biases, rounded once (the reference's order, so the results agree bit for bit).
+__global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, NormalCall call) {
+  if (call.meta[0] == 0) return;
+  const unsigned seq = current_seq(c);
+  const int lane = threadIdx.x % 32, r = c.num_ranks, me = c.rank, k = call.num_topk;
+  const int weight_bytes = call.has_weights ? 4 * k : 0;
+  const long long stride = row_stride(call.x_bytes, 0, 0, weight_bytes);
+  __shared__ const unsigned char* rows_of[kMaxRanks];  // rank d's rows from this rank, in d's half
+  if (threadIdx.x < r) {
+    const int base = me > 0 ? call.rank_prefix[(me - 1) * r + threadIdx.x] : 0;
+    rows_of[threadIdx.x] = half_of(c, c.peer_bases[threadIdx.x], seq) + kStageHeaderBytes + base * stride;
+  }
+  __syncthreads();
+  const int chunks = call.x_bytes / 16;  // 8 bf16 each
+  const int warps = gridDim.x * kWarps;
+  for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < call.num_tokens; t += warps) {
+    const unsigned char* src[kMaxRanks];
+    int n = 0;
+    for (int d = 0; d < r; ++d)
+      if (call.in_rank[static_cast<long long>(t) * r + d])
+        src[n++] = rows_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * stride;
+    for (int ch = lane; ch < chunks; ch += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int4 v[kMaxRanks];
+#pragma unroll
+      for (int i = 0; i < kMaxRanks; ++i)
+        if (i < n) v[i] = ld_peer_written(src[i] + ch * 16);
+#pragma unroll
+      for (int i = 0; i < kMaxRanks; ++i) {
+        if (i >= n) break;
+        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(b[j]);
+          acc[2 * j] += f.x;
+          acc[2 * j + 1] += f.y;
+        }
+      }
+      const long long at = static_cast<long long>(t) * (call.x_bytes / 2) + ch * 8;
+      const __nv_bfloat16* biases[2] = {call.bias0, call.bias1};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (biases[i] == nullptr) continue;
+        const int4 bv = *reinterpret_cast<const int4*>(biases[i] + at);
+        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&bv);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(b[j]);
+          acc[2 * j] += f.x;
+          acc[2 * j + 1] += f.y;
+        }
+      }
+      int4 o;
+      auto* ob = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) ob[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+      *reinterpret_cast<int4*>(call.out + at) = o;
+    }
+    if (call.combined_weights != nullptr && lane < k) {
+      float w = 0.f;
+      for (int i = 0; i < n; ++i) w += __ldcg(reinterpret_cast<const float*>(src[i] + align_up(call.x_bytes, 16)) + lane);
+      call.combined_weights[static_cast<long long>(t) * k + lane] = w;
+    }
+  }
+}
+
+// Blocks of kWarps warps for `work` rows (a warp each), at most `num_sms` of them (DeepEP's SM budget).
+int copy_blocks(long long work, int num_sms) {
+  const long long blocks = (work + kWarps - 1) / kWarps;
+  return static_cast<int>(blocks < 1 ? 1 : blocks < num_sms ? blocks : num_sms);
+}
+
+}  // namespace
+
+void normal_stage(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
+  stage_kernel<<<copy_blocks(call.num_rows, num_sms), kWarps * 32, 0, stream>>>(c, call);
+}
+
+void normal_exchange(const NormalCommon& c, const NormalCall& call, cudaStream_t stream) {
+  exchange_kernel<<<1, 32, 0, stream>>>(c, call);
+}
+
+void normal_scan(const NormalCommon& c, const NormalCall& call, cudaStream_t stream) {
+  scan_kernel<<<c.num_ranks, kScanThreads, 0, stream>>>(c, call);
+}
+
+void normal_gather(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
+  gather_kernel<<<copy_blocks(call.out_rows, num_sms), kWarps * 32, 0, stream>>>(c, call);
+}
+
+void normal_reduce(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
+  reduce_kernel<<<copy_blocks(call.num_tokens, num_sms), kWarps * 32, 0, stream>>>(c, call);
+}
+
+}  // namespace ep

@@ -1,0 +1,231 @@
+"""Normal (high-throughput) mode of the cuda backend: processes on one GPU (or one per GPU where there are
+several), each with a cuda Buffer and a reference Buffer over the same gloo group. Every call is made on
+both with the same random inputs (CPU tensors for the reference, their copies on the GPU for the kernels),
+and every output of the kernels must equal the reference backend's bit for bit: the layout, the rows
+received with their FP8 scales, local top-k ids and weights, the per-expert counts, the handle, a cached
+dispatch, `num_worst_tokens` outputs, and combines with weights and biases. Several rounds run, so both
+staging halves of the buffer are used and reused. Also: ranks that disagree get a ValueError, a rank that
+never calls is named in an EPTimeoutError, and a bad count surfaces as the reference's ValueError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ep_layer import Buffer
+from ep_layer.errors import EPTimeoutError
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+NVL_BYTES = 64 << 20
+WORLDS = (1, 2, 4)
+
+
+def _setup_device(rank: int) -> None:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def _buffers(group: object, timeout_s: float = 60) -> tuple[Buffer, Buffer]:
+    cuda = Buffer(group, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=timeout_s)
+    ref = Buffer(group, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="reference", timeout_s=timeout_s)
+    return cuda, ref
+
+
+def _topk_idx(rng: np.random.Generator, tokens: int, experts: int, k: int) -> torch.Tensor:
+    """Distinct experts per token, about one entry in eight -1."""
+    idx = np.stack([rng.permutation(experts)[:k] for _ in range(tokens)]) if tokens else np.zeros((0, k), np.int64)
+    idx = np.where(rng.random(idx.shape) < 0.125, -1, idx)
+    return torch.from_numpy(idx.astype(np.int64))
+
+
+def _same(got: object, want: object, what: str) -> None:
+    """Exact equality of a kernel output and the reference's (bits for floating dtypes; None for None)."""
+    if want is None or got is None:
+        assert got is None and want is None, f"{what}: {got!r} vs {want!r}"
+        return
+    if isinstance(want, (tuple, list)):
+        assert len(got) == len(want), what
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{what}[{i}]")
+        return
+    if not isinstance(want, torch.Tensor):
+        assert got == want, f"{what}: {got!r} vs {want!r}"
+        return
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)} vs " \
+                                                                f"{want.dtype} {tuple(want.shape)}"
+    if want.is_floating_point() and want.numel():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
+        got, want = got.contiguous().view(bits), want.contiguous().view(bits)
+    assert torch.equal(got, want), f"{what}: {int((got != want).sum())} of {want.numel()} values differ"
+
+
+def _x(rng: np.random.Generator, tokens: int, hidden: int, fp8: str | None) -> object:
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)).to(torch.bfloat16)
+    if fp8 is None:
+        return x
+    data = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    if fp8 == "groups":
+        return data, torch.from_numpy(rng.random((tokens, hidden // 128)).astype(np.float32) + 0.5)
+    if fp8 == "token":
+        return data, torch.from_numpy(rng.random(tokens).astype(np.float32) + 0.5)
+    return data, torch.from_numpy(rng.integers(0, 1 << 30, (tokens, hidden // 512)).astype(np.int32))  # ue8m0
+
+
+def _on_gpu(t: object) -> object:
+    if isinstance(t, tuple):
+        return tuple(_on_gpu(u) for u in t)
+    return t.cuda() if isinstance(t, torch.Tensor) else t
+
+
+def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank: int, hidden: int, experts: int,
+           k: int, fp8: str | None, tag: str) -> None:
+    tokens = int(rng.integers(0, 300)) if rank else int(rng.integers(200, 300))  # ranks differ, one may be empty
+    idx = _topk_idx(rng, tokens, experts, k)
+    weights = torch.from_numpy(rng.random((tokens, k)).astype(np.float32))
+    x = _x(rng, tokens, hidden, fp8)
+
+    want_layout = ref.get_dispatch_layout(idx, experts)
+    got_layout = cuda.get_dispatch_layout(idx.cuda(), experts)
+    _same(got_layout[:4], want_layout[:4], f"{tag} layout")
+    per_rank, _, per_expert, in_rank, _ = want_layout
+    kwargs = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=weights, expert_alignment=4)
+    want = ref.dispatch(x, **kwargs)
+    got = cuda.dispatch(_on_gpu(x), **{n: _on_gpu(v) for n, v in kwargs.items()})
+    cuda.check()
+    for i, name in enumerate(("recv_x", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert")):
+        _same(got[i], want[i], f"{tag} rank {rank} {name}")
+    _same(tuple(got[4])[:4], tuple(want[4])[:4], f"{tag} rank {rank} handle")
+    assert got[4].num_topk == want[4].num_topk == k
+
+    # Cached: the same layout, other rows.
+    x2 = _x(rng, tokens, hidden, fp8)
+    want_cached = ref.dispatch(x2, handle=want[4])
+    got_cached = cuda.dispatch(_on_gpu(x2), handle=got[4])
+    cuda.check()
+    _same(got_cached[0], want_cached[0], f"{tag} rank {rank} cached recv_x")
+
+    # Combine the received rows (as bf16) with their weights and two biases, on the comm stream.
+    rows = want[0] if fp8 is None else want[0][0].float().to(torch.bfloat16)
+    y = (rows.float() * torch.from_numpy(rng.standard_normal((rows.shape[0], 1)).astype(np.float32))).to(torch.bfloat16)
+    bias = tuple(torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32)).to(torch.bfloat16)
+                 for _ in range(2))
+    want_out = ref.combine(y, want[4], topk_weights=want[2], bias=bias)
+    event = Buffer.capture()
+    got_out = cuda.combine(y.cuda(), got[4], topk_weights=got[2], bias=_on_gpu(bias), previous_event=event,
+                           async_finish=True)
+    got_out[2].current_stream_wait()
+    cuda.check()
+    _same(got_out[:2], want_out[:2], f"{tag} rank {rank} combine")
+    plain = cuda.combine(y.cuda(), got[4])  # no weights, no bias
+    _same(plain[:2], ref.combine(y, want[4])[:2], f"{tag} rank {rank} combine without weights")
+
+    # Outputs sized in advance: no host wait.
+    worst = world * 300
+    want_worst = ref.dispatch(x, num_worst_tokens=worst, **kwargs)
+    got_worst = cuda.dispatch(_on_gpu(x), num_worst_tokens=worst, **{n: _on_gpu(v) for n, v in kwargs.items()})
+    cuda.check()
+    for i in range(4):
+        _same(got_worst[i], want_worst[i], f"{tag} rank {rank} worst[{i}]")
+    _same(tuple(got_worst[4])[:4], tuple(want_worst[4])[:4], f"{tag} rank {rank} worst handle")
+
+
+def _rank_matches_reference(rank: int, world: int, seed: int) -> None:
+    import torch.distributed as dist
+
+    _setup_device(rank)
+    cuda, ref = _buffers(dist.group.WORLD)
+    shared = np.random.default_rng(seed)  # the same on every rank: the shapes of each round
+    rng = np.random.default_rng([seed, rank])
+    for round_ in range(6):
+        hidden = int(shared.choice([128, 512, 7168]))
+        experts = world * int(shared.choice([2, 8, 36]))
+        k = int(shared.integers(1, min(8, experts) + 1))
+        fp8 = [None, "groups", "token", "ue8m0"][round_ % 4]
+        if fp8 == "ue8m0" and hidden % 512:
+            fp8 = "groups"
+        _round(cuda, ref, rng, world, rank, hidden, experts, k, fp8, f"seed={seed} round {round_} H={hidden} "
+               f"E={experts} K={k} fp8={fp8}")
+    cuda.destroy()
+    ref.destroy()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cuda_normal_mode_matches_the_reference(world: int, seed: int) -> None:
+    from dist_harness import run_ranks
+
+    run_ranks(_rank_matches_reference, world, seed, timeout_s=300)
+
+
+def _rank_disagrees(rank: int, world: int, seed: int) -> str:
+    import torch.distributed as dist
+
+    _setup_device(rank)
+    cuda = Buffer(dist.group.WORLD, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=20)
+    idx = torch.tensor([[0, 1], [1, -1]], device="cuda")
+    layout = cuda.get_dispatch_layout(idx, 2 * world)
+    x = torch.zeros(2, 128 * (rank + 1), dtype=torch.bfloat16, device="cuda")  # rank 1's rows are longer
+    with pytest.raises(ValueError, match=r"^dispatch: rank\(s\) \[.*\] made another call") as info:
+        cuda.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                      topk_idx=idx)
+    good = torch.zeros(2, 128, dtype=torch.bfloat16, device="cuda")
+    out = cuda.dispatch(good, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                        num_tokens_per_expert=layout[2], topk_idx=idx)  # the next call works
+    assert out[0].shape[0] == (2 * world if rank == 0 else 0), out[0].shape  # experts 0 and 1 live on rank 0
+    bad_counts = layout[0] + (rank == 0)
+    if rank == 0:
+        with pytest.raises(ValueError, match="num_tokens_per_rank"):
+            cuda.dispatch(good, num_tokens_per_rank=bad_counts, is_token_in_rank=layout[3],
+                          num_tokens_per_expert=layout[2], topk_idx=idx)
+    else:
+        cuda.dispatch(good, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                      num_tokens_per_expert=layout[2], topk_idx=idx)
+    cuda.destroy()
+    return str(info.value)
+
+
+def test_ranks_that_disagree_get_a_value_error(seed: int) -> None:
+    from dist_harness import run_ranks
+
+    messages = run_ranks(_rank_disagrees, 2, seed, timeout_s=120)
+    assert "[1]" in messages[0] and "[0]" in messages[1], messages
+
+
+def _rank_silent(rank: int, world: int) -> float:
+    import time
+
+    import torch.distributed as dist
+
+    _setup_device(rank)
+    cuda = Buffer(dist.group.WORLD, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=2)
+    elapsed = 0.0
+    if rank == 0:
+        idx = torch.tensor([[0, 2]], device="cuda")
+        layout = cuda.get_dispatch_layout(idx, 4)
+        start = time.monotonic()
+        with pytest.raises(EPTimeoutError, match=r"rank 0: dispatch timed out after 2 s waiting for rank\(s\) \[1\]"):
+            cuda.dispatch(torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda"), num_tokens_per_rank=layout[0],
+                          is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=idx)
+        elapsed = time.monotonic() - start
+    dist.barrier()
+    return elapsed
+
+
+def test_a_rank_that_never_calls_is_named() -> None:
+    from dist_harness import run_ranks
+
+    elapsed = run_ranks(_rank_silent, 2, timeout_s=120)[0]
+    assert 2 <= elapsed < 10, elapsed
+
+
+def test_too_small_a_buffer_is_named() -> None:
+    buf = Buffer(None, num_nvl_bytes=1 << 20, low_latency_mode=False, backend="cuda")
+    idx = torch.zeros(100, 1, dtype=torch.int64, device="cuda")
+    layout = buf.get_dispatch_layout(idx, 1)
+    with pytest.raises(ValueError, match=r"^num_nvl_bytes: expected at least \d+ for a dispatch of 100 rows"):
+        buf.dispatch(torch.zeros(100, 7168, dtype=torch.bfloat16, device="cuda"), num_tokens_per_rank=layout[0],
+                     is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=idx)
+    buf.destroy()
