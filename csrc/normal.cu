@@ -310,6 +310,17 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, Nor
 }
 
 // ----------------------------------------------------------------------------------------------- reduce
+// acc[j] += the j-th of the 8 bf16 values in v, in float32.
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
+  const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(b[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
 // One warp per token of this rank: the float32 sum of the rows the ranks it went to send back, in
 // ascending rank, plus the biases, rounded once (the reference's order, so the results agree bit for bit).
 __global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, NormalCall call) {
@@ -326,52 +337,47 @@ __global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, Nor
   __syncthreads();
   const int chunks = call.x_bytes / 16;  // 8 bf16 each
   const int warps = gridDim.x * kWarps;
+  const __nv_bfloat16* biases[2] = {call.bias0, call.bias1};
   for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < call.num_tokens; t += warps) {
+    // Indexed by rank only (unrolled), so that the pointers stay in registers; null: not sent there.
     const unsigned char* src[kMaxRanks];
-    int n = 0;
-    for (int d = 0; d < r; ++d)
-      if (call.in_rank[static_cast<long long>(t) * r + d])
-        src[n++] = rows_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * stride;
-    for (int ch = lane; ch < chunks; ch += 32) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      int4 v[kMaxRanks];
 #pragma unroll
-      for (int i = 0; i < kMaxRanks; ++i)
-        if (i < n) v[i] = ld_peer_written(src[i] + ch * 16);
+    for (int d = 0; d < kMaxRanks; ++d)
+      src[d] = d < r && call.in_rank[static_cast<long long>(t) * r + d]
+                   ? rows_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * stride
+                   : nullptr;
+    // Two chunks per lane at a time: twice the loads in flight of one.
+    for (int first = lane; first < chunks; first += 64) {
+      int4 v[2][kMaxRanks];
 #pragma unroll
-      for (int i = 0; i < kMaxRanks; ++i) {
-        if (i >= n) break;
-        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+      for (int u = 0; u < 2; ++u)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(b[j]);
-          acc[2 * j] += f.x;
-          acc[2 * j + 1] += f.y;
-        }
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (src[d] != nullptr && first + 32 * u < chunks) v[u][d] = ld_peer_written(src[d] + (first + 32 * u) * 16);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int ch = first + 32 * u;
+        if (ch >= chunks) break;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d)
+          if (src[d] != nullptr) add_bf16x8(acc, v[u][d]);
+        const long long at = static_cast<long long>(t) * (call.x_bytes / 2) + ch * 8;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (biases[i] != nullptr) add_bf16x8(acc, *reinterpret_cast<const int4*>(biases[i] + at));
+        int4 o;
+        auto* ob = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) ob[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+        *reinterpret_cast<int4*>(call.out + at) = o;
       }
-      const long long at = static_cast<long long>(t) * (call.x_bytes / 2) + ch * 8;
-      const __nv_bfloat16* biases[2] = {call.bias0, call.bias1};
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (biases[i] == nullptr) continue;
-        const int4 bv = *reinterpret_cast<const int4*>(biases[i] + at);
-        const auto* b = reinterpret_cast<const __nv_bfloat162*>(&bv);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(b[j]);
-          acc[2 * j] += f.x;
-          acc[2 * j + 1] += f.y;
-        }
-      }
-      int4 o;
-      auto* ob = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) ob[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-      *reinterpret_cast<int4*>(call.out + at) = o;
     }
     if (call.combined_weights != nullptr && lane < k) {
       float w = 0.f;
-      for (int i = 0; i < n; ++i) w += __ldcg(reinterpret_cast<const float*>(src[i] + align_up(call.x_bytes, 16)) + lane);
+#pragma unroll
+      for (int d = 0; d < kMaxRanks; ++d)
+        if (src[d] != nullptr) w += __ldcg(reinterpret_cast<const float*>(src[d] + align_up(call.x_bytes, 16)) + lane);
       call.combined_weights[static_cast<long long>(t) * k + lane] = w;
     }
   }

@@ -147,7 +147,7 @@ class Buffer(NormalMode):
         expect(isinstance(backend, Backend), "backend", "an ep_layer.backends.Backend", type(backend).__name__)
         buffer = cls.__new__(cls)
         buffer._attach(backend, True)
-        buffer.num_nvl_bytes = 0
+        buffer.num_nvl_bytes = backend.num_nvl_bytes
         buffer.explicitly_destroy = False
         return buffer
 

@@ -5,7 +5,7 @@ build one per call (vLLM) or from `--deepep-config` (SGLang)."""
 from __future__ import annotations
 
 from .checks import check_positive_int, expect
-from .layout import MAX_RANKS, MAX_TOPK
+from .layout import MAX_RANKS, MAX_TOPK, NORMAL_CONTROL_BYTES, row_stride, stage_bytes
 from .quant import FP8_GROUP
 
 
@@ -32,16 +32,22 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of NVLink buffer normal mode needs for rows of `hidden_bytes` among `num_ranks` ranks (the
-        NVLink peers: at most the 8 of one node): a ring of `num_max_nvl_chunked_recv_tokens` token slots
-        per channel (two SMs) and source rank, each slot a row, its scales, its top-k ids and weights and
-        its source index, plus a control block per channel and rank pair."""
+        """Bytes of normal-mode buffer for rows of `hidden_bytes` among `num_ranks` ranks: two staging halves,
+        each holding the tokens one rank sends in a call (`tokens_per_call`: 10,240 with DeepEP's defaults),
+        each token its row, FP8 scales, top-k ids and weights at most, plus each half's header and the
+        is_token_in_rank rows of one node (csrc/normal.cuh). A rank stages only its own tokens, so the
+        size barely depends on `num_ranks`; a dispatch of more tokens needs a larger buffer."""
         check_positive_int(hidden_bytes, "hidden_bytes")
         num_ranks = min(check_positive_int(num_ranks, "num_ranks"), MAX_RANKS)  # the NVLink peers of one node
-        channels = max(self.num_sms // 2, 1)
-        slot = _align(hidden_bytes + hidden_bytes // FP8_GROUP * 4 + MAX_TOPK * 12 + 8, 16)
-        control = _align(channels * num_ranks * num_ranks * 16, 128)
-        return _align(control + channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * slot, 128)
+        row = row_stride(hidden_bytes, hidden_bytes // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)
+        half = stage_bytes(self.tokens_per_call, row, num_ranks, True)
+        return _align(NORMAL_CONTROL_BYTES + 2 * _align(half, 128), 128)
+
+    @property
+    def tokens_per_call(self) -> int:
+        """Tokens per rank and call that get_nvl_buffer_size_hint sizes for: DeepEP's receive rings of all
+        channels (num_sms / 2 of them), four times over."""
+        return max(self.num_sms // 2, 1) * self.num_max_nvl_chunked_recv_tokens * 4
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """0: normal mode runs inside one node (up to 8 ranks), where it needs no RDMA buffer."""

@@ -18,21 +18,27 @@ from . import native
 from .backends.cuda import CudaBackend
 from .buffer import DEFAULT_TIMEOUT_S, Buffer
 from .checks import expect
+from .layout import CONTROL_BYTES
 
 T = TypeVar("T")
 
 
 def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S, *,
-                     gpu_share: int = 1, shrink: bool = False) -> list[Buffer]:
+                     gpu_share: int = 1, shrink: bool = False, num_nvl_bytes: int = 0) -> list[Buffer]:
     """One Buffer per emulated rank, all on the current GPU. Each rank sizes its dispatch grids for
     1/`gpu_share` of the GPU: `num_ranks` when the ranks' kernels run side by side (`RankStreams`), or to
     give each rank the share of the hardware it stands for; 1 (each takes all of it) when they run one
-    after another. `shrink`: rank masking, as Buffer(enable_shrink=True)."""
+    after another. `shrink`: rank masking, as Buffer(enable_shrink=True). `num_nvl_bytes` > 0: normal
+    mode too, whose calls must run side by side (each rank's exchange waits for the others) and whose
+    dispatches must not wait for the host (`num_worst_tokens`, or a handle)."""
     expect(1 <= gpu_share <= num_ranks, "gpu_share", f"in [1, {num_ranks}]", gpu_share)
     c = native.load()
-    bases = [c.alloc_buffer(num_rdma_bytes) for _ in range(num_ranks)]
+    ll_bytes = num_rdma_bytes or CONTROL_BYTES
+    bases = [c.alloc_buffer(ll_bytes) for _ in range(num_ranks)]
+    nvl_bases = [c.alloc_buffer(num_nvl_bytes) for _ in range(num_ranks)] if num_nvl_bytes else None
     return [Buffer.from_backend(CudaBackend(None, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink,
-                                            peer_bases=bases, gpu_share=gpu_share))
+                                            peer_bases=bases, gpu_share=gpu_share, num_nvl_bytes=num_nvl_bytes,
+                                            nvl_peer_bases=nvl_bases))
             for rank in range(num_ranks)]
 
 

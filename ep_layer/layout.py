@@ -30,6 +30,9 @@ DISPATCH_HEADER_BYTES = 256
 COUNT_BYTES = 8  # (sender's tokens << 48) | (count << 32) | sequence number
 COMBINE_FLAG_BYTES = 8
 CONTROL_BYTES = 4096  # sequence counters, peers' arrival words, the error record, call timestamps
+# Normal mode's buffer (csrc/normal.cuh): a control block, then two staging halves, each a header and rows.
+NORMAL_CONTROL_BYTES = 4096
+STAGE_HEADER_BYTES = 8192
 ALIGN = 128
 
 
@@ -89,3 +92,21 @@ def low_latency_buffer_bytes(max_tokens: int, hidden: int, num_ranks: int, num_e
     """Bytes one rank's buffer needs."""
     return (zero_copy_offset(max_tokens, hidden, num_ranks)
             + 2 * zero_copy_bytes(max_tokens, hidden, num_experts))
+
+
+# ---------------------------------------------------------------- normal mode (csrc/normal.cuh)
+def _align_to(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def row_stride(x_bytes: int, scale_bytes: int, idx_bytes: int, weight_bytes: int) -> int:
+    """Bytes of one staged row: its columns at 16-byte aligned offsets (csrc/normal.cuh: row_stride)."""
+    return sum(_align_to(b, 16) for b in (x_bytes, scale_bytes, idx_bytes, weight_bytes))
+
+
+def stage_bytes(rows: int, stride: int, num_ranks: int, with_in_rank: bool) -> int:
+    """Bytes of a staging half that `rows` rows use: the header, the rows, then a dispatch's
+    is_token_in_rank (csrc/normal.cuh: in_rank_offset)."""
+    if not with_in_rank:
+        return STAGE_HEADER_BYTES + rows * stride
+    return _align(STAGE_HEADER_BYTES + rows * stride) + rows * num_ranks

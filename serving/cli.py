@@ -198,8 +198,7 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deepep-mode", choices=DEEPEP_MODES, default="low_latency",
                    help="the MoE layers' dispatch and combine (SGLang's flag): 'low_latency' every step, 'normal' "
                         "(high-throughput) every step, or 'auto': normal mode for steps in which a rank holds "
-                        "more than --max-tokens-per-rank tokens (long prefills), low-latency for the others; "
-                        "normal mode runs on --ep-backend reference (its CUDA kernels are not written yet)")
+                        "more than --max-tokens-per-rank tokens (long prefills), low-latency for the others")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
                    help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
                         "torch.distributed one, or 'auto' (cuda when built and on GPU)")

@@ -14,7 +14,7 @@ it follows (the commits the research notes read):
   operations.py@1260bf3a1c3f and operations_strategy.py@1e90555b085425 (two-batch overlap).
 
 CPU ranks (tests/dist_harness.py) run the reference backend; the `gpu` variants run the cuda backend, several
-processes on one GPU through CUDA IPC (low-latency only: the cuda backend has no normal mode yet). Every rank
+processes on one GPU through CUDA IPC (the low-latency replays). Every rank
 draws every rank's inputs from one generator, so the oracles need no communication: routing in plain Python
 (the rows each local expert receives, by source rank then token), the FP8 cast of tests/fp8_oracle.py, experts
 that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in ascending k of w * y,
@@ -497,8 +497,8 @@ class Ubatching:
 
     # The stream switches the DeepEP high-throughput path makes (dbo_get_previous_event, dbo_switch_to_comm,
     # dbo_switch_to_compute, dbo_switch_to_compute_sync, dbo_yield_and_switch_from_compute_to_comm and
-    # dbo_yield_and_switch_from_comm_to_compute). That path runs on CPU ranks only (the cuda backend has no normal
-    # mode), where there are no streams to switch: what is left of them is where they yield.
+    # dbo_yield_and_switch_from_comm_to_compute). That path is replayed on CPU ranks only, where there are no
+    # streams to switch: what is left of them is where they yield.
     def get_previous_event(self, func: Callable[[], Any]) -> Any:
         """`func()` (Buffer.capture) on the micro-batch's compute stream; None outside DBO."""
         assert self.compute_stream is None, "the high-throughput replay runs on CPU ranks"
@@ -2099,27 +2099,28 @@ def test_main_names_a_real_deep_ep(tmp_path: Path) -> None:
 
 
 # ==================================================================================== what is refused
-def test_normal_mode_is_refused_on_the_cuda_backend_and_without_nvl_bytes() -> None:
-    """vLLM's deepep_high_throughput Buffer (all2all.py DeepEPHTAll2AllManager's kwargs) on the cuda backend: its
-    kernels are not written yet, and the constructor says so before it looks for a GPU. A Buffer made without
-    num_nvl_bytes (SGLang's and vLLM's low-latency test helper's) refuses the normal-mode calls, naming it."""
+def test_normal_mode_buffers_and_what_a_buffer_without_nvl_bytes_refuses() -> None:
+    """vLLM's deepep_high_throughput Buffer (all2all.py DeepEPHTAll2AllManager's kwargs: no low-latency buffer)
+    is built on the backend `auto` picks, and on the cuda backend where there is a GPU (its low-latency calls
+    then raise, naming low_latency_mode). A Buffer made without num_nvl_bytes (SGLang's and vLLM's low-latency
+    test helper's) refuses the normal-mode calls, naming it."""
     ht_kwargs = dict(num_nvl_bytes=1 << 30, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=1,
                      explicitly_destroy=True)
-    cuda_refusal = (r"^low_latency_mode=False: the cuda backend has no normal \(high-throughput\) kernels yet; "
-                    r"pass backend='reference' for normal mode$")
-    with pytest.raises(NotImplementedError, match=cuda_refusal):
-        deep_ep.Buffer(None, **ht_kwargs, backend="cuda")
-    if resolve_backend("auto") == "cuda":  # what the engines get, passing no backend
-        with pytest.raises(NotImplementedError, match=cuda_refusal):
-            deep_ep.Buffer(None, **ht_kwargs)
-    else:
-        buf = deep_ep.Buffer(None, **ht_kwargs)
-        assert (buf.backend_name, buf.low_latency_mode, buf.num_nvl_bytes) == ("reference", False, 1 << 30)
+    buf = deep_ep.Buffer(None, **ht_kwargs)
+    assert (buf.backend_name, buf.low_latency_mode, buf.num_nvl_bytes) == (resolve_backend("auto"), False, 1 << 30)
+    buf.destroy()
+    if torch.cuda.is_available():
+        buf = deep_ep.Buffer(None, **ht_kwargs, backend="cuda")
+        with pytest.raises(RuntimeError, match=r"^low_latency_dispatch: this Buffer was made with low_latency_mode"):
+            buf.low_latency_dispatch(torch.zeros(1, 128, dtype=torch.bfloat16, device="cuda"),
+                                     torch.zeros(1, 1, dtype=torch.int64, device="cuda"), 1, 8, use_fp8=False)
         buf.destroy()
-    if not torch.cuda.is_available():  # a low-latency cuda Buffer (SGLang's auto mode) needs the GPU first
-        with pytest.raises(ValueError, match=r"^backend: 'cuda' needs a CUDA GPU, and torch sees none$"):
-            deep_ep.Buffer(None, num_nvl_bytes=1 << 30, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
-                128, 2048, 1, 8), low_latency_mode=True, backend="cuda")
+    else:  # a cuda Buffer needs the GPU first
+        ll_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 2048, 1, 8)
+        for low_latency_mode, rdma in ((False, 0), (True, ll_bytes)):
+            with pytest.raises(ValueError, match=r"^backend: 'cuda' needs a CUDA GPU, and torch sees none$"):
+                deep_ep.Buffer(None, num_nvl_bytes=1 << 30, num_rdma_bytes=rdma, low_latency_mode=low_latency_mode,
+                               backend="cuda")
 
     topk_idx = torch.tensor([[0, 3], [1, -1]])
     x = torch.zeros(2, 128, dtype=torch.bfloat16)

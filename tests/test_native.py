@@ -35,12 +35,14 @@ def test_a_differing_constant_is_refused_by_name(name: str, built: str) -> None:
 
 
 @pytest.mark.parametrize("name,fields", [("DISPATCH_POINTERS", kernel_args.DispatchPointers._fields),
-                                         ("COMBINE_POINTERS", kernel_args.CombinePointers._fields)])
+                                         ("COMBINE_POINTERS", kernel_args.CombinePointers._fields),
+                                         ("NORMAL_POINTERS", kernel_args.NormalPointers._fields)])
 def test_launcher_pointer_orders_must_match_kernel_args(name: str, fields: tuple[str, ...]) -> None:
     """A build whose launchers take the pointers in another order (two swapped) or lack the names."""
     module = types.ModuleType("ep_layer._C")
     module.DISPATCH_POINTERS = kernel_args.DispatchPointers._fields
     module.COMBINE_POINTERS = kernel_args.CombinePointers._fields
+    module.NORMAL_POINTERS = kernel_args.NormalPointers._fields
     native._check_pointer_orders(module)
     swapped = (fields[1], fields[0], *fields[2:])
     setattr(module, name, swapped)

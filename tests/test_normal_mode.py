@@ -1155,21 +1155,26 @@ def test_config_defaults_and_checks() -> None:
 
 
 def test_nvl_buffer_size_hint() -> None:
-    """Positive multiples of 128 bytes that grow with hidden_bytes and with the ranks up to one node's 8
-    (more ranks are not all NVLink peers: the hint stays the 8-rank one, as Config's docstring says, e.g.
-    SGLang sizing a 16-rank group); the hint is a valid num_nvl_bytes; bad arguments are ValueErrors."""
+    """Positive multiples of 128 bytes that hold two staging halves of Config.tokens_per_call tokens (10,240
+    with DeepEP's defaults, more with larger rings) of rows of hidden_bytes with FP8 scales, 16 top-k ids and
+    weights, as the cuda backend stages them (its own formula, csrc/normal.cuh, written out here), for the
+    ranks of one node (more ranks are not all NVLink peers: the hint stays the 8-rank one); the hint is a
+    valid num_nvl_bytes; bad arguments are ValueErrors."""
     c = Config()
-    hints = {(hb, r): c.get_nvl_buffer_size_hint(hb, r) for hb in (16, 256, 2048, 7168 * 2) for r in range(1, 9)}
-    for (hb, r), hint in hints.items():
-        assert type(hint) is int and hint > 0 and hint % 128 == 0, (hb, r, hint)
-        assert hint >= r * hb, (hb, r, hint)  # at least a row from each rank
+    assert c.tokens_per_call == 10 * 256 * 4 and Config(num_sms=24).tokens_per_call == 12 * 256 * 4
     for hb in (16, 256, 2048, 7168 * 2):
-        assert all(hints[hb, r] < hints[hb, r + 1] for r in range(1, 8)), hb
-    for r in range(1, 9):
-        assert hints[16, r] < hints[256, r] < hints[2048, r] < hints[7168 * 2, r], r
-    assert all(c.get_nvl_buffer_size_hint(hb, r) == hints[hb, 8] for hb in (16, 7168 * 2) for r in (9, 16, 64))
-    assert Config(num_max_nvl_chunked_recv_tokens=512).get_nvl_buffer_size_hint(2048, 8) > hints[2048, 8]
-    Buffer(None, num_nvl_bytes=hints[256, 1], low_latency_mode=False, backend="reference").destroy()
+        row = -(-hb // 16) * 16 + -(-(hb // 128 * 4) // 16) * 16 + 128 + 64
+        for r in range(1, 9):
+            hint = c.get_nvl_buffer_size_hint(hb, r)
+            assert type(hint) is int and hint > 0 and hint % 128 == 0, (hb, r, hint)
+            half = -(-(8192 + 10240 * row) // 128) * 128 + 10240 * r
+            assert (hint - 4096) // 2 >= half, (hb, r, hint)
+            assert hint < 4096 + 2 * half + 3 * 128, (hb, r, hint)  # no more than alignment beyond that
+        assert all(c.get_nvl_buffer_size_hint(hb, r) == c.get_nvl_buffer_size_hint(hb, 8) for r in (9, 16, 64))
+    assert Config(num_max_nvl_chunked_recv_tokens=512).get_nvl_buffer_size_hint(2048, 8) > \
+        c.get_nvl_buffer_size_hint(2048, 8)
+    hint = c.get_nvl_buffer_size_hint(256, 1)
+    Buffer(None, num_nvl_bytes=hint, low_latency_mode=False, backend="reference").destroy()
     for args, name in (((0, 8), "hidden_bytes"), ((-16, 8), "hidden_bytes"), ((16.0, 8), "hidden_bytes"),
                        ((True, 8), "hidden_bytes"), ((256, 0), "num_ranks"), ((256, -2), "num_ranks"),
                        ((256, 2.0), "num_ranks"), ((256, None), "num_ranks")):

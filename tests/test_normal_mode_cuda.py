@@ -229,3 +229,97 @@ def test_too_small_a_buffer_is_named() -> None:
         buf.dispatch(torch.zeros(100, 7168, dtype=torch.bfloat16, device="cuda"), num_tokens_per_rank=layout[0],
                      is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=idx)
     buf.destroy()
+
+
+# ---------------------------------------------------------------------------- emulated ranks, CUDA graphs
+def _oracle(xs: list[torch.Tensor], idxs: list[torch.Tensor], ws: list[torch.Tensor], experts: int, scale: float,
+            ) -> tuple[list, list]:
+    """Per rank, from design.md's rules in plain torch on the CPU: (rows received (bf16), local ids, local
+    weights), and the combine of rows multiplied by `scale` (bf16), summed in float32 in ascending rank."""
+    world = len(xs)
+    num_local = experts // world
+    in_ranks = [torch.stack([((i >= r * num_local) & (i < (r + 1) * num_local)).any(dim=1) for r in range(world)],
+                            dim=1) for i in idxs]
+    received = []
+    for r in range(world):
+        rows = torch.cat([x[m[:, r]] for x, m in zip(xs, in_ranks)])
+        ids = torch.cat([i[m[:, r]] for i, m in zip(idxs, in_ranks)])
+        weights = torch.cat([w[m[:, r]] for w, m in zip(ws, in_ranks)])
+        local = (ids >= r * num_local) & (ids < (r + 1) * num_local)
+        received.append((rows, torch.where(local, ids - r * num_local, -1), torch.where(local, weights, 0.0)))
+    combined = []
+    for s in range(world):
+        acc = torch.zeros(xs[s].shape, dtype=torch.float32)
+        for d in range(world):
+            start = sum(int(in_ranks[q][:, d].sum()) for q in range(s))
+            rows = (received[d][0].float() * scale).to(torch.bfloat16)[start:start + int(in_ranks[s][:, d].sum())]
+            acc[in_ranks[s][:, d]] += rows.float()
+        combined.append(acc.to(torch.bfloat16))
+    return received, combined
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_emulated_ranks_in_a_cuda_graph(world: int, seed: int) -> None:
+    """Emulated ranks side by side on their streams: the layout, a dispatch sized by num_worst_tokens and a
+    combine, all captured in one CUDA graph, replayed with fresh inputs copied in, equal to the oracle."""
+    from ep_layer.emulation import RankStreams, emulated_buffers
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, experts, k, scale = 96, 512, 8 * world, 4, 0.5
+    bufs = emulated_buffers(world, 0, 5, gpu_share=world, num_nvl_bytes=NVL_BYTES)
+    streams = RankStreams(world)
+    xs = [torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda") for _ in range(world)]
+    idxs = [torch.empty(tokens, k, dtype=torch.int64, device="cuda") for _ in range(world)]
+    ws = [torch.empty(tokens, k, device="cuda") for _ in range(world)]
+    outs: list = [None] * world
+
+    def fill() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        cpu = []
+        for x, i, w in zip(xs, idxs, ws):
+            inputs = (torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16),
+                      torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)]),
+                      torch.rand(tokens, k, generator=gen))
+            for dst, src in zip((x, i, w), inputs):
+                dst.copy_(src)
+            cpu.append(inputs)
+        return cpu
+
+    def step(r: int) -> None:
+        buf = bufs[r]
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idxs[r], experts)
+        recv = buf.dispatch(xs[r], num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                            num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r],
+                            num_worst_tokens=world * tokens)
+        y = (recv[0].float() * scale).to(torch.bfloat16)
+        outs[r] = (recv, buf.combine(y, recv[4])[0])
+
+    with pytest.raises(ValueError, match=r"^num_worst_tokens: expected > 0 \(or a handle\) for ranks emulated"):
+        bufs[0].dispatch(xs[0], num_tokens_per_rank=torch.zeros(world, dtype=torch.int32, device="cuda"),
+                         is_token_in_rank=torch.zeros(tokens, world, dtype=torch.bool, device="cuda"),
+                         num_tokens_per_expert=torch.zeros(experts, dtype=torch.int32, device="cuda"))
+    fill()
+    streams.run([lambda r=r: step(r) for r in range(world)])  # eager warm-up, then the capture
+    torch.cuda.synchronize()
+    for b in bufs:
+        b.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        streams.run([lambda r=r: step(r) for r in range(world)])
+    for replay in range(2):
+        cpu = fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        for b in bufs:
+            b.check()
+        received, combined = _oracle([c[0] for c in cpu], [c[1] for c in cpu], [c[2] for c in cpu], experts, scale)
+        for r in range(world):
+            recv, out = outs[r]
+            n = received[r][0].shape[0]
+            tag = f"seed={seed} replay {replay} rank {r}"
+            _same(recv[0][:n], received[r][0], f"{tag} rows")
+            _same(recv[1][:n], received[r][1], f"{tag} ids")
+            _same(recv[2][:n], received[r][2], f"{tag} weights")
+            assert (recv[4].recv_src_rank[n:] == -1).all() and (recv[1][n:] == -1).all(), tag
+            _same(out, combined[r], f"{tag} combine")
+    for b in bufs:
+        b.destroy()

@@ -1,7 +1,7 @@
 """`deep_ep`: ep-layer under DeepEP's module name, so that engines that import DeepEP (vLLM's
 `deepep_low_latency` and `deepep_high_throughput` all2all backends, SGLang's `--moe-a2a-backend deepep`)
-run on ep-layer unchanged. `Buffer` is `ep_layer.Buffer` itself: the low-latency calls on every
-backend, normal mode on the reference backend (the cuda backend's normal-mode kernels are not written yet).
+run on ep-layer unchanged. `Buffer` is `ep_layer.Buffer` itself: the low-latency calls and normal mode,
+on every backend.
 
 There is deliberately no `ElasticBuffer`: vLLM would take it for DeepEP v2 and use that path instead.
 """

@@ -77,6 +77,7 @@ class Backend(ABC):
     """One rank's end of the low-latency exchange."""
 
     name: str
+    num_nvl_bytes = 0  # a normal-mode buffer of this size (backends that keep one)
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  num_rdma_bytes: int, timeout_s: float, shrink: bool = False) -> None:
@@ -110,15 +111,13 @@ class Backend(ABC):
         `hook=False` the caller runs it right after, so a backend may do both halves at once here."""
 
     # DeepEP's normal (high-throughput) mode: the Buffer checked the arguments (docs/design.md section 2).
+    @abstractmethod
     def normal_dispatch(self, args: NormalDispatchArgs) -> NormalDispatchResult:
         """Send each token once to every rank in its row of is_token_in_rank; the rows received."""
-        raise NotImplementedError(f"dispatch: the {self.name} backend has no normal (high-throughput) mode yet; "
-                                  "use backend='reference', or the low-latency calls")
 
+    @abstractmethod
     def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each token's rows back on its rank; (combined bf16 [T, H], summed top-k weights or None)."""
-        raise NotImplementedError(f"combine: the {self.name} backend has no normal (high-throughput) mode yet; "
-                                  "use backend='reference', or the low-latency calls")
 
     def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor | None:
         """The bf16 [E_l, R*T, H] zero-copy combine buffer of dispatch slot `slot` (0 or 1), if this backend

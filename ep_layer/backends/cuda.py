@@ -174,12 +174,14 @@ class CudaBackend(Backend):
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False,
-                 peer_bases: list[int] | None = None, gpu_share: int = 1, num_nvl_bytes: int = 0) -> None:
+                 peer_bases: list[int] | None = None, gpu_share: int = 1, num_nvl_bytes: int = 0,
+                 nvl_peer_bases: list[int] | None = None) -> None:
         """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process,
         `gpu_share` how many of them run their kernels at the same time; without them the buffer is
         allocated here, the peers' are mapped through CUDA IPC, and the ranks on this GPU share it.
-        `num_nvl_bytes` > 0 adds normal mode, over a second buffer of that size (cuda_normal.py); then
-        `num_rdma_bytes` may be 0 (no low-latency calls: the low-latency buffer is only its control block)."""
+        `num_nvl_bytes` > 0 adds normal mode, over a second buffer of that size (cuda_normal.py; emulated
+        ranks pass theirs as `nvl_peer_bases`); then `num_rdma_bytes` may be 0 (no low-latency calls: the
+        low-latency buffer is only its control block)."""
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
         self._c = native.load()
         expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
@@ -187,8 +189,10 @@ class CudaBackend(Backend):
         expect(num_rdma_bytes > layout.CONTROL_BYTES or (num_rdma_bytes == 0 and num_nvl_bytes > 0),
                "num_rdma_bytes", "at least Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E) bytes for the "
                "cuda backend (or 0 with num_nvl_bytes > 0: normal mode only)", num_rdma_bytes)
-        expect(num_nvl_bytes == 0 or peer_bases is None, "num_nvl_bytes", "0 for ranks emulated in one process "
-               "(they have no normal mode)", num_nvl_bytes)
+        expect((nvl_peer_bases is None) == (peer_bases is None or num_nvl_bytes == 0), "nvl_peer_bases",
+               "one normal-mode buffer per rank exactly when emulated ranks (peer_bases) have num_nvl_bytes > 0",
+               nvl_peer_bases)
+        self.num_nvl_bytes = num_nvl_bytes
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._num_sms = self._c.num_sms()
         self._opened: list[int] = []  # peers' buffers mapped through IPC, closed on destroy
@@ -222,10 +226,12 @@ class CudaBackend(Backend):
             self._mask = torch.zeros(num_ranks, dtype=torch.int32, device=self._device) if shrink else None
         self._normal: CudaNormalMode | None = None
         if num_nvl_bytes > 0:
-            nvl_bases = self._exchange_handles(self._c.alloc_buffer(num_nvl_bytes), num_nvl_bytes, "num_nvl_bytes")
+            nvl_bases = nvl_peer_bases or self._exchange_handles(self._c.alloc_buffer(num_nvl_bytes), num_nvl_bytes,
+                                                                 "num_nvl_bytes")
             self._nvl_base = nvl_bases[rank]
             self._normal = CudaNormalMode(self._c, rank, num_ranks, nvl_bases, num_nvl_bytes, self._system_scope,
-                                          timeout_s, self._device)
+                                          timeout_s, self._device, emulated=nvl_peer_bases is not None,
+                                          max_sms=max(1, self._num_sms // self._gpu_share))
 
     def _exchange_handles(self, base: int, num_bytes: int, name: str) -> list[int]:
         """Share our buffer's IPC handle through the group; map every peer's buffer (closed on destroy)."""
@@ -280,10 +286,10 @@ class CudaBackend(Backend):
 
     # ------------------------------------------------------------------ normal mode
     def normal_dispatch(self, args: NormalDispatchArgs) -> NormalDispatchResult:
-        return self._normal_mode("dispatch").dispatch(args, args.num_sms)
+        return self._normal_mode("dispatch").dispatch(args)
 
     def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._normal_mode("combine").combine(args, args.num_sms)
+        return self._normal_mode("combine").combine(args)
 
     def _normal_mode(self, op: str) -> CudaNormalMode:
         if self._normal is None:

@@ -19,10 +19,9 @@ from ..checks import check_topk_values, expect
 from ..dispatch_layout import dispatch_layout
 from ..errors import EPTimeoutError
 from ..kernel_args import NormalPointers
+from ..layout import NORMAL_CONTROL_BYTES, STAGE_HEADER_BYTES, row_stride, stage_bytes
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult, NormalHandle
 
-NORMAL_CONTROL_BYTES = 4096  # csrc/normal.cuh: kNormalControlBytes
-STAGE_HEADER_BYTES = 8192  # csrc/normal.cuh: kStageHeaderBytes
 _DISPATCH, _CACHED_DISPATCH, _COMBINE = 0, 1, 2  # NormalOp
 _ERROR_OPS = {2: "dispatch", 3: "combine"}
 _TIMEOUT, _MISMATCH, _BAD_HANDLE, _TOO_MANY_ROWS = 1, 2, 4, 5
@@ -31,19 +30,6 @@ _NO_POINTERS = NormalPointers(*[0] * len(NormalPointers._fields))
 
 def _align(n: int, to: int) -> int:
     return (n + to - 1) // to * to
-
-
-def row_stride(x_bytes: int, scale_bytes: int, idx_bytes: int, weight_bytes: int) -> int:
-    """Bytes of one staged row: its columns at 16-byte aligned offsets (csrc/normal.cuh: row_stride)."""
-    return sum(_align(b, 16) for b in (x_bytes, scale_bytes, idx_bytes, weight_bytes))
-
-
-def stage_bytes(rows: int, stride: int, num_ranks: int, with_in_rank: bool) -> int:
-    """Bytes of a staging half that `rows` rows use: the header, the rows, then a dispatch's
-    is_token_in_rank (csrc/normal.cuh: in_rank_offset)."""
-    if not with_in_rank:
-        return STAGE_HEADER_BYTES + rows * stride
-    return _align(STAGE_HEADER_BYTES + rows * stride, 128) + rows * num_ranks
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -60,10 +46,11 @@ class CudaNormalMode:
     """Normal-mode dispatch and combine of one rank, over its normal-mode buffer and its peers'."""
 
     def __init__(self, c: object, rank: int, num_ranks: int, bases: list[int], num_bytes: int,
-                 system_scope: bool, timeout_s: float, device: torch.device) -> None:
-        expect(c.NORMAL_CONTROL_BYTES == NORMAL_CONTROL_BYTES and c.STAGE_HEADER_BYTES == STAGE_HEADER_BYTES,
-               "ep_layer._C", "a build of these sources (rebuild the CUDA kernels)", "another layout")
+                 system_scope: bool, timeout_s: float, device: torch.device, *, emulated: bool, max_sms: int) -> None:
+        """`emulated`: the ranks run in this process (their dispatches must not wait for the host);
+        `max_sms`: this rank's share of the GPU, the most SMs a call's kernels take whatever Config says."""
         self._c, self.rank, self.num_ranks, self.timeout_s = c, rank, num_ranks, timeout_s
+        self._emulated, self._max_sms = emulated, max_sms
         self._base, self._num_bytes, self._device = bases[rank], num_bytes, device
         self._half = (num_bytes - NORMAL_CONTROL_BYTES) // 2 // 128 * 128
         expect(self._half > STAGE_HEADER_BYTES, "num_nvl_bytes", f"more than "
@@ -107,9 +94,12 @@ class CudaNormalMode:
         raise RuntimeError(f"{what}: the kernels recorded error code {code}")
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, args: NormalDispatchArgs, num_sms: int) -> NormalDispatchResult:
+    def dispatch(self, args: NormalDispatchArgs) -> NormalDispatchResult:
         self.raise_recorded()
-        c, r, stream = self._c, self.num_ranks, self._stream()
+        c, r, stream, num_sms = self._c, self.num_ranks, self._stream(), min(args.num_sms, self._max_sms)
+        expect(not self._emulated or args.cached is not None or args.num_worst_tokens > 0, "num_worst_tokens",
+               "> 0 (or a handle) for ranks emulated in one process: a dispatch that waits for the host to count "
+               "its rows would wait for ranks not yet launched", args.num_worst_tokens)
         columns = [_aligned(t) for t in args.columns]
         x, scales = columns[0], (columns[1] if len(columns) == 2 else None)
         num_tokens = x.shape[0]
@@ -193,9 +183,9 @@ class CudaNormalMode:
         return host[1], host[2 + r:2 + r + num_local]
 
     # ------------------------------------------------------------------ combine
-    def combine(self, args: NormalCombineArgs, num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.raise_recorded()
-        c, r, stream = self._c, self.num_ranks, self._stream()
+        c, r, stream, num_sms = self._c, self.num_ranks, self._stream(), min(args.num_sms, self._max_sms)
         handle = args.handle
         x = _aligned(args.x)
         rows, hidden = x.shape

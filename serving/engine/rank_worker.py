@@ -94,9 +94,6 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
         config = dataclasses.replace(config, ep_backend=resolve_backend(config.ep_backend, device=device,
                                                                         one_node=not config.spans_processes))
-        if config.deepep_mode != "low_latency" and config.ep_backend == "cuda":
-            raise ValueError(f"deepep_mode {config.deepep_mode!r}: normal mode has no CUDA kernels yet; run it on "
-                             "the reference backend (--ep-backend reference) or use --deepep-mode low_latency")
         group, sync_group = _init_group(config, rank, device)
         model, tokenizer = load_model(config, group, device)
         max_positions = int(model.config.max_position_embeddings)
