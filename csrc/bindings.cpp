@@ -327,6 +327,7 @@ void bind_normal(py::module_& m) {
               field("half_bytes", &NormalCommonArgs::half_bytes), field("host_error", &NormalCommonArgs::host_error),
               field("timeout_s", &NormalCommonArgs::timeout_s), field("ticket", &NormalCommonArgs::ticket));
   m.def("make_normal_common", &make_normal_common);
+  m.def("normal_load_kernels", [] { ep::check_cuda(ep::normal_load_kernels(), "loading the normal-mode kernels"); });
   bind_struct(m, "NormalShape", field("op", &NormalShape::op), field("num_rows", &NormalShape::num_rows),
               field("x_bytes", &NormalShape::x_bytes), field("scale_bytes", &NormalShape::scale_bytes),
               field("num_topk", &NormalShape::num_topk), field("has_idx", &NormalShape::has_idx),

@@ -391,6 +391,18 @@ int copy_blocks(long long work, int num_sms) {
 
 }  // namespace
 
+cudaError_t normal_load_kernels() {
+  const void* kernels[] = {reinterpret_cast<const void*>(stage_kernel), reinterpret_cast<const void*>(exchange_kernel),
+                           reinterpret_cast<const void*>(scan_kernel), reinterpret_cast<const void*>(gather_kernel),
+                           reinterpret_cast<const void*>(reduce_kernel)};
+  for (const void* kernel : kernels) {
+    cudaFuncAttributes attributes;
+    const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 void normal_stage(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
   stage_kernel<<<copy_blocks(call.num_rows, num_sms), kWarps * 32, 0, stream>>>(c, call);
 }

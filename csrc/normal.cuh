@@ -105,6 +105,9 @@ struct NormalCall {
   float* combined_weights;         // combine: [T, K] or null
 };
 
+// Loads the kernels now: under CUDA's lazy loading a first launch may wait for the kernels running on
+// the device, and one rank's exchange kernel waits for a peer whose kernels the host launches next.
+cudaError_t normal_load_kernels();
 void normal_stage(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream);
 void normal_exchange(const NormalCommon& c, const NormalCall& call, cudaStream_t stream);
 void normal_scan(const NormalCommon& c, const NormalCall& call, cudaStream_t stream);

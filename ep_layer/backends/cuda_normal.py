@@ -55,6 +55,7 @@ class CudaNormalMode:
         self._half = (num_bytes - NORMAL_CONTROL_BYTES) // 2 // 128 * 128
         expect(self._half > STAGE_HEADER_BYTES, "num_nvl_bytes", f"more than "
                f"{NORMAL_CONTROL_BYTES + 2 * STAGE_HEADER_BYTES} bytes (Config.get_nvl_buffer_size_hint)", num_bytes)
+        c.normal_load_kernels()  # before any rank's exchange kernel can wait on the device
         self._host_flag, device_flag = c.alloc_host_flag()
         with torch.inference_mode(False):
             self._ticket = torch.zeros(1, dtype=torch.int32, device=device)
@@ -166,6 +167,7 @@ class CudaNormalMode:
         rank's counts and ids against its is_token_in_rank and topk_idx come back in the same copy."""
         e, idx = args.num_experts, args.topk_idx
         bad = [(args.num_tokens_per_rank.to(torch.int32) != rows_to_rank).any()]
+        per_expert = None
         if idx is not None:
             _, per_expert, _ = dispatch_layout(idx, e, self.num_ranks)
             bad += [(per_expert != args.num_tokens_per_expert.to(torch.int32)).any(), ((idx < -1) | (idx >= e)).any()]
@@ -174,11 +176,12 @@ class CudaNormalMode:
         checks = host[len(host) - len(bad):]
         if idx is not None and checks[2]:
             check_topk_values(idx, e)
-        expect(not checks[0], "num_tokens_per_rank", "the number of tokens is_token_in_rank sends each rank",
-               args.num_tokens_per_rank.tolist())
-        if idx is not None:
-            expect(not checks[1], "num_tokens_per_expert", "the number of tokens each expert has in topk_idx",
-                   args.num_tokens_per_expert.tolist())
+        if checks[0]:  # the values are read only for the message: a read is a host wait
+            expect(False, "num_tokens_per_rank", f"the number of tokens is_token_in_rank sends each rank "
+                   f"({rows_to_rank.tolist()})", args.num_tokens_per_rank.tolist())
+        if idx is not None and checks[1]:
+            expect(False, "num_tokens_per_expert", f"the number of tokens each expert has in topk_idx "
+                   f"({per_expert.tolist()})", args.num_tokens_per_expert.tolist())
         r = self.num_ranks
         return host[1], host[2 + r:2 + r + num_local]
 
