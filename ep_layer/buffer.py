@@ -418,8 +418,10 @@ class Buffer(NormalMode):
                                               return_recv_hook, out, wait_stats)
                 if key is not None:
                     _remember_check(self._combine_checks, key, checked)
-            if out is None:
+            if out is None and (async_finish or return_recv_hook):  # written on another stream, or later
                 out = torch.empty(topk_idx.shape[0], handle[3], dtype=torch.bfloat16, device=checked.device)
+            elif out is None:
+                out = backend.combine_output(topk_idx.shape[0], handle[3], checked.device)
             if zero_copy:
                 x = self._combine_buffer(record, handle, checked.device)
             combined = out

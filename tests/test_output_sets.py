@@ -1,4 +1,5 @@
-"""The cuda backend's recycled dispatch outputs (backends/cuda.py `_OutputSet`), on CPU tensors: a set is
+"""The cuda backend's recycled dispatch outputs (backends/cuda.py `_OutputSet`) and combined tensors
+(`_CombineOutputs`), on CPU tensors: a set is
 free for the next dispatch only when the caller holds none of its returned objects and no view of its
 memory, no hook that uses it is pending, and every use was on the stream that asks; a set used on two
 streams is never recycled. (The kernels that fill the sets run in tests/test_buffer_cuda.py.)"""
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from ep_layer.backends.base import RowsInPlace
-from ep_layer.backends.cuda import _OutputSet
+from ep_layer.backends.cuda import _CombineOutputs, _OutputSet
 
 STREAM, OTHER = 7, 8
 
@@ -85,3 +86,33 @@ def test_pending_hooks_and_other_streams_keep_a_set_busy() -> None:
     out.used_on(OTHER)  # a hook or combine on another stream: the two streams' order is unknown
     assert out.stream == _OutputSet.RETIRED
     assert not out.free_on(STREAM) and not out.free_on(OTHER)
+
+
+def test_a_combined_tensor_is_handed_out_again_only_once_dropped() -> None:
+    """`_CombineOutputs`: a tensor comes back to a later combine on its stream once the caller holds
+    neither it nor a view of its memory; on another stream, or while held, a new one is made; at most
+    four are kept, the least recently used going first."""
+    made = [0]
+
+    def make() -> torch.Tensor:
+        made[0] += 1
+        return torch.empty(4, 8, dtype=torch.bfloat16)
+
+    pool = _CombineOutputs(make)
+    first = pool.take(STREAM)
+    address = first.data_ptr()
+    second = pool.take(STREAM)  # the first is held
+    assert second.data_ptr() != address and made[0] == 2
+    del first
+    again = pool.take(STREAM)
+    assert again.data_ptr() == address and made[0] == 2
+    view = again[1:]
+    del again
+    assert pool.take(OTHER).data_ptr() != address  # another stream: a new one
+    kept = pool.take(STREAM)  # the view holds the first's memory: a new one
+    assert kept.data_ptr() != address and made[0] == 4
+    del view
+    assert pool.take(STREAM).data_ptr() == address and made[0] == 4
+    held = [pool.take(STREAM) for _ in range(6)]  # more than four at once: the oldest are dropped
+    assert len({t.data_ptr() for t in held}) == 6
+    assert len(pool._tensors) == 4

@@ -119,6 +119,11 @@ class Backend(ABC):
     def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each token's rows back on its rank; (combined bf16 [T, H], summed top-k weights or None)."""
 
+    def combine_output(self, num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+        """A bf16 [num_tokens, hidden] tensor on `device` for a plain combine (no hook, no async_finish) to
+        write; the cuda backend recycles the ones its callers have dropped."""
+        return torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+
     def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor | None:
         """The bf16 [E_l, R*T, H] zero-copy combine buffer of dispatch slot `slot` (0 or 1), if this backend
         keeps one where its combine can use it without a copy; None: Buffer keeps a plain tensor per slot."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import sys
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -146,6 +147,37 @@ _use_count = torch._C._storage_Use_Count
 _MAX_OUTPUT_SETS = 4  # per shape: two micro-batches' results held, plus the one being made
 
 
+class _CombineOutputs:
+    """The combined tensors of one shape, each handed out again once the caller holds neither it nor a view
+    of its memory and the new combine runs on the stream of its last one (whose order then puts the new
+    write after every earlier use there): a fresh tensor to the caller, as torch's allocator would give
+    one, without an allocation's host time. At most _MAX_OUTPUT_SETS are kept; the least recently used goes."""
+
+    def __init__(self, make: Callable[[], torch.Tensor]) -> None:
+        self._make = make
+        self._tensors: list[torch.Tensor] = []
+        self._streams: list[int] = []
+        self._baselines: list[tuple[int, int]] = []  # references and storage uses when only the pool holds one
+
+    def _references(self, i: int) -> tuple[int, int]:
+        return sys.getrefcount(self._tensors[i]), _use_count(self._tensors[i].untyped_storage()._cdata)
+
+    def take(self, stream: int) -> torch.Tensor:
+        for i in range(len(self._tensors)):
+            if self._streams[i] == stream and self._references(i) == self._baselines[i]:
+                for kept in (self._tensors, self._streams, self._baselines):  # most recently used last
+                    kept.append(kept.pop(i))
+                return self._tensors[-1]
+        if len(self._tensors) == _MAX_OUTPUT_SETS:
+            for kept in (self._tensors, self._streams, self._baselines):
+                kept.pop(0)
+        with torch.inference_mode(False):  # recycled across calls: usable in and out of inference mode
+            self._tensors.append(self._make())
+        self._streams.append(stream)
+        self._baselines.append(self._references(len(self._tensors) - 1))
+        return self._tensors[-1]
+
+
 class _CombinePlan(NamedTuple):
     common: object  # _C.Common
     shape: object  # _C.CombineShape
@@ -213,6 +245,7 @@ class CudaBackend(Backend):
         self._combine_plans: dict[tuple, _CombinePlan] = {}
         self._output_sets: dict[tuple, list[_OutputSet]] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._combine_outputs: dict[tuple[int, int], _CombineOutputs] = {}
         self._buffer_start = _device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
                f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels' __constant__ table)",
@@ -479,6 +512,15 @@ class CudaBackend(Backend):
 
         return receive
 
+    def combine_output(self, num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():  # the graph's own pool: its replays write there
+            return super().combine_output(num_tokens, hidden, device)
+        outputs = self._combine_outputs.get((num_tokens, hidden))
+        if outputs is None:
+            outputs = self._combine_outputs[num_tokens, hidden] = _CombineOutputs(
+                lambda: torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=self._device))
+        return outputs.take(self._stream())
+
     def combine_buffer(self, slot: int, handle: Handle) -> torch.Tensor:
         """A view of zero-copy combine buffer `slot` in this rank's communication buffer (ep_layer.layout)."""
         _, _, t, h, e = handle
@@ -537,6 +579,7 @@ class CudaBackend(Backend):
         self._opened.clear()
         self._combine_views.clear()
         self._output_sets.clear()
+        self._combine_outputs.clear()
         self._c.free_buffer(self._base)
         self._c.free_host_flag(self._host_flag)
         if self._normal is not None:
