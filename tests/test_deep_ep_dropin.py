@@ -14,7 +14,7 @@ it follows (the commits the research notes read):
   operations.py@1260bf3a1c3f and operations_strategy.py@1e90555b085425 (two-batch overlap).
 
 CPU ranks (tests/dist_harness.py) run the reference backend; the `gpu` variants run the cuda backend, several
-processes on one GPU through CUDA IPC (the low-latency replays). Every rank
+processes on one GPU through CUDA IPC (the low-latency replays and SGLang's normal mode). Every rank
 draws every rank's inputs from one generator, so the oracles need no communication: routing in plain Python
 (the rows each local expert receives, by source rank then token), the FP8 cast of tests/fp8_oracle.py, experts
 that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in ascending k of w * y,
@@ -1776,19 +1776,20 @@ def sglang_normal_experts(out: DeepEPNormalDispatchOutput, factors: torch.Tensor
     rows = dequant_rows(out.hidden_states, out.hidden_states_scale)
     assert len(counts) == factors.numel(), counts
     starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-    layout = torch.zeros(starts[-1], hidden)
-    layout_factor = torch.zeros(starts[-1])  # padding rows: factor 0 (and never gathered)
-    slot_row = torch.full(ids.shape, -1, dtype=torch.int64)  # the layout row of each (received row, top-k slot)
+    dev = rows.device
+    layout = torch.zeros(starts[-1], hidden, device=dev)
+    layout_factor = torch.zeros(starts[-1], device=dev)  # padding rows: factor 0 (and never gathered)
+    slot_row = torch.full(ids.shape, -1, dtype=torch.int64, device=dev)  # the layout row of each (row, top-k slot)
     for e, count in enumerate(counts):
         mine = (ids == e).nonzero()  # (received row, slot), by row
         assert count % expert_alignment == 0 and mine.shape[0] <= count < mine.shape[0] + expert_alignment, \
             f"num_recv_tokens_per_expert[{e}] = {count} for {mine.shape[0]} rows, alignment {expert_alignment}"
-        at = starts[e] + torch.arange(mine.shape[0])
+        at = starts[e] + torch.arange(mine.shape[0], device=dev)
         layout[at] = rows[mine[:, 0]]
         layout_factor[at] = factors[e]
         slot_row[mine[:, 0], mine[:, 1]] = at
     y = (layout * layout_factor[:, None]).to(torch.bfloat16)
-    gathered = y[slot_row.clamp(min=0)].float() if y.shape[0] else torch.zeros(*ids.shape, hidden)
+    gathered = y[slot_row.clamp(min=0)].float() if y.shape[0] else torch.zeros(*ids.shape, hidden, device=dev)
     w = torch.where(slot_row >= 0, weights, 0.0)
     return (gathered * w[:, :, None]).sum(dim=1).to(torch.bfloat16)
 
@@ -1829,11 +1830,12 @@ def sglang_moe(dispatcher: Any, tokens: Tokens, factors: torch.Tensor) -> tuple[
     return dispatcher.combine_b(), out
 
 
-def traced_factory(log: list[tuple], made: list[tuple]) -> Callable[..., TracedBuffer]:
-    """deep_ep.Buffer on CPU ranks (engine_buffer), each call's arguments recorded, the Buffer traced."""
+def traced_factory(log: list[tuple], made: list[tuple], device: str = "cpu") -> Callable[..., TracedBuffer]:
+    """deep_ep.Buffer as the engines make it on `device`'s ranks (engine_buffer), each call's arguments recorded,
+    the Buffer traced."""
     def make(*args: Any, **kwargs: Any) -> TracedBuffer:
         made.append((args, kwargs))
-        return TracedBuffer(engine_buffer("cpu")(*args, **kwargs), log, lambda: None)
+        return TracedBuffer(engine_buffer(device)(*args, **kwargs), log, lambda: None)
 
     return make
 
@@ -1841,32 +1843,33 @@ def traced_factory(log: list[tuple], made: list[tuple]) -> Callable[..., TracedB
 NORMAL_LOG = [(None, "layout", None), (None, "normal dispatch", None), (None, "normal combine", None)]
 
 
-def rank_sglang_normal(rank: int, world: int, seed: int, mode: str, async_finish: bool, config_str: str | None
-                       ) -> dict[tuple, np.ndarray]:
+def rank_sglang_normal(rank: int, world: int, seed: int, mode: str, async_finish: bool, config_str: str | None,
+                       device: str = "cpu") -> dict[tuple, np.ndarray]:
     """SGLang with `--moe-a2a-backend deepep --deepep-mode normal`: the Buffer made at the first dispatch with
     the normal-mode size hints, then prefill batches over the layers. Each dispatch is checked here; the MoE
     outputs go back to the test, which checks them against the dense oracle."""
-    group = sglang_group(world, "cpu")
+    dev = setup_device(rank, device)
+    group = sglang_group(world, device)
     log: list[tuple] = []
     made: list[tuple] = []
     config = DeepEPConfig(config_str)
-    deepep_buffer = DeepEPBuffer(config, traced_factory(log, made))
+    deepep_buffer = DeepEPBuffer(config, traced_factory(log, made, device))
     dispatchers = [SglangNormalDispatcher(deepep_buffer, group, SGL_E, SGL_NORMAL_H, SGL_T, mode, async_finish)
                    for _ in range(SGL_LAYERS)]
-    factors = expert_factors(local_experts(rank, SGL_E // world), "cpu")
+    factors = expert_factors(local_experts(rank, SGL_E // world), dev)
     alignment = 128 if SGL_NORMAL_MODES[mode][1] else 1
     outputs: dict[tuple, np.ndarray] = {}
     for step in range(3):
         for li, d in enumerate(dispatchers):
             counts, every = sglang_prefill(seed, world, ("normal", step), li)
             log.clear()
-            out, dispatched = sglang_moe(d, as_made(every[rank]), factors)
+            out, dispatched = sglang_moe(d, on_device(as_made(every[rank]), dev), factors)
             at = label(seed, rank, mode, f"async_finish={async_finish} step {step} layer {li} counts {counts}")
             assert log == NORMAL_LOG, log
             assert d.handle is None and d.stage == "initial", at
-            recv_x = dispatched.hidden_states if dispatched.hidden_states_scale is None else \
-                (dispatched.hidden_states, dispatched.hidden_states_scale)
-            check_normal_dispatch(recv_x, dispatched.topk_ids, dispatched.topk_weights,
+            recv_x = dispatched.hidden_states.cpu() if dispatched.hidden_states_scale is None else \
+                (dispatched.hidden_states.cpu(), dispatched.hidden_states_scale.cpu())
+            check_normal_dispatch(recv_x, dispatched.topk_ids.cpu(), dispatched.topk_weights.cpu(),
                                   dispatched.num_recv_tokens_per_expert, [sglang_sent(t, mode) for t in every],
                                   every, rank, SGL_E, alignment, at)
             deepep_buffer._buffer.dispatched.clear()
@@ -1881,6 +1884,7 @@ def rank_sglang_normal(rank: int, world: int, seed: int, mode: str, async_finish
                                               allow_mnnvl=True)), made
     buffer = deepep_buffer._buffer
     assert (buffer.low_latency_mode, buffer.num_nvl_bytes, buffer.num_rdma_bytes) == (False, nvl, 0)
+    assert buffer.backend_name == ("cuda" if dev.type == "cuda" else "reference")
     return outputs
 
 
@@ -2307,6 +2311,15 @@ def test_sglang_deepep_normal(world: int, mode: str, async_finish: bool, deepep_
     config_str = None if deepep_config is None else json.dumps({"normal_dispatch": SGL_DEEPEP_CONFIG,
                                                                "normal_combine": SGL_DEEPEP_CONFIG})
     results = run_ranks(rank_sglang_normal, world, seed, mode, async_finish, config_str, timeout_s=240)
+    check_sglang_normal_outputs(results, world, seed, mode)
+
+
+@gpu
+@pytest.mark.parametrize("world,mode,async_finish", [(2, "fp8", True), (2, "ue8m0", False), (4, "bf16", True)])
+def test_sglang_deepep_normal_cuda(world: int, mode: str, async_finish: bool, seed: int) -> None:
+    """SGLang's normal mode on the cuda backend: processes on one GPU (through CUDA IPC), the Buffer SGLang's
+    size hint makes, against the same oracles as on CPU ranks."""
+    results = run_ranks(rank_sglang_normal, world, seed, mode, async_finish, None, "cuda", timeout_s=300)
     check_sglang_normal_outputs(results, world, seed, mode)
 
 
