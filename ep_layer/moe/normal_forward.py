@@ -40,7 +40,9 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
                       recv_idx: torch.Tensor, recv_weights: torch.Tensor, most_rows: int) -> torch.Tensor:
     """bf16 [N, H]: for each received row, Σ_k recv_weights[i, k] · expert(recv_idx[i, k])(row i) over its
     local experts (ids ≥ 0), in float32, ascending k, rounded once; the rows are added to the layer's
-    expert-load counters. `most_rows`: the most rows any local expert gets (the packed layout's M)."""
+    expert-load counters. `most_rows`: the most rows any local expert gets (the packed layout's M). No host
+    sync: every row is placed and gathered by index arithmetic, slots of other ranks' experts going to a
+    spare row and masked out of the sum."""
     data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
     n, hidden = data.shape
     num_local = layer.num_local_experts
@@ -49,21 +51,26 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
     picks.scatter_(1, torch.where(recv_idx >= 0, recv_idx, num_local), True)
     picks = picks[:, :num_local]
     pos = picks.long().cumsum(dim=0) - 1
-    rows, experts = picks.nonzero(as_tuple=True)
     recv_count = picks.sum(dim=0, dtype=torch.int32)
     layer.expert_load.add_(recv_count)  # the expert-load metrics count both modes' rows
     m = max(most_rows, 1)
-    packed = data.new_zeros(num_local, m, hidden)
-    packed[experts, pos[rows, experts]] = data[rows]
-    inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = packed
-    if scales is not None:
-        packed_scales = scales.new_zeros(num_local, m, hidden // FP8_GROUP)
-        packed_scales[experts, pos[rows, experts]] = scales[rows]
-        inputs = (packed, packed_scales)
-    y = layer.run_experts(inputs, recv_count)
+    local = recv_idx >= 0  # [N, K]
+    expert = recv_idx.clamp(min=0)
+    # Each (row, slot)'s row of the flat layout [E_l * M (+ a spare row), H].
+    slot = torch.where(local, expert * m + pos.gather(1, expert), num_local * m)
+    packed = data.new_zeros(num_local * m + 1, hidden)
+    packed_scales = None if scales is None else scales.new_zeros(num_local * m + 1, hidden // FP8_GROUP)
+    for k in range(recv_idx.shape[1]):  # a token's experts are distinct: only the spare row is written twice
+        packed[slot[:, k]] = data
+        if packed_scales is not None:
+            packed_scales[slot[:, k]] = scales
+    inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = packed[:-1].view(num_local, m, hidden)
+    if packed_scales is not None:
+        inputs = (inputs, packed_scales[:-1].view(num_local, m, hidden // FP8_GROUP))
+    y = layer.run_experts(inputs, recv_count).reshape(num_local * m, hidden)
     acc = torch.zeros(n, hidden, dtype=torch.float32, device=data.device)
     for k in range(recv_idx.shape[1]):
-        local = recv_idx[:, k]
-        i = (local >= 0).nonzero().squeeze(1)
-        acc[i] += recv_weights[i, k, None] * y[local[i], pos[i, local[i]]].float()
+        here = local[:, k, None]
+        term = recv_weights[:, k, None] * y[torch.where(local[:, k], slot[:, k], 0)].float()
+        acc = torch.where(here, acc + term, acc)
     return acc.to(torch.bfloat16)
