@@ -14,7 +14,7 @@ it follows (the commits the research notes read):
   operations.py@1260bf3a1c3f and operations_strategy.py@1e90555b085425 (two-batch overlap).
 
 CPU ranks (tests/dist_harness.py) run the reference backend; the `gpu` variants run the cuda backend, several
-processes on one GPU through CUDA IPC (the low-latency replays and SGLang's normal mode). Every rank
+processes on one GPU through CUDA IPC (the low-latency and the normal-mode replays). Every rank
 draws every rank's inputs from one generator, so the oracles need no communication: routing in plain Python
 (the rows each local expert receives, by source rank then token), the FP8 cast of tests/fp8_oracle.py, experts
 that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in ascending k of w * y,
@@ -324,6 +324,11 @@ def check_normal_dispatch(recv_x: Any, recv_topk_idx: torch.Tensor, recv_topk_we
     aligned = [-(-c // expert_alignment) * expert_alignment for c in per_expert]
     assert num_recv_tokens_per_expert == aligned, \
         f"{where}: num_recv_tokens_per_expert_list {num_recv_tokens_per_expert}, want {aligned} ({n} rows)"
+
+
+def on_cpu(values: tuple) -> tuple:
+    """A call's returned values with its tensors (and tuples of them) copied to the CPU, for the oracles."""
+    return tuple(v.cpu() if isinstance(v, torch.Tensor) else on_cpu(v) if isinstance(v, tuple) else v for v in values)
 
 
 def on_device(tokens: Tokens, device: torch.device | str) -> Tokens:
@@ -1025,7 +1030,8 @@ class VllmHTPrepareFinalize:
         assert expert_topk_ids is not None
         expert_topk_ids = torch.where(expert_topk_ids == -1, num_experts - 1 if self.rank_expert_offset == 0 else 0,
                                       expert_topk_ids + self.rank_expert_offset)
-        expert_num_tokens = torch.tensor(expert_num_tokens_per_expert_list, dtype=torch.int32)  # make_from_list
+        expert_num_tokens = torch.tensor(expert_num_tokens_per_expert_list, dtype=torch.int32,
+                                         device=expert_x.device)  # ExpertTokensMetadata.make_from_list
         return expert_x, expert_x_scale, expert_num_tokens, expert_topk_ids, expert_topk_weights
 
     def finalize_async(self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
@@ -1107,14 +1113,15 @@ def vllm_ht_step(seed: int, world: int, kind: str, step: int, li: int) -> tuple[
     return counts, draw(seed, ("vllm-ht", kind, step, li), counts, VLLM_HT_H, VLLM_E, VLLM_K)
 
 
-def rank_vllm_ht(rank: int, world: int, seed: int, mode: str) -> dict[tuple, np.ndarray]:
+def rank_vllm_ht(rank: int, world: int, seed: int, mode: str, device: str = "cpu") -> dict[tuple, np.ndarray]:
     """vLLM with `--all2all-backend deepep_high_throughput`: the manager's one Buffer for every MoE layer, plain
     steps over the layers, two-micro-batch (DBO) steps, teardown. Each dispatch is checked here; the MoE
     outputs go back to the test, which checks them against the dense oracle."""
     fp8 = mode == "fp8"
     num_local = VLLM_E // world
+    dev = setup_device(rank, device)
     pg = dist.new_group(list(range(world)), backend="gloo")  # parallel_state.py: the EP group's cpu_group
-    factory = CountingFactory(engine_buffer("cpu"))
+    factory = CountingFactory(engine_buffer(device))
     manager = VllmHTManager(pg, factory)
     handles = [manager.get_handle({}) for _ in range(VLLM_HT_LAYERS)]  # all2all_utils: once per MoE layer
     buffer = handles[0]
@@ -1122,15 +1129,16 @@ def rank_vllm_ht(rank: int, world: int, seed: int, mode: str) -> dict[tuple, np.
     assert factory.calls[0] == dict(group=pg, num_nvl_bytes=1 << 30, num_rdma_bytes=0, low_latency_mode=False,
                                     num_qps_per_rank=1, explicitly_destroy=True), factory.calls
     assert (buffer.rank, buffer.group_size, buffer.low_latency_mode) == (rank, world, False)
-    assert (buffer.num_nvl_bytes, buffer.num_rdma_bytes, buffer.backend_name) == (1 << 30, 0, "reference")
+    assert (buffer.num_nvl_bytes, buffer.num_rdma_bytes, buffer.backend_name) == \
+        (1 << 30, 0, "cuda" if dev.type == "cuda" else "reference")
     log: list[tuple] = []
     traced = TracedBuffer(buffer, log, ubatch_of_thread)
     ub = Ubatching()
     pfs = [VllmHTPrepareFinalize(traced, world, world, rank * num_local, ub, fp8) for _ in range(VLLM_HT_LAYERS)]
     assert pfs[0]._get_dispatch_config() is not None and pfs[0]._get_combine_config() is not None
-    expert_map = torch.full((VLLM_E,), -1, dtype=torch.int32)  # FusedMoE's expert_map of this EP rank
-    expert_map[rank * num_local:(rank + 1) * num_local] = torch.arange(num_local, dtype=torch.int32)
-    factors = expert_factors(local_experts(rank, num_local), "cpu")
+    expert_map = torch.full((VLLM_E,), -1, dtype=torch.int32, device=dev)  # FusedMoE's expert_map of this EP rank
+    expert_map[rank * num_local:(rank + 1) * num_local] = torch.arange(num_local, dtype=torch.int32, device=dev)
+    factors = expert_factors(local_experts(rank, num_local), dev)
     outputs: dict[tuple, np.ndarray] = {}
 
     def sent(every: list[Tokens]) -> list[Any]:
@@ -1140,11 +1148,12 @@ def rank_vllm_ht(rank: int, world: int, seed: int, mode: str) -> dict[tuple, np.
         for li in range(VLLM_HT_LAYERS):
             counts, every = vllm_ht_step(seed, world, "plain", step, li)
             log.clear()
-            out, shared = vllm_ht_moe_apply(pfs[li], *as_made(every[rank]), VLLM_E, expert_map, factors)
+            out, shared = vllm_ht_moe_apply(pfs[li], *on_device(as_made(every[rank]), dev), VLLM_E, expert_map,
+                                            factors)
             at = label(seed, rank, mode, f"plain step {step} layer {li} counts {counts}")
             assert log == [(None, "layout", None), (None, "normal dispatch", None), (None, "normal combine", None)], log
-            check_normal_dispatch(*traced.take_dispatched(), sent(every), every, rank, VLLM_E, 1, at)
-            assert torch.equal(shared, (every[rank].x.float() * 0.5).to(torch.bfloat16)), at
+            check_normal_dispatch(*on_cpu(traced.take_dispatched()), sent(every), every, rank, VLLM_E, 1, at)
+            assert torch.equal(shared.cpu(), (every[rank].x.float() * 0.5).to(torch.bfloat16)), at
             outputs[("plain", step, li)] = for_parent(out)
 
     for step in range(2):  # DBO: two micro-batches, split at n // 2 (n = 1 leaves micro-batch 0 empty)
@@ -1156,7 +1165,7 @@ def rank_vllm_ht(rank: int, world: int, seed: int, mode: str) -> dict[tuple, np.
         def ubatch(u: int, layers: list = layers, bounds: list = bounds) -> list[torch.Tensor]:
             outs = []
             for li, (_, every) in enumerate(layers):
-                tokens = as_made(every[rank].rows(*bounds[u]))
+                tokens = on_device(as_made(every[rank].rows(*bounds[u])), dev)
                 outs.append(vllm_ht_moe_apply(pfs[li], *tokens, VLLM_E, expert_map, factors)[0])
             return outs
 
@@ -1167,7 +1176,7 @@ def rank_vllm_ht(rank: int, world: int, seed: int, mode: str) -> dict[tuple, np.
             for u in range(2):
                 sub = [t.rows(*((0, s) if u == 0 else (s, n))) for t, s, n in zip(every, splits, counts)]
                 at = label(seed, rank, mode, f"DBO step {step} ubatch {u} layer {li} counts {counts}")
-                check_normal_dispatch(*traced.take_dispatched(u), sent(sub), sub, rank, VLLM_E, 1, at)
+                check_normal_dispatch(*on_cpu(traced.take_dispatched(u)), sent(sub), sub, rank, VLLM_E, 1, at)
                 outputs[("dbo", step, u, li)] = for_parent(results[u][li])
     assert not traced.dispatched
 
@@ -2302,6 +2311,13 @@ def test_vllm_deepep_high_throughput(world: int, mode: str, seed: int) -> None:
     """`deepep_high_throughput` on the reference backend (pinned on CPU ranks, as for the low-latency replays),
     bf16 and FP8 (x, block scales) dispatch, against the dense oracle."""
     check_vllm_ht_outputs(run_ranks(rank_vllm_ht, world, seed, mode, timeout_s=240), world, seed, mode)
+
+
+@gpu
+@pytest.mark.parametrize("world,mode", [(2, "fp8"), (4, "bf16")])
+def test_vllm_deepep_high_throughput_cuda(world: int, mode: str, seed: int) -> None:
+    """`deepep_high_throughput` on the cuda backend: processes on one GPU (through CUDA IPC), plain and DBO steps."""
+    check_vllm_ht_outputs(run_ranks(rank_vllm_ht, world, seed, mode, "cuda", timeout_s=300), world, seed, mode)
 
 
 @pytest.mark.parametrize("world,mode,async_finish,deepep_config", [
