@@ -5,7 +5,9 @@ and every output of the kernels must equal the reference backend's bit for bit: 
 received with their FP8 scales, local top-k ids and weights, the per-expert counts, the handle, a cached
 dispatch, `num_worst_tokens` outputs, and combines with weights and biases. Several rounds run, so both
 staging halves of the buffer are used and reused. Also: ranks that disagree get a ValueError, a rank that
-never calls is named in an EPTimeoutError, and a bad count surfaces as the reference's ValueError.
+never calls is named in an EPTimeoutError, a bad count is a ValueError naming it, a buffer too small names
+num_nvl_bytes, and ranks emulated in one process (side by side on their streams, in a CUDA graph) equal a
+plain torch oracle of design.md's rules.
 """
 
 from __future__ import annotations
