@@ -430,7 +430,8 @@ class Buffer(NormalMode):
                     backend.combine(x, topk_idx, topk_weights, handle, record.private, combined, wait_stats,
                                     hook=False)()
 
-                _, event = self._on_comm_stream(call, (x, topk_idx, topk_weights))
+                # `out` too: written on the comm stream, it must not go back to the allocator before that write.
+                _, event = self._on_comm_stream(call, (x, topk_idx, topk_weights, out))
                 return out, event, None
             receive = backend.combine(x, topk_idx, topk_weights, handle, record.private, out, wait_stats,
                                       hook=return_recv_hook)
