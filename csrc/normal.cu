@@ -64,11 +64,6 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
   for (int i = lane; i < bytes / 4; i += 32) d[i] = __ldcg(s + i);
 }
 
-__device__ __forceinline__ void warp_zero(void* dst, int bytes, int lane) {
-  auto* d = static_cast<int*>(dst);
-  for (int i = lane; i < bytes / 4; i += 32) d[i] = 0;
-}
-
 // ------------------------------------------------------------------------------------------------ stage
 // Packs this rank's rows (and a dispatch's is_token_in_rank) into its half of this call; block 0 writes
 // the header and the call's sequence number for the kernels after it.
@@ -101,6 +96,7 @@ __global__ void __launch_bounds__(kWarps * 32) stage_kernel(NormalCommon c, Norm
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
   const int warps = gridDim.x * kWarps;
   for (int t = warp; t < call.num_rows; t += warps) {
+    if (call.src_rank != nullptr && call.src_rank[t] < 0) continue;  // a combine's padding row: never read
     unsigned char* row = half + kStageHeaderBytes + t * stride;
     long long at = 0;
     warp_copy(row, static_cast<const unsigned char*>(call.x) + static_cast<long long>(t) * call.x_bytes,
@@ -265,7 +261,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(NormalCommon c, Norm
 
 // ----------------------------------------------------------------------------------------------- gather
 // One warp per output row: the row's columns from its source's half, its top-k ids made local (-1 for
-// experts of other ranks, whose weights become 0); rows of source -1 are zero, ids -1.
+// experts of other ranks, whose weights become 0); rows of source -1 get ids -1 and weights 0.
 __global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, NormalCall call) {
   if (call.meta[0] == 0) return;
   const unsigned seq = current_seq(c);
@@ -279,9 +275,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, Nor
     const int s = call.src_rank[n];
     auto* out_x = static_cast<unsigned char*>(call.out_x) + static_cast<long long>(n) * call.x_bytes;
     auto* out_scales = static_cast<unsigned char*>(call.out_scales) + static_cast<long long>(n) * call.scale_bytes;
-    if (s < 0) {
-      warp_zero(out_x, call.x_bytes, lane);
-      if (call.scale_bytes) warp_zero(out_scales, call.scale_bytes, lane);
+    if (s < 0) {  // past the rows received: their data is unspecified (design.md), only the ids are set
       if (call.has_idx && lane < k) call.out_topk_idx[static_cast<long long>(n) * k + lane] = -1;
       if (call.has_weights && lane < k) call.out_weights[static_cast<long long>(n) * k + lane] = 0.f;
       continue;

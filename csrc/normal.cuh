@@ -91,7 +91,7 @@ struct NormalCall {
   int* rank_prefix;                // [R, R]: written by a dispatch, read by a combine
   const int* expected_prefix;      // cached dispatch: the handle's rank_prefix_matrix
   int* src_idx;                    // [out_rows]: written by a dispatch's scan, read by gather
-  int* src_rank;                   // [out_rows]
+  int* src_rank;                   // [out_rows]; a combine's: the handle's (its padding rows are not staged)
   int out_rows;                    // rows of the outputs (the rows received, or num_worst_tokens)
   void* out_x;                     // [out_rows, x_bytes]
   void* out_scales;                // [out_rows, scale_bytes]

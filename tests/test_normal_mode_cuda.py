@@ -125,12 +125,19 @@ def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank
     plain = cuda.combine(y.cuda(), got[4])  # no weights, no bias
     _same(plain[:2], ref.combine(y, want[4])[:2], f"{tag} rank {rank} combine without weights")
 
-    # Outputs sized in advance: no host wait.
-    worst = world * 300
+    # Outputs sized in advance: no host wait. The rows past those received have unspecified data.
+    worst, received = world * 300, want[1].shape[0]
     want_worst = ref.dispatch(x, num_worst_tokens=worst, **kwargs)
     got_worst = cuda.dispatch(_on_gpu(x), num_worst_tokens=worst, **{n: _on_gpu(v) for n, v in kwargs.items()})
     cuda.check()
-    for i in range(4):
+    got_x, want_x = (got_worst[0], want_worst[0]) if fp8 is None else (got_worst[0][0], want_worst[0][0])
+    assert got_x.shape[0] == worst, f"{tag} rank {rank}: {got_x.shape[0]} rows"
+    if fp8 is None:
+        _same(got_x[:received], want_x[:received], f"{tag} rank {rank} worst recv_x")
+    else:
+        _same(tuple(t[:received] for t in got_worst[0]), tuple(t[:received] for t in want_worst[0]),
+              f"{tag} rank {rank} worst recv_x")
+    for i in range(1, 4):
         _same(got_worst[i], want_worst[i], f"{tag} rank {rank} worst[{i}]")
     _same(tuple(got_worst[4])[:4], tuple(want_worst[4])[:4], f"{tag} rank {rank} worst handle")
 

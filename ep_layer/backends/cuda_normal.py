@@ -210,7 +210,7 @@ class CudaNormalMode:
         prefix = _aligned(handle.rank_prefix_matrix)
         pointers = tuple(_NO_POINTERS._replace(
             x=x.data_ptr(), topk_weights=_ptr(weights), in_rank=in_rank.data_ptr(), meta=meta.data_ptr(),
-            rank_prefix=prefix.data_ptr(), send_pos=send_pos.data_ptr(),
+            rank_prefix=prefix.data_ptr(), send_pos=send_pos.data_ptr(), src_rank=handle.recv_src_rank.data_ptr(),
             out=out.data_ptr(), bias0=_ptr(biases[0]), bias1=_ptr(biases[1]),
             combined_weights=_ptr(combined_weights)))
         c.normal_stage(self._common, shape, pointers, num_sms, stream)
