@@ -27,7 +27,7 @@ from bench_ll import copy_bandwidth, print_table, time_graph
 
 from ep_layer import Buffer
 from ep_layer.emulation import RankStreams, emulated_buffers
-from ep_layer.layout import NORMAL_CONTROL_BYTES, row_stride, stage_bytes
+from ep_layer.layout import normal_buffer_bytes, row_stride, stage_bytes
 
 HEADER = ("EP", "T", "fmt", "sms", "disp_us", "comb_us", "floor_us", "disp/floor", "comb/floor", "recv_GB/s",
           "nvl_MiB", "sync_us", "ref_disp_us", "ref_comb_us")
@@ -86,7 +86,7 @@ def nvl_bytes(tokens: int, hidden: int, topk: int, ep: int) -> int:
     dispatch's and a combine's halves), among `ep` ranks."""
     half = max(stage_bytes(tokens, row_stride(2 * hidden, 0, 8 * topk, 4 * topk), ep, True),
                stage_bytes(ep * tokens, row_stride(2 * hidden, 0, 0, 4 * topk), ep, False))
-    return NORMAL_CONTROL_BYTES + 2 * (half + 128)
+    return normal_buffer_bytes(half)
 
 
 def reference_times(tokens: int, hidden: int, experts: int, topk: int) -> tuple[float, float]:

@@ -5,7 +5,7 @@ build one per call (vLLM) or from `--deepep-config` (SGLang)."""
 from __future__ import annotations
 
 from .checks import check_positive_int, expect
-from .layout import MAX_RANKS, MAX_TOPK, NORMAL_CONTROL_BYTES, row_stride, stage_bytes
+from .layout import MAX_RANKS, MAX_TOPK, normal_buffer_bytes, row_stride, stage_bytes
 from .quant import FP8_GROUP
 
 
@@ -40,8 +40,7 @@ class Config:
         check_positive_int(hidden_bytes, "hidden_bytes")
         num_ranks = min(check_positive_int(num_ranks, "num_ranks"), MAX_RANKS)  # the NVLink peers of one node
         row = row_stride(hidden_bytes, hidden_bytes // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)
-        half = stage_bytes(self.tokens_per_call, row, num_ranks, True)
-        return _align(NORMAL_CONTROL_BYTES + 2 * _align(half, 128), 128)
+        return normal_buffer_bytes(stage_bytes(self.tokens_per_call, row, num_ranks, True))
 
     @property
     def tokens_per_call(self) -> int:
@@ -62,7 +61,3 @@ class Config:
         fields = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                   "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
         return "Config(" + ", ".join(f"{f}={getattr(self, f)}" for f in fields) + ")"
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to

@@ -18,7 +18,7 @@ from . import native
 from .backends.cuda import CudaBackend
 from .buffer import DEFAULT_TIMEOUT_S, Buffer
 from .checks import expect
-from .layout import CONTROL_BYTES
+from .layout import allocated_low_latency_bytes
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ def emulated_buffers(num_ranks: int, num_rdma_bytes: int, timeout_s: float = DEF
     dispatches must not wait for the host (`num_worst_tokens`, or a handle)."""
     expect(1 <= gpu_share <= num_ranks, "gpu_share", f"in [1, {num_ranks}]", gpu_share)
     c = native.load()
-    ll_bytes = num_rdma_bytes or CONTROL_BYTES
+    ll_bytes = allocated_low_latency_bytes(num_rdma_bytes)
     bases = [c.alloc_buffer(ll_bytes) for _ in range(num_ranks)]
     nvl_bases = [c.alloc_buffer(num_nvl_bytes) for _ in range(num_ranks)] if num_nvl_bytes else None
     return [Buffer.from_backend(CudaBackend(None, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink,

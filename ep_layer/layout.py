@@ -36,8 +36,8 @@ STAGE_HEADER_BYTES = 8192
 ALIGN = 128
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _align(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
 
 
 def dispatch_slot_bytes(hidden: int) -> int:
@@ -88,6 +88,12 @@ def zero_copy_bytes(max_tokens: int, hidden: int, num_experts: int) -> int:
     return num_experts * max_tokens * 2 * hidden
 
 
+def allocated_low_latency_bytes(num_rdma_bytes: int) -> int:
+    """What the cuda backend allocates for a low-latency buffer of `num_rdma_bytes`: that, or for a
+    normal-mode-only Buffer (0) just the control block its error record and counters live in."""
+    return num_rdma_bytes or CONTROL_BYTES
+
+
 def low_latency_buffer_bytes(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
     """Bytes one rank's buffer needs."""
     return (zero_copy_offset(max_tokens, hidden, num_ranks)
@@ -95,13 +101,9 @@ def low_latency_buffer_bytes(max_tokens: int, hidden: int, num_ranks: int, num_e
 
 
 # ---------------------------------------------------------------- normal mode (csrc/normal.cuh)
-def _align_to(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
 def row_stride(x_bytes: int, scale_bytes: int, idx_bytes: int, weight_bytes: int) -> int:
     """Bytes of one staged row: its columns at 16-byte aligned offsets (csrc/normal.cuh: row_stride)."""
-    return sum(_align_to(b, 16) for b in (x_bytes, scale_bytes, idx_bytes, weight_bytes))
+    return sum(_align(b, 16) for b in (x_bytes, scale_bytes, idx_bytes, weight_bytes))
 
 
 def stage_bytes(rows: int, stride: int, num_ranks: int, with_in_rank: bool) -> int:
@@ -110,3 +112,13 @@ def stage_bytes(rows: int, stride: int, num_ranks: int, with_in_rank: bool) -> i
     if not with_in_rank:
         return STAGE_HEADER_BYTES + rows * stride
     return _align(STAGE_HEADER_BYTES + rows * stride) + rows * num_ranks
+
+
+def normal_buffer_bytes(half_bytes: int) -> int:
+    """Bytes of a normal-mode buffer whose staging halves hold `half_bytes` each."""
+    return NORMAL_CONTROL_BYTES + 2 * _align(half_bytes)
+
+
+def normal_half_bytes(num_nvl_bytes: int) -> int:
+    """Bytes of each staging half of a normal-mode buffer of `num_nvl_bytes` (normal_buffer_bytes' inverse)."""
+    return (num_nvl_bytes - NORMAL_CONTROL_BYTES) // 2 // ALIGN * ALIGN

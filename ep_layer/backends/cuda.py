@@ -235,7 +235,7 @@ class CudaBackend(Backend):
         # GPU keeps all of it.
         self._gpu_share = gpu_share
         if peer_bases is None:
-            ll_bytes = num_rdma_bytes or layout.CONTROL_BYTES
+            ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
             peer_bases = self._exchange_handles(self._c.alloc_buffer(ll_bytes), ll_bytes, "num_rdma_bytes")
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
         self._peer_bases = list(peer_bases)

@@ -19,17 +19,13 @@ from ..checks import check_topk_values, expect
 from ..dispatch_layout import dispatch_layout
 from ..errors import EPTimeoutError
 from ..kernel_args import NormalPointers
-from ..layout import NORMAL_CONTROL_BYTES, STAGE_HEADER_BYTES, row_stride, stage_bytes
+from ..layout import STAGE_HEADER_BYTES, normal_buffer_bytes, normal_half_bytes, row_stride, stage_bytes
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult, NormalHandle
 
 _DISPATCH, _CACHED_DISPATCH, _COMBINE = 0, 1, 2  # NormalOp
 _ERROR_OPS = {2: "dispatch", 3: "combine"}
 _TIMEOUT, _MISMATCH, _BAD_HANDLE, _TOO_MANY_ROWS = 1, 2, 4, 5
 _NO_POINTERS = NormalPointers(*[0] * len(NormalPointers._fields))
-
-
-def _align(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -52,9 +48,9 @@ class CudaNormalMode:
         self._c, self.rank, self.num_ranks, self.timeout_s = c, rank, num_ranks, timeout_s
         self._emulated, self._max_sms = emulated, max_sms
         self._base, self._num_bytes, self._device = bases[rank], num_bytes, device
-        self._half = (num_bytes - NORMAL_CONTROL_BYTES) // 2 // 128 * 128
+        self._half = normal_half_bytes(num_bytes)
         expect(self._half > STAGE_HEADER_BYTES, "num_nvl_bytes", f"more than "
-               f"{NORMAL_CONTROL_BYTES + 2 * STAGE_HEADER_BYTES} bytes (Config.get_nvl_buffer_size_hint)", num_bytes)
+               f"{normal_buffer_bytes(STAGE_HEADER_BYTES)} bytes (Config.get_nvl_buffer_size_hint)", num_bytes)
         c.normal_load_kernels()  # before any rank's exchange kernel can wait on the device
         self._host_flag, device_flag = c.alloc_host_flag()
         with torch.inference_mode(False):
@@ -68,7 +64,7 @@ class CudaNormalMode:
 
     def _check_capacity(self, op: str, rows: int, stride: int, with_in_rank: bool) -> None:
         need = stage_bytes(rows, stride, self.num_ranks, with_in_rank)
-        expect(need <= self._half, "num_nvl_bytes", f"at least {NORMAL_CONTROL_BYTES + 2 * _align(need, 128)} "
+        expect(need <= self._half, "num_nvl_bytes", f"at least {normal_buffer_bytes(need)} "
                f"for a {op} of {rows} rows of {stride} bytes (two halves of {need} bytes)", self._num_bytes)
 
     # ------------------------------------------------------------------ errors
