@@ -31,6 +31,7 @@ from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace
 from .cuda_normal import CudaNormalMode
+from .device_errors import take_recorded_error
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
 
 MAX_HIDDEN = 16384
@@ -294,12 +295,10 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------ errors
     def _raise_recorded(self) -> None:
         """Raise what a kernel recorded; the host-mapped flag makes the no-error case free."""
-        if not self._c.read_host_flag(self._host_flag):
+        record = take_recorded_error(self._c, self._base, self._host_flag)
+        if record is None:
             return
-        torch.cuda.current_stream().synchronize()
-        code, op, mask, detail = self._c.read_error(self._base)
-        self._c.clear_error(self._base)
-        self._c.clear_host_flag(self._host_flag)
+        code, op, mask, detail = record
         what = _OPS[op]
         if code == _TIMEOUT:
             raise EPTimeoutError(what, _ranks(mask), self.timeout_s, self.rank)

@@ -20,6 +20,7 @@ from ..dispatch_layout import dispatch_layout
 from ..errors import EPTimeoutError
 from ..kernel_args import NormalPointers
 from ..layout import STAGE_HEADER_BYTES, normal_buffer_bytes, normal_half_bytes, row_stride, stage_bytes
+from .device_errors import take_recorded_error
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult, NormalHandle
 
 _DISPATCH, _CACHED_DISPATCH, _COMBINE = 0, 1, 2  # NormalOp
@@ -70,13 +71,10 @@ class CudaNormalMode:
     # ------------------------------------------------------------------ errors
     def raise_recorded(self) -> None:
         """Raise what a kernel recorded; the host-mapped flag makes the no-error case free."""
-        c = self._c
-        if not c.read_host_flag(self._host_flag):
+        record = take_recorded_error(self._c, self._base, self._host_flag)
+        if record is None:
             return
-        torch.cuda.current_stream().synchronize()
-        code, op, mask, detail = c.read_error(self._base)
-        c.clear_error(self._base)
-        c.clear_host_flag(self._host_flag)
+        code, op, mask, detail = record
         what = _ERROR_OPS.get(op, "normal mode")
         ranks = [r for r in range(self.num_ranks) if mask >> r & 1]
         if code == _TIMEOUT:
