@@ -180,12 +180,16 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 __device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
 
 // Called by one thread of every block of a launch that starts a call: this call's sequence number
-// (one past the last call's; its parity picks the buffer half). See kLaunchShift.
-__device__ __forceinline__ unsigned take_ticket(const Common& c, Op op) {
-  auto* ctrl = reinterpret_cast<Control*>(c.local_base);
+// (one past the last call's; its parity picks the buffer half), from the launch counter `launches`.
+// See kLaunchShift.
+__device__ __forceinline__ unsigned take_ticket(unsigned long long* launches) {
   const unsigned long long blocks = gridDim.x * gridDim.y;
   const unsigned long long add = first_block() ? (1ull << kLaunchShift) - (blocks - 1) : 1ull;
-  return static_cast<unsigned>(atomicAdd(&ctrl->launches[op], add) >> kLaunchShift) + 1u;
+  return static_cast<unsigned>(atomicAdd(launches, add) >> kLaunchShift) + 1u;
+}
+
+__device__ __forceinline__ unsigned take_ticket(const Common& c, Op op) {
+  return take_ticket(&reinterpret_cast<Control*>(c.local_base)->launches[op]);
 }
 
 // Bucket bounds of the latency histogram (ascending ns), set by set_latency_bounds. Internal linkage:
@@ -275,16 +279,21 @@ __device__ __forceinline__ void finish_recv(const Common& c, Op op, unsigned seq
   if (threadIdx.x == 0) red_max(&timing_record(c, op, seq).recv_end, globaltimer());
 }
 
+// Records the first failure in `error` (later ones add their ranks) and raises the host-mapped flag.
+__device__ __forceinline__ void record_error(ErrorRecord& error, volatile int* host_error, int op, int code,
+                                             unsigned ranks, int detail = 0) {
+  if (atomicCAS(&error.code, 0, code) == 0) {
+    error.op = op;
+    error.detail = detail;
+  }
+  atomicOr(&error.ranks, ranks);
+  __threadfence_system();
+  *host_error = 1;
+}
+
 __device__ __forceinline__ void record_error(const Common& c, Op op, ErrorCode code, unsigned ranks,
                                              int detail = 0) {
-  auto* ctrl = reinterpret_cast<Control*>(c.local_base);
-  if (atomicCAS(&ctrl->error.code, 0, static_cast<int>(code)) == 0) {
-    ctrl->error.op = op;
-    ctrl->error.detail = detail;
-  }
-  atomicOr(&ctrl->error.ranks, ranks);
-  __threadfence_system();
-  *c.host_error = 1;
+  record_error(reinterpret_cast<Control*>(c.local_base)->error, c.host_error, op, code, ranks, detail);
 }
 
 // Rank masking: whether this rank has masked `rank` (never itself). Read on every use: another block

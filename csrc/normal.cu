@@ -20,14 +20,7 @@ __device__ __forceinline__ int error_op(const NormalCall& call) {
 }
 
 __device__ void record_normal_error(const NormalCommon& c, int op, int code, unsigned ranks, int detail = 0) {
-  auto* ctrl = reinterpret_cast<NormalControl*>(c.local_base);
-  if (atomicCAS(&ctrl->error.code, 0, code) == 0) {
-    ctrl->error.op = op;
-    ctrl->error.detail = detail;
-  }
-  atomicOr(&ctrl->error.ranks, ranks);
-  __threadfence_system();
-  *c.host_error = 1;
+  record_error(reinterpret_cast<NormalControl*>(c.local_base)->error, c.host_error, op, code, ranks, detail);
 }
 
 // Polls rank src's ready flag in this rank's control block until it reaches `seq`; false after the timeout.
@@ -37,15 +30,6 @@ __device__ bool wait_ready(const NormalCommon& c, const unsigned long long* flag
   while (static_cast<unsigned>(ld_acquire(c, flag)) != seq)
     if (globaltimer() - start > c.timeout_ns) return false;
   return true;
-}
-
-// Called by one thread of every block of a stage launch: each gets the same sequence number without
-// waiting for another block (take_ticket).
-__device__ __forceinline__ unsigned take_normal_ticket(const NormalCommon& c) {
-  auto* ctrl = reinterpret_cast<NormalControl*>(c.local_base);
-  const unsigned long long blocks = gridDim.x;
-  const unsigned long long add = blockIdx.x == 0 ? (1ull << kLaunchShift) - (blocks - 1) : 1ull;
-  return static_cast<unsigned>(atomicAdd(&ctrl->launches[0], add) >> kLaunchShift) + 1u;
 }
 
 __device__ __forceinline__ unsigned current_seq(const NormalCommon& c) {
@@ -69,7 +53,7 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
 // the header and the call's sequence number for the kernels after it.
 __global__ void __launch_bounds__(kWarps * 32) stage_kernel(NormalCommon c, NormalCall call) {
   __shared__ unsigned ticket;
-  if (threadIdx.x == 0) ticket = take_normal_ticket(c);
+  if (threadIdx.x == 0) ticket = take_ticket(&reinterpret_cast<NormalControl*>(c.local_base)->launches[0]);
   __syncthreads();
   const unsigned seq = ticket;
   unsigned char* half = half_of(c, reinterpret_cast<long long>(c.local_base), seq);
