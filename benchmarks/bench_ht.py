@@ -6,7 +6,8 @@ stream of its own, side by side, each rank taking its share of the SMs (at most 
 by default): a time covers the work of all ranks together. Each rank has T tokens (H = 7168, top-8 of
 E = 256 experts; bf16 rows, or e4m3 rows with float32 scales per 128 values).
 - `disp_us`: a dispatch sized by `num_worst_tokens` (no host wait), median of CUDA-graph replays;
-- `comb_us`: a combine of the received rows, median of CUDA-graph replays;
+- `comb_us`: a combine of the received rows, median of CUDA-graph replays; `zc_us`: the same combine of
+  rows already written where it stages them (Buffer.get_next_combine_buffer, as FusedMoE writes them);
 - `floor_us`: one copy of the rows all ranks receive (read + written) at the copy rate measured in this
   run; `recv_GB/s`: those bytes over the dispatch time, as DeepEP counts its bandwidth;
 - `sync_us` (EP = 1): the usual dispatch, which waits for the host to count its rows (eager wall time);
@@ -29,8 +30,8 @@ from ep_layer import Buffer
 from ep_layer.emulation import RankStreams, emulated_buffers
 from ep_layer.layout import normal_buffer_bytes, row_stride, stage_bytes
 
-HEADER = ("EP", "T", "fmt", "sms", "disp_us", "comb_us", "floor_us", "disp/floor", "comb/floor", "recv_GB/s",
-          "nvl_MiB", "sync_us", "ref_disp_us", "ref_comb_us")
+HEADER = ("EP", "T", "fmt", "sms", "disp_us", "comb_us", "zc_us", "floor_us", "disp/floor", "comb/floor", "zc/floor",
+          "recv_GB/s", "nvl_MiB", "sync_us", "ref_disp_us", "ref_comb_us")
 
 
 def _sms() -> int:
@@ -70,6 +71,7 @@ class Rank:
         self.handle, self.recv_weights = recv[4], recv[2]
         rows = recv[0] if isinstance(recv[0], torch.Tensor) else recv[0][0]
         self.y = torch.randn(rows.shape, device="cuda").to(torch.bfloat16)
+        self.buf.get_next_combine_buffer(self.handle, rows.shape[1]).copy_(self.y)  # what combine_in_place reads
 
     def dispatch_sized(self) -> None:
         self.buf.dispatch(self.x, num_worst_tokens=self.worst, **self.kwargs)
@@ -80,12 +82,16 @@ class Rank:
     def combine(self) -> None:
         self.buf.combine(self.y, self.handle, topk_weights=self.recv_weights)
 
+    def combine_in_place(self) -> None:
+        rows = self.buf.get_next_combine_buffer(self.handle, self.y.shape[1])
+        self.buf.combine(rows, self.handle, topk_weights=self.recv_weights)
+
 
 def nvl_bytes(tokens: int, hidden: int, topk: int, ep: int) -> int:
     """A normal-mode buffer that stages `tokens` bf16 rows with their top-k ids and weights (the larger of a
     dispatch's and a combine's halves), among `ep` ranks."""
-    half = max(stage_bytes(tokens, row_stride(2 * hidden, 0, 8 * topk, 4 * topk), ep, True),
-               stage_bytes(ep * tokens, row_stride(2 * hidden, 0, 0, 4 * topk), ep, False))
+    half = max(stage_bytes(tokens, row_stride(2 * hidden, 0, 8 * topk, 4 * topk), ep),
+               stage_bytes(ep * tokens, 2 * hidden, 4 * topk))
     return normal_buffer_bytes(half)
 
 
@@ -114,7 +120,8 @@ def measure(ep: int, tokens: int, args: argparse.Namespace, fp8: bool, sms: int,
 
     each("first_dispatch")()
     torch.cuda.synchronize()
-    disp, comb = time_graph(each("dispatch_sized")), time_graph(each("combine"))
+    disp, in_place = time_graph(each("dispatch_sized")), time_graph(each("combine_in_place"))
+    comb = time_graph(each("combine"))
     received = sum(r.sent for r in ranks)
     row = h if fp8 else 2 * h
     floor = 2 * received * row / rate * 1e6
@@ -123,8 +130,9 @@ def measure(ep: int, tokens: int, args: argparse.Namespace, fp8: bool, sms: int,
     for b in bufs:
         b.check()
         b.destroy()
-    return (ep, tokens, "fp8" if fp8 else "bf16", min(sms, _sms() // ep), disp, comb, floor, disp / floor,
-            comb / floor * (row / (2 * h)), received * row / disp / 1e3, size / 2**20, sync, *refs)
+    bf16_floor = floor * (2 * h) / row
+    return (ep, tokens, "fp8" if fp8 else "bf16", min(sms, _sms() // ep), disp, comb, in_place, floor, disp / floor,
+            comb / bf16_floor, in_place / bf16_floor, received * row / disp / 1e3, size / 2**20, sync, *refs)
 
 
 def main() -> None:
@@ -149,7 +157,8 @@ def main() -> None:
                     print(" ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in rows[-1]), flush=True)
     print()
     print_table(HEADER, rows)
-    print("comb/floor: against the bf16 rows' floor (a combine sends bf16 rows back whatever the dispatch sent)")
+    print("comb/floor, zc/floor: against the bf16 rows' floor (a combine sends bf16 rows back whatever the dispatch "
+          "sent)")
 
 
 if __name__ == "__main__":

@@ -270,6 +270,7 @@ struct NormalShape {
   int op, num_rows, x_bytes, scale_bytes, num_topk;
   bool has_idx, has_weights;
   int num_experts, out_rows, num_tokens;
+  bool rows_in_place;
 };
 
 enum NormalPointer {
@@ -295,6 +296,7 @@ ep::NormalCall normal_call(const NormalShape& s, const NormalPointers& p) {
   call.num_experts = s.num_experts;
   call.out_rows = s.out_rows;
   call.num_tokens = s.num_tokens;
+  call.rows_in_place = s.rows_in_place;
   call.x = ptr<const void>(p[kNX]);
   call.scales = ptr<const void>(p[kNScales]);
   call.topk_idx = ptr<const long long>(p[kNTopkIdx]);
@@ -332,7 +334,8 @@ void bind_normal(py::module_& m) {
               field("x_bytes", &NormalShape::x_bytes), field("scale_bytes", &NormalShape::scale_bytes),
               field("num_topk", &NormalShape::num_topk), field("has_idx", &NormalShape::has_idx),
               field("has_weights", &NormalShape::has_weights), field("num_experts", &NormalShape::num_experts),
-              field("out_rows", &NormalShape::out_rows), field("num_tokens", &NormalShape::num_tokens));
+              field("out_rows", &NormalShape::out_rows), field("num_tokens", &NormalShape::num_tokens),
+              field("rows_in_place", &NormalShape::rows_in_place));
   m.attr("NORMAL_POINTERS") = names(kNormalPointerNames);
   using NC = const ep::NormalCommon&;
   using NS = const NormalShape&;
@@ -340,6 +343,10 @@ void bind_normal(py::module_& m) {
   m.def("normal_stage", [](NC c, NS s, NP p, int num_sms, long long stream) {
     ep::normal_stage(c, normal_call(s, p), num_sms, ptr<CUstream_st>(stream));
     ep::check_launch("normal-mode stage kernel");
+  });
+  m.def("normal_wait_combine_half", [](NC c, long long stream) {
+    ep::normal_wait_combine_half(c, ptr<CUstream_st>(stream));
+    ep::check_launch("normal-mode wait kernel");
   });
   m.def("normal_exchange", [](NC c, NS s, NP p, long long stream) {
     ep::normal_exchange(c, normal_call(s, p), ptr<CUstream_st>(stream));

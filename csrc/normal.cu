@@ -11,8 +11,11 @@ __device__ __forceinline__ NormalControl* control_of(long long base) {
   return reinterpret_cast<NormalControl*>(base);
 }
 
-__device__ __forceinline__ unsigned char* half_of(const NormalCommon& c, long long base, unsigned seq) {
-  return reinterpret_cast<unsigned char*>(base) + kNormalControlBytes + (seq & 1u) * c.half_bytes;
+// Dispatches stage in half 0, combines in half 1 (normal.cuh).
+__device__ __forceinline__ int half_index(int op) { return op == kNormalCombine ? 1 : 0; }
+
+__device__ __forceinline__ unsigned char* half_of(const NormalCommon& c, long long base, int op) {
+  return reinterpret_cast<unsigned char*>(base) + kNormalControlBytes + half_index(op) * c.half_bytes;
 }
 
 __device__ __forceinline__ int error_op(const NormalCall& call) {
@@ -36,6 +39,45 @@ __device__ __forceinline__ unsigned current_seq(const NormalCommon& c) {
   return *reinterpret_cast<volatile unsigned*>(c.ticket);
 }
 
+// Threads r < R of the block wait until rank r has released this rank's half h from the last call staged
+// there; a rank that does not within the timeout is recorded as late (op's error) and no longer waited for.
+__device__ void wait_released(const NormalCommon& c, int h, int op) {
+  NormalControl* ctl = control_of(reinterpret_cast<long long>(c.local_base));
+  const unsigned last = static_cast<unsigned>(*reinterpret_cast<volatile unsigned long long*>(&ctl->half_seq[h]));
+  if (threadIdx.x < c.num_ranks) {
+    const unsigned long long* flag = &ctl->released[h][threadIdx.x];
+    const auto released = [&] { return static_cast<int>(static_cast<unsigned>(ld_acquire(c, flag)) - last) >= 0; };
+    if (!released()) {
+      const unsigned long long start = globaltimer();
+      while (!released()) {
+        if (globaltimer() - start > c.timeout_ns) {
+          record_normal_error(c, op, kTimeout, 1u << threadIdx.x);
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Every thread of a reading kernel's block, at its end: the grid's last block tells every peer that this
+// rank's reads of its half h for call seq are done.
+__device__ void release_reads(const NormalCommon& c, int h, unsigned seq) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    NormalControl* ctl = control_of(reinterpret_cast<long long>(c.local_base));
+    last = atomicAdd(&ctl->finished[h], 1u) == gridDim.x - 1;
+    if (last) ctl->finished[h] = 0;
+  }
+  __syncthreads();
+  if (last && threadIdx.x < c.num_ranks) {
+    if (c.system_scope) __threadfence_system();
+    st_release(c, &control_of(c.peer_bases[threadIdx.x])->released[h][c.rank], static_cast<unsigned long long>(seq));
+  }
+}
+
 // Copies `bytes` (a multiple of 4) from src to dst with the lanes of one warp: 16-byte vectors where both
 // are 16-byte aligned, else 4-byte words.
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes, int lane) {
@@ -49,43 +91,55 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, int bytes,
 }
 
 // ------------------------------------------------------------------------------------------------ stage
-// Packs this rank's rows (and a dispatch's is_token_in_rank) into its half of this call; block 0 writes
-// the header and the call's sequence number for the kernels after it.
+// Packs this rank's rows into its half for this call, once every reader has released the half: a
+// dispatch's rows (all columns) and is_token_in_rank, or a combine's bf16 rows (unless they are in place)
+// and top-k weights; block 0 writes the header and the call's sequence number for the kernels after it.
 __global__ void __launch_bounds__(kWarps * 32) stage_kernel(NormalCommon c, NormalCall call) {
   __shared__ unsigned ticket;
   if (threadIdx.x == 0) ticket = take_ticket(&reinterpret_cast<NormalControl*>(c.local_base)->launches[0]);
-  __syncthreads();
+  const int h = half_index(call.op);
+  wait_released(c, h, error_op(call));
   const unsigned seq = ticket;
-  unsigned char* half = half_of(c, reinterpret_cast<long long>(c.local_base), seq);
+  unsigned char* half = half_of(c, reinterpret_cast<long long>(c.local_base), call.op);
+  const bool combine = call.op == kNormalCombine;
   const int idx_bytes = call.has_idx ? 8 * call.num_topk : 0;
   const int weight_bytes = call.has_weights ? 4 * call.num_topk : 0;
-  const long long stride = row_stride(call.x_bytes, call.scale_bytes, idx_bytes, weight_bytes);
+  const long long stride = combine ? row_stride(call.x_bytes, 0, 0, 0)
+                                   : row_stride(call.x_bytes, call.scale_bytes, idx_bytes, weight_bytes);
   const int lane = threadIdx.x % 32;
   if (blockIdx.x == 0) {
-    auto* h = reinterpret_cast<StageHeader*>(half);
+    auto* hd = reinterpret_cast<StageHeader*>(half);
     if (threadIdx.x == 0) {
       *c.ticket = seq;
-      h->op = call.op;
-      h->x_bytes = call.x_bytes;
-      h->scale_bytes = call.scale_bytes;
-      h->idx_bytes = idx_bytes;
-      h->weight_bytes = weight_bytes;
-      h->num_experts = call.num_experts;
-      h->num_rows = call.num_rows;
+      hd->op = call.op;
+      hd->x_bytes = call.x_bytes;
+      hd->scale_bytes = call.scale_bytes;
+      hd->idx_bytes = idx_bytes;
+      hd->weight_bytes = weight_bytes;
+      hd->num_experts = call.num_experts;
+      hd->num_rows = call.num_rows;
+      hd->seq = seq;
     }
-    if (call.rows_to_rank != nullptr && threadIdx.x < c.num_ranks) h->rows_to_rank[threadIdx.x] = call.rows_to_rank[threadIdx.x];
+    if (call.rows_to_rank != nullptr && threadIdx.x < c.num_ranks) hd->rows_to_rank[threadIdx.x] = call.rows_to_rank[threadIdx.x];
     if (call.tokens_per_expert != nullptr)
-      for (int e = threadIdx.x; e < call.num_experts; e += blockDim.x) h->tokens_per_expert[e] = call.tokens_per_expert[e];
+      for (int e = threadIdx.x; e < call.num_experts; e += blockDim.x) hd->tokens_per_expert[e] = call.tokens_per_expert[e];
   }
+  unsigned char* after = half + after_rows(call.num_rows, stride);  // is_token_in_rank, or a combine's weights
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
   const int warps = gridDim.x * kWarps;
   for (int t = warp; t < call.num_rows; t += warps) {
     if (call.src_rank != nullptr && call.src_rank[t] < 0) continue;  // a combine's padding row: never read
     unsigned char* row = half + kStageHeaderBytes + t * stride;
-    long long at = 0;
-    warp_copy(row, static_cast<const unsigned char*>(call.x) + static_cast<long long>(t) * call.x_bytes,
-              call.x_bytes, lane);
-    at += align_up(call.x_bytes, 16);
+    if (!call.rows_in_place)
+      warp_copy(row, static_cast<const unsigned char*>(call.x) + static_cast<long long>(t) * call.x_bytes,
+                call.x_bytes, lane);
+    if (combine) {
+      if (weight_bytes)
+        warp_copy(after + static_cast<long long>(t) * weight_bytes, call.topk_weights + static_cast<long long>(t) * call.num_topk,
+                  weight_bytes, lane);
+      continue;
+    }
+    long long at = align_up(call.x_bytes, 16);
     if (call.scale_bytes) {
       warp_copy(row + at, static_cast<const unsigned char*>(call.scales) + static_cast<long long>(t) * call.scale_bytes,
                 call.scale_bytes, lane);
@@ -97,13 +151,15 @@ __global__ void __launch_bounds__(kWarps * 32) stage_kernel(NormalCommon c, Norm
     }
     if (weight_bytes) warp_copy(row + at, call.topk_weights + static_cast<long long>(t) * call.num_topk, weight_bytes, lane);
   }
-  if (call.op != kNormalCombine) {  // is_token_in_rank, for the receivers' scans
-    unsigned char* in_rank = half + in_rank_offset(call.num_rows, stride);
+  if (!combine) {  // is_token_in_rank, for the receivers' scans
     const auto* src = reinterpret_cast<const unsigned char*>(call.in_rank);
     const long long n = static_cast<long long>(call.num_rows) * c.num_ranks;
-    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) in_rank[i] = src[i];
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) after[i] = src[i];
   }
 }
+
+// A caller's wait before it writes a combine's rows into half 1 itself (normal_wait_combine_half).
+__global__ void wait_combine_half_kernel(NormalCommon c) { wait_released(c, 1, kNormalCombineErrorOp); }
 
 // --------------------------------------------------------------------------------------------- exchange
 // One warp: lane r tells rank r that this rank's half is staged, then waits for rank r's; the lanes check
@@ -117,7 +173,8 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
   __shared__ int rows_to[kMaxRanks][kMaxRanks];  // [source][destination]
   if (lane == 0) missing = differing = 0;
   __syncwarp();
-  const auto* mine = reinterpret_cast<const StageHeader*>(half_of(c, reinterpret_cast<long long>(c.local_base), seq));
+  const auto* mine = reinterpret_cast<const StageHeader*>(half_of(c, reinterpret_cast<long long>(c.local_base), call.op));
+  if (lane == 0) control_of(reinterpret_cast<long long>(c.local_base))->half_seq[half_index(call.op)] = seq;
   if (lane < r) {
     if (c.system_scope) __threadfence_system();  // the stage kernel's rows before the flag, for peers on other GPUs
     st_release(c, &control_of(c.peer_bases[lane])->ready[seq & 1u][me], static_cast<unsigned long long>(seq));
@@ -125,8 +182,8 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
     if (!wait_ready(c, flag, seq)) {
       atomicOr(&missing, 1u << lane);
     } else {
-      const auto* peer = reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[lane], seq));
-      const bool same = __ldcg(&peer->op) == mine->op && __ldcg(&peer->x_bytes) == mine->x_bytes &&
+      const auto* peer = reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[lane], call.op));
+      const bool same = __ldcg(&peer->seq) == seq && __ldcg(&peer->op) == mine->op && __ldcg(&peer->x_bytes) == mine->x_bytes &&
                         __ldcg(&peer->scale_bytes) == mine->scale_bytes && __ldcg(&peer->idx_bytes) == mine->idx_bytes &&
                         __ldcg(&peer->weight_bytes) == mine->weight_bytes &&
                         __ldcg(&peer->num_experts) == mine->num_experts;
@@ -168,7 +225,7 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
     for (int l = lane; l < num_local; l += 32) {
       int sum = 0;
       for (int s = 0; s < r; ++s)
-        sum += __ldcg(&reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[s], seq))->tokens_per_expert[me * num_local + l]);
+        sum += __ldcg(&reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[s], call.op))->tokens_per_expert[me * num_local + l]);
       call.meta[2 + r + l] = sum;
     }
   }
@@ -192,17 +249,16 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
 // (base_s: the rows of the sources before it); the rows past those received name source -1.
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(NormalCommon c, NormalCall call) {
   if (call.meta[0] == 0) return;
-  const unsigned seq = current_seq(c);
   const int s = blockIdx.x, r = c.num_ranks, me = c.rank;
   const int total = call.meta[1];
   int base = 0;
   for (int i = 0; i < s; ++i) base += call.meta[2 + i];
-  const unsigned char* half = half_of(c, c.peer_bases[s], seq);
+  const unsigned char* half = half_of(c, c.peer_bases[s], call.op);
   const auto* h = reinterpret_cast<const StageHeader*>(half);
   const int rows = static_cast<int>(__ldcg(&h->num_rows));
   const long long stride = row_stride(__ldcg(&h->x_bytes), __ldcg(&h->scale_bytes), __ldcg(&h->idx_bytes),
                                       __ldcg(&h->weight_bytes));
-  const unsigned char* in_rank = half + in_rank_offset(rows, stride);
+  const unsigned char* in_rank = half + after_rows(rows, stride);
   // Thread i takes tokens [i * per, (i + 1) * per): count, scan the counts across the block, then place.
   const int per = (rows + kScanThreads - 1) / kScanThreads;
   const int first = threadIdx.x * per, last = min(first + per, rows);
@@ -246,9 +302,7 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(NormalCommon c, Norm
 // ----------------------------------------------------------------------------------------------- gather
 // One warp per output row: the row's columns from its source's half, its top-k ids made local (-1 for
 // experts of other ranks, whose weights become 0); rows of source -1 get ids -1 and weights 0.
-__global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, NormalCall call) {
-  if (call.meta[0] == 0) return;
-  const unsigned seq = current_seq(c);
+__device__ void gather_rows(const NormalCommon& c, const NormalCall& call) {
   const int lane = threadIdx.x % 32, me = c.rank;
   const int k = call.num_topk;
   const int idx_bytes = call.has_idx ? 8 * k : 0, weight_bytes = call.has_weights ? 4 * k : 0;
@@ -264,7 +318,7 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, Nor
       if (call.has_weights && lane < k) call.out_weights[static_cast<long long>(n) * k + lane] = 0.f;
       continue;
     }
-    const unsigned char* row = half_of(c, c.peer_bases[s], seq) + kStageHeaderBytes + call.src_idx[n] * stride;
+    const unsigned char* row = half_of(c, c.peer_bases[s], call.op) + kStageHeaderBytes + call.src_idx[n] * stride;
     warp_copy(out_x, row, call.x_bytes, lane);
     long long at = align_up(call.x_bytes, 16);
     if (call.scale_bytes) {
@@ -287,6 +341,12 @@ __global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, Nor
   }
 }
 
+__global__ void __launch_bounds__(kWarps * 32) gather_kernel(NormalCommon c, NormalCall call) {
+  const unsigned seq = current_seq(c);
+  if (call.meta[0] != 0) gather_rows(c, call);
+  release_reads(c, 0, seq);
+}
+
 // ----------------------------------------------------------------------------------------------- reduce
 // acc[j] += the j-th of the 8 bf16 values in v, in float32.
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
@@ -301,16 +361,17 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
 
 // One warp per token of this rank: the float32 sum of the rows the ranks it went to send back, in
 // ascending rank, plus the biases, rounded once (the reference's order, so the results agree bit for bit).
-__global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, NormalCall call) {
-  if (call.meta[0] == 0) return;
-  const unsigned seq = current_seq(c);
+__device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
   const int lane = threadIdx.x % 32, r = c.num_ranks, me = c.rank, k = call.num_topk;
-  const int weight_bytes = call.has_weights ? 4 * k : 0;
-  const long long stride = row_stride(call.x_bytes, 0, 0, weight_bytes);
+  const long long stride = row_stride(call.x_bytes, 0, 0, 0);
   __shared__ const unsigned char* rows_of[kMaxRanks];  // rank d's rows from this rank, in d's half
+  __shared__ const float* weights_of[kMaxRanks];       // and their top-k weights
   if (threadIdx.x < r) {
     const int base = me > 0 ? call.rank_prefix[(me - 1) * r + threadIdx.x] : 0;
-    rows_of[threadIdx.x] = half_of(c, c.peer_bases[threadIdx.x], seq) + kStageHeaderBytes + base * stride;
+    const unsigned char* half = half_of(c, c.peer_bases[threadIdx.x], call.op);
+    const long long rows = static_cast<long long>(__ldcg(&reinterpret_cast<const StageHeader*>(half)->num_rows));
+    rows_of[threadIdx.x] = half + kStageHeaderBytes + base * stride;
+    weights_of[threadIdx.x] = reinterpret_cast<const float*>(half + after_rows(rows, stride)) + static_cast<long long>(base) * k;
   }
   __syncthreads();
   const int chunks = call.x_bytes / 16;  // 8 bf16 each
@@ -353,12 +414,18 @@ __global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, Nor
     }
     if (call.combined_weights != nullptr && lane < k) {
       float w = 0.f;
-#pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d)
-        if (src[d] != nullptr) w += __ldcg(reinterpret_cast<const float*>(src[d] + align_up(call.x_bytes, 16)) + lane);
+      for (int d = 0; d < r; ++d)
+        if (call.in_rank[static_cast<long long>(t) * r + d])
+          w += __ldcg(weights_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * k + lane);
       call.combined_weights[static_cast<long long>(t) * k + lane] = w;
     }
   }
+}
+
+__global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, NormalCall call) {
+  const unsigned seq = current_seq(c);
+  if (call.meta[0] != 0) reduce_rows(c, call);
+  release_reads(c, 1, seq);
 }
 
 // Blocks of kWarps warps for `work` rows (a warp each), at most `num_sms` of them (DeepEP's SM budget).
@@ -372,7 +439,8 @@ int copy_blocks(long long work, int num_sms) {
 cudaError_t normal_load_kernels() {
   const void* kernels[] = {reinterpret_cast<const void*>(stage_kernel), reinterpret_cast<const void*>(exchange_kernel),
                            reinterpret_cast<const void*>(scan_kernel), reinterpret_cast<const void*>(gather_kernel),
-                           reinterpret_cast<const void*>(reduce_kernel)};
+                           reinterpret_cast<const void*>(reduce_kernel),
+                           reinterpret_cast<const void*>(wait_combine_half_kernel)};
   for (const void* kernel : kernels) {
     cudaFuncAttributes attributes;
     const cudaError_t err = cudaFuncGetAttributes(&attributes, kernel);
@@ -383,6 +451,10 @@ cudaError_t normal_load_kernels() {
 
 void normal_stage(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
   stage_kernel<<<copy_blocks(call.num_rows, num_sms), kWarps * 32, 0, stream>>>(c, call);
+}
+
+void normal_wait_combine_half(const NormalCommon& c, cudaStream_t stream) {
+  wait_combine_half_kernel<<<1, 32, 0, stream>>>(c);
 }
 
 void normal_exchange(const NormalCommon& c, const NormalCall& call, cudaStream_t stream) {

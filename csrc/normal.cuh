@@ -5,9 +5,11 @@
 // Each call is pulled, not pushed: a rank stages its rows once in its own buffer (stage kernel), tells
 // every peer and waits for theirs (exchange kernel), and then copies the rows meant for it out of the
 // peers' buffers (scan + gather for a dispatch, reduce for a combine). The buffer holds two staging
-// halves, used by alternate calls: a peer writes half h again only two calls later, after it has seen
-// this rank's flag of the call in between, which this rank raises only after its reads of half h
-// (stream order). So no rank ever waits for its readers.
+// halves: dispatches stage in half 0, combines in half 1, so the host knows where a combine's rows go
+// and a caller can write them there itself (a zero-copy combine). The last block of a reader's gather
+// or reduce tells the writer that its reads of that half are done (released); a stage waits for every
+// reader's release of the half's previous call before it writes, which is at once in the usual
+// dispatch, combine, dispatch order. No wait depends on a later call, so any order of calls is safe.
 // Byte offsets have a Python twin in ep_layer/backends/cuda_normal.py (stage_bytes).
 #pragma once
 
@@ -32,21 +34,26 @@ constexpr int kTooManyRows = 5;  // more rows arrive than num_worst_tokens; deta
 struct NormalControl {
   unsigned long long launches[2];  // [0]: the launch counter of the normal calls (take_ticket's scheme)
   ErrorRecord error;               // at Control::error's offset: read_error / clear_error serve both buffers
-  // ready[half][src]: the sequence number of the last call whose rows rank src has staged in that half.
+  // ready[seq & 1][src]: the sequence number of the last call whose rows rank src has staged.
   unsigned long long ready[2][kMaxRanks];
+  // released[half][reader]: the last call whose reads of this rank's half `reader` has finished.
+  unsigned long long released[2][kMaxRanks];
+  unsigned long long half_seq[2];  // the last call this rank staged in each half (the exchange writes it)
+  unsigned finished[2];            // blocks of this rank's gather / reduce done, so that the last releases
 };
 static_assert(offsetof(NormalControl, error) == offsetof(Control, error), "one error record layout");
 static_assert(sizeof(NormalControl) <= kNormalControlBytes, "NormalControl must fit kNormalControlBytes");
 
 // At the start of a staging half: what the readers of the half need to find and check its rows.
-// Rows start at kStageHeaderBytes, each the staged columns at 16-byte aligned offsets (row_stride); a
-// dispatch's is_token_in_rank [rows, R] follows the rows (in_rank_offset).
+// Rows start at kStageHeaderBytes, each the staged columns at 16-byte aligned offsets (row_stride);
+// after the rows (after_rows) come a dispatch's is_token_in_rank [rows, R] or a combine's top-k
+// weights [rows, K], so a combine's rows are one plain [rows, H] bf16 tensor.
 struct StageHeader {
   unsigned long long op;  // NormalOp
   unsigned long long x_bytes, scale_bytes, idx_bytes, weight_bytes;  // each row's columns
   unsigned long long num_experts;  // E of a dispatch; 0 otherwise
   unsigned long long num_rows;     // rows staged: the tokens of a dispatch, the received rows of a combine
-  unsigned long long pad;
+  unsigned long long seq;          // the call's sequence number: a peer reading a stale header sees another
   int rows_to_rank[kMaxRanks];         // dispatch: tokens going to each rank (is_token_in_rank's column sums)
   int tokens_per_expert[kMaxExperts];  // non-cached dispatch: num_tokens_per_expert
 };
@@ -58,7 +65,7 @@ __host__ __device__ inline long long row_stride(long long x, long long scale, lo
   return align_up(x, 16) + align_up(scale, 16) + align_up(idx, 16) + align_up(weight, 16);
 }
 
-__host__ __device__ inline long long in_rank_offset(long long rows, long long stride) {
+__host__ __device__ inline long long after_rows(long long rows, long long stride) {
   return align_up(kStageHeaderBytes + rows * stride, 128);
 }
 
@@ -80,6 +87,7 @@ struct NormalCall {
   int num_rows;
   int x_bytes, scale_bytes, num_topk, has_idx, has_weights;
   int num_experts;                 // E (dispatch)
+  int rows_in_place;               // combine: x already is this rank's half 1 (a zero-copy combine)
   const void* x;                   // [num_rows, x_bytes]: bf16 or e4m3 rows (dispatch), expert outputs (combine)
   const void* scales;              // [num_rows, scale_bytes] or null
   const long long* topk_idx;       // [num_rows, K] or null
@@ -109,6 +117,8 @@ struct NormalCall {
 // the device, and one rank's exchange kernel waits for a peer whose kernels the host launches next.
 cudaError_t normal_load_kernels();
 void normal_stage(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream);
+// Waits until every peer has released this rank's half 1, for a caller about to write a combine's rows there.
+void normal_wait_combine_half(const NormalCommon& c, cudaStream_t stream);
 void normal_exchange(const NormalCommon& c, const NormalCall& call, cudaStream_t stream);
 void normal_scan(const NormalCommon& c, const NormalCall& call, cudaStream_t stream);
 void normal_gather(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream);

@@ -32,15 +32,16 @@ class Config:
         self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of normal-mode buffer for rows of `hidden_bytes` among `num_ranks` ranks: two staging halves,
-        each holding the tokens one rank sends in a call (`tokens_per_call`: 10,240 with DeepEP's defaults),
-        each token its row, FP8 scales, top-k ids and weights at most, plus each half's header and the
-        is_token_in_rank rows of one node (csrc/normal.cuh). A rank stages only its own tokens, so the
-        size barely depends on `num_ranks`; a dispatch of more tokens needs a larger buffer."""
+        """Bytes of normal-mode buffer for rows of `hidden_bytes` among `num_ranks` ranks: two staging halves
+        of one size (dispatches stage in one, combines in the other), each holding `tokens_per_call` rows
+        (10,240 with DeepEP's defaults) of a token's row, FP8 scales, top-k ids and weights at most, plus
+        the half's header and the is_token_in_rank rows of one node (csrc/normal.cuh). A dispatch stages
+        the tokens this rank sends, a combine the rows it received; a call of more rows needs a larger
+        buffer."""
         check_positive_int(hidden_bytes, "hidden_bytes")
         num_ranks = min(check_positive_int(num_ranks, "num_ranks"), MAX_RANKS)  # the NVLink peers of one node
         row = row_stride(hidden_bytes, hidden_bytes // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)
-        return normal_buffer_bytes(stage_bytes(self.tokens_per_call, row, num_ranks, True))
+        return normal_buffer_bytes(stage_bytes(self.tokens_per_call, row, num_ranks))
 
     @property
     def tokens_per_call(self) -> int:

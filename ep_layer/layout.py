@@ -106,17 +106,21 @@ def row_stride(x_bytes: int, scale_bytes: int, idx_bytes: int, weight_bytes: int
     return sum(_align(b, 16) for b in (x_bytes, scale_bytes, idx_bytes, weight_bytes))
 
 
-def stage_bytes(rows: int, stride: int, num_ranks: int, with_in_rank: bool) -> int:
-    """Bytes of a staging half that `rows` rows use: the header, the rows, then a dispatch's
-    is_token_in_rank (csrc/normal.cuh: in_rank_offset)."""
-    if not with_in_rank:
-        return STAGE_HEADER_BYTES + rows * stride
-    return _align(STAGE_HEADER_BYTES + rows * stride) + rows * num_ranks
+def stage_bytes(rows: int, stride: int, after_bytes: int) -> int:
+    """Bytes of a staging half that `rows` rows use: the header, the rows, then `after_bytes` more per row
+    (a dispatch's is_token_in_rank: R; a combine's top-k weights: 4K) (csrc/normal.cuh: after_rows)."""
+    return _align(STAGE_HEADER_BYTES + rows * stride) + rows * after_bytes
 
 
 def normal_buffer_bytes(half_bytes: int) -> int:
     """Bytes of a normal-mode buffer whose staging halves hold `half_bytes` each."""
     return NORMAL_CONTROL_BYTES + 2 * _align(half_bytes)
+
+
+def normal_combine_rows_offset(num_nvl_bytes: int) -> int:
+    """Where a combine's rows start in a normal-mode buffer of `num_nvl_bytes`: after half 1's header (combines
+    stage in half 1, csrc/normal.cuh)."""
+    return NORMAL_CONTROL_BYTES + normal_half_bytes(num_nvl_bytes) + STAGE_HEADER_BYTES
 
 
 def normal_half_bytes(num_nvl_bytes: int) -> int:

@@ -144,6 +144,18 @@ class NormalMode:
                                                async_finish, allocate_on_comm_stream)
         return combined, weights, event
 
+    def get_next_combine_buffer(self, handle: NormalHandle, hidden: int) -> torch.Tensor:
+        """bf16 [N, hidden], one row per row `handle`'s dispatch received: write the rows of the next
+        combine here and pass this tensor as its `x`, and the combine reads them in place instead of
+        copying them (ep-layer's, not DeepEP's). The cuda backend returns a view of its buffer after a
+        wait, on the current stream, for every peer to finish reading the previous combine's rows; until
+        that combine, no other combine may run on this Buffer. Other backends return a new tensor."""
+        backend = self._normal_backend("get_next_combine_buffer")
+        expect(isinstance(handle, NormalHandle), "handle", "the handle a normal-mode dispatch returned",
+               type(handle).__name__)
+        expect(type(hidden) is int and hidden > 0, "hidden", "a positive int", hidden)
+        return backend.normal_combine_buffer(handle.recv_src_idx.shape[0], hidden, handle.recv_src_idx.device)
+
     def _sms(self, config: Config | None) -> int:
         """The SMs a call's kernels may use: the config's, else the Buffer's (Buffer.set_num_sms)."""
         return max(1, config.num_sms if config is not None else self.num_sms)

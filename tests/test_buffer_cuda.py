@@ -102,7 +102,7 @@ def packed_from_rows_in_place(recv_x, recv_count: torch.Tensor):
     """Dispatch's packed recv_x from RowsInPlace, each row's data read where its offset says it lies, the
     scales as they are (other recv_x pass through): the oracles above then check the rows in place as
     they check a packed copy."""
-    from ep_layer.backends.cuda import _device_tensor
+    from ep_layer.backends.device_tensor import device_tensor
 
     if not isinstance(recv_x, RowsInPlace):
         return recv_x
@@ -114,7 +114,7 @@ def packed_from_rows_in_place(recv_x, recv_count: torch.Tensor):
     for l, (count, offsets) in enumerate(zip(recv_count.tolist(), recv_x.offsets.tolist())):
         assert all(o % 128 == 0 for o in offsets[:count]), "rows in place: rows must start on 128-byte lines"
         for m, offset in enumerate(offsets[:count]):
-            packed[l, m] = _device_tensor(start + offset, (row_bytes,), packed.device, torch.uint8)
+            packed[l, m] = device_tensor(start + offset, (row_bytes,), packed.device, torch.uint8)
     if recv_x.scales is None:
         return packed.view(torch.bfloat16)
     return packed.view(torch.float8_e4m3fn), recv_x.scales

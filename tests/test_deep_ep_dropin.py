@@ -234,11 +234,11 @@ DENSE_RTOL = 5 * 2.0 ** -8
 
 def fp8_columns(x: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-token, per-128-channel FP8 cast of bf16 rows (vLLM's per_token_group_quant_fp8, SGLang's
-    sglang_per_token_group_quant_fp8) as tensors: e4m3 [T, H] and float32 scales [T, H/128] ("fp8"), or UE8M0
-    scales packed four to an int32 [T, H/512] ("ue8m0")."""
+    sglang_per_token_group_quant_fp8) as tensors on x's device: e4m3 [T, H] and float32 scales [T, H/128]
+    ("fp8"), or UE8M0 scales packed four to an int32 [T, H/512] ("ue8m0")."""
     codes, scales = fp8_cast(x, mode)
-    return (torch.from_numpy(codes).view(torch.float8_e4m3fn).clone(memory_format=torch.contiguous_format),
-            torch.from_numpy(scales).clone(memory_format=torch.contiguous_format))
+    return (torch.from_numpy(codes).view(torch.float8_e4m3fn).clone(memory_format=torch.contiguous_format).to(x.device),
+            torch.from_numpy(scales).clone(memory_format=torch.contiguous_format).to(x.device))
 
 
 def as_made(tokens: Tokens) -> Tokens:
@@ -1675,7 +1675,7 @@ def sglang_per_token_group_quant_fp8(x: torch.Tensor, group_size: int, column_ma
     data, scales = fp8_columns(x, "ue8m0" if scale_ue8m0 else "fp8")
     if column_major_scales:
         t = scales.shape[0]
-        storage = torch.zeros(scales.shape[1], -(-t // 4) * 4, dtype=scales.dtype)
+        storage = torch.zeros(scales.shape[1], -(-t // 4) * 4, dtype=scales.dtype, device=scales.device)
         storage[:, :t] = scales.t()
         scales = storage.t()[:t]
     return data, scales

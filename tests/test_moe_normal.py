@@ -24,44 +24,49 @@ from dist_harness import run_ranks
 from moe_helpers import MoeConfig, hf_weights, moe_float64, random_tokens
 from test_moe import TOL_FP8_RMS, TOL_FP8_TOKEN, assert_close
 
-from ep_layer import Buffer
-from ep_layer.moe import FusedMoE
+from ep_layer.moe import FusedMoE, make_buffer
 
 TOL_MODES = 2**-6  # normal vs low-latency on several ranks (module docstring)
 TOL_BF16_F64 = 2**-5  # bf16 weights vs float64 (test_moe.py's float32 bound: our path's bf16 roundings)
 
 
 def both_modes_rank(rank: int, world: int, cfg: MoeConfig, quant: str, weights: dict[str, torch.Tensor],
-                    tokens: list[torch.Tensor], big: list[torch.Tensor]) -> dict[str, np.ndarray]:
+                    tokens: list[torch.Tensor], big: list[torch.Tensor], backend: str) -> dict[str, np.ndarray]:
     """This rank's tokens through both modes, and a batch larger than T through normal mode."""
-    buffer = Buffer(dist.group.WORLD, num_nvl_bytes=1 << 20, low_latency_mode=True, backend="reference")
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    buffer = make_buffer(dist.group.WORLD, cfg.max_tokens, cfg.hidden, cfg.num_experts, backend, device,
+                         normal_mode=True)
     layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, dist.group.WORLD,
                      n_group=cfg.n_group, topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                      quant=quant, n_shared_experts=cfg.n_shared_experts, buffer=buffer,
-                     max_tokens_per_rank=cfg.max_tokens)
+                     max_tokens_per_rank=cfg.max_tokens, device=device)
     per_rank = cfg.num_experts // world
     mine = range(rank * per_rank, (rank + 1) * per_rank)
     layer.load_weights((n, t) for n, t in weights.items()
                        if not n.startswith("experts.") or int(n.split(".")[1]) in mine)
-    x = tokens[rank]
+    x = tokens[rank].to(device)
     results = {"low_latency": layer(x)}
     load_low_latency = layer.stats().expert_load.clone()
     results["normal"] = layer(x, mode="normal")
     results["load_normal"] = layer.stats().expert_load - load_low_latency
     results["load_low_latency"] = load_low_latency
-    results["big"] = layer(big[rank], mode="normal")
-    for name, batch in (("", x), ("big_", big[rank])):
+    results["big"] = layer(big[rank].to(device), mode="normal")
+    for name, batch in (("", x), ("big_", big[rank].to(device))):
         results[name + "topk_idx"], results[name + "topk_weights"] = layer.route(batch)
-    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy() for k, v in results.items()}
+    buffer.destroy()
+    return {k: (v.float() if v.dtype == torch.bfloat16 else v).cpu().numpy().copy() for k, v in results.items()}
 
 
-def run_both_modes(world: int, quant: str, seed: int, cfg: MoeConfig) -> tuple[list[dict[str, torch.Tensor]], dict,
-                                                                             list[torch.Tensor], list[torch.Tensor]]:
+def run_both_modes(world: int, quant: str, seed: int, cfg: MoeConfig, backend: str = "reference",
+                   ) -> tuple[list[dict[str, torch.Tensor]], dict, list[torch.Tensor], list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     weights = hf_weights(cfg, gen, "fp8" if quant == "fp8-block" else "bf16")
     tokens = random_tokens(cfg, gen, world)
     big = random_tokens(replace(cfg, max_tokens=3 * cfg.max_tokens), gen, world, min_tokens=cfg.max_tokens + 1)
-    raw = run_ranks(both_modes_rank, world, cfg, quant, weights, tokens, big)
+    raw = run_ranks(both_modes_rank, world, cfg, quant, weights, tokens, big, backend)
     return [{k: torch.from_numpy(v) for k, v in r.items()} for r in raw], weights, tokens, big
 
 
@@ -72,10 +77,19 @@ def test_one_rank_modes_agree_bit_for_bit(quant: str, seed: int) -> None:
     assert torch.equal(got["normal"], got["low_latency"]), f"seed={seed} {quant}"
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_modes_agree_across_ranks_and_large_batches_are_right(world: int, seed: int) -> None:
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
+def test_one_rank_modes_agree_bit_for_bit_on_the_cuda_backend(quant: str, seed: int) -> None:
+    """The cuda kernels of both modes, the normal mode's partial sums written in place (a zero-copy combine)."""
+    cfg = MoeConfig(intermediate=192 if quant == "fp8-block" else 64)
+    (got,), _, _, _ = run_both_modes(1, quant, seed, cfg, "cuda")
+    assert torch.equal(got["normal"], got["low_latency"]), f"seed={seed} {quant}"
+
+
+def _check_modes_across_ranks(world: int, seed: int, backend: str) -> None:
     cfg = MoeConfig(num_experts=12 if world == 3 else 16, intermediate=64)
-    results, weights, _, big = run_both_modes(world, "bf16", seed, cfg)
+    results, weights, _, big = run_both_modes(world, "bf16", seed, cfg, backend)
     for rank, got in enumerate(results):
         what = f"seed={seed} EP={world} rank {rank}"
         assert_close(got["normal"], got["low_latency"], TOL_MODES, what + ": normal vs low-latency")
@@ -87,6 +101,18 @@ def test_modes_agree_across_ranks_and_large_batches_are_right(world: int, seed: 
     routed = torch.cat([r["topk_idx"] for r in results]).flatten()
     load = torch.cat([r["load_normal"] for r in results])
     assert torch.equal(load, torch.bincount(routed, minlength=cfg.num_experts).int())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_modes_agree_across_ranks_and_large_batches_are_right(world: int, seed: int) -> None:
+    _check_modes_across_ranks(world, seed, "reference")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_modes_agree_across_cuda_ranks(seed: int) -> None:
+    """Two processes on the cuda kernels, the same checks as the reference backend's."""
+    _check_modes_across_ranks(2, seed, "cuda")
 
 
 def test_fp8_large_batch_matches_float64(seed: int) -> None:

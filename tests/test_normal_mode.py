@@ -845,6 +845,19 @@ def test_nothing_received_on_one_rank() -> None:
     assert torch.equal(out.view(torch.int16), bias.view(torch.int16))
 
 
+def test_a_combine_of_rows_written_into_get_next_combine_buffer(seed: int) -> None:
+    """The combine buffer holds one row per received row; written and passed as x, it combines as any x."""
+    one = One()
+    rows = one.buf.get_next_combine_buffer(one.handle, one.h)
+    assert rows.dtype == torch.bfloat16 and tuple(rows.shape) == (one.n, one.h) and rows.device == one.y.device
+    y = bf16_tensor(normal_bf16_bits(np.random.default_rng(seed), one.n, one.h))
+    weights = torch.from_numpy(np.random.default_rng([seed, 1]).random((one.n, 2)).astype(np.float32))
+    rows.copy_(y)
+    got = one.buf.combine(rows, one.handle, topk_weights=weights)
+    want = one.buf.combine(y, one.handle, topk_weights=weights)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)) and torch.equal(got[1], want[1])
+
+
 def _spoiled_strides() -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
     return [
         ("column slice", lambda t: torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype)[:, ::2].copy_(t)),
@@ -1084,6 +1097,10 @@ BAD_ARGUMENTS: list[tuple[str, str, Callable[[One], Any]]] = [
     ("combine previous_event", "previous_event", lambda o: o.combine(previous_event="event")),
     ("combine allocate_on_comm_stream", "allocate_on_comm_stream",
      lambda o: o.combine(allocate_on_comm_stream=True)),
+    # get_next_combine_buffer
+    ("combine buffer handle tuple", "handle", lambda o: o.buf.get_next_combine_buffer(tuple(o.handle), o.h)),
+    ("combine buffer hidden 0", "hidden", lambda o: o.buf.get_next_combine_buffer(o.handle, 0)),
+    ("combine buffer hidden float", "hidden", lambda o: o.buf.get_next_combine_buffer(o.handle, 128.0)),
 ]
 
 

@@ -3,8 +3,9 @@ several), each with a cuda Buffer and a reference Buffer over the same gloo grou
 both with the same random inputs (CPU tensors for the reference, their copies on the GPU for the kernels),
 and every output of the kernels must equal the reference backend's bit for bit: the layout, the rows
 received with their FP8 scales, local top-k ids and weights, the per-expert counts, the handle, a cached
-dispatch, `num_worst_tokens` outputs, and combines with weights and biases. Several rounds run, so both
-staging halves of the buffer are used and reused. Also: ranks that disagree get a ValueError, a rank that
+dispatch, `num_worst_tokens` outputs, combines with weights and biases, and a zero-copy combine (rows
+written into get_next_combine_buffer). Several rounds of several combines in a row run, so both staging
+halves of the buffer are used and reused in every order. Also: ranks that disagree get a ValueError, a rank that
 never calls is named in an EPTimeoutError, a bad count is a ValueError naming it, a buffer too small names
 num_nvl_bytes, and ranks emulated in one process (side by side on their streams, in a CUDA graph) equal a
 plain torch oracle of design.md's rules.
@@ -124,6 +125,15 @@ def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank
     _same(got_out[:2], want_out[:2], f"{tag} rank {rank} combine")
     plain = cuda.combine(y.cuda(), got[4])  # no weights, no bias
     _same(plain[:2], ref.combine(y, want[4])[:2], f"{tag} rank {rank} combine without weights")
+
+    # Zero-copy: the rows written where the combine stages them; until that combine no other may run.
+    in_place = cuda.get_next_combine_buffer(got[4], hidden)
+    in_place.copy_(y)
+    with pytest.raises(ValueError, match=r"^x: expected the tensor get_next_combine_buffer returned"):
+        cuda.combine(y.cuda(), got[4])
+    zero_copy = cuda.combine(in_place, got[4], topk_weights=got[2])
+    cuda.check()
+    _same(zero_copy[:2], ref.combine(y, want[4], topk_weights=want[2])[:2], f"{tag} rank {rank} zero-copy combine")
 
     # Outputs sized in advance: no host wait. The rows past those received have unspecified data.
     worst, received = world * 300, want[1].shape[0]
@@ -300,13 +310,19 @@ def test_emulated_ranks_in_a_cuda_graph(world: int, seed: int) -> None:
                             num_tokens_per_expert=per_expert, topk_idx=idxs[r], topk_weights=ws[r],
                             num_worst_tokens=world * tokens)
         y = (recv[0].float() * scale).to(torch.bfloat16)
-        outs[r] = (recv, buf.combine(y, recv[4])[0])
+        staged = buf.combine(y, recv[4])[0]
+        in_place = buf.get_next_combine_buffer(recv[4], hidden)
+        in_place.copy_(y)
+        outs[r] = (recv, staged, buf.combine(in_place, recv[4])[0])
 
     with pytest.raises(ValueError, match=r"^num_worst_tokens: expected > 0 \(or a handle\) for ranks emulated"):
         bufs[0].dispatch(xs[0], num_tokens_per_rank=torch.zeros(world, dtype=torch.int32, device="cuda"),
                          is_token_in_rank=torch.zeros(tokens, world, dtype=torch.bool, device="cuda"),
                          num_tokens_per_expert=torch.zeros(experts, dtype=torch.int32, device="cuda"))
     fill()
+    # Loads torch's kernels for y before any rank's exchange waits: a lazy load inside the phase would wait
+    # for that exchange, which waits for ranks not yet launched.
+    torch.empty_like(xs[0]).copy_((xs[0].float() * scale).to(torch.bfloat16))
     streams.run([lambda r=r: step(r) for r in range(world)])  # eager warm-up, then the capture
     torch.cuda.synchronize()
     for b in bufs:
@@ -322,7 +338,7 @@ def test_emulated_ranks_in_a_cuda_graph(world: int, seed: int) -> None:
             b.check()
         received, combined = _oracle([c[0] for c in cpu], [c[1] for c in cpu], [c[2] for c in cpu], experts, scale)
         for r in range(world):
-            recv, out = outs[r]
+            recv, out, zero_copy_out = outs[r]
             n = received[r][0].shape[0]
             tag = f"seed={seed} replay {replay} rank {r}"
             _same(recv[0][:n], received[r][0], f"{tag} rows")
@@ -330,5 +346,6 @@ def test_emulated_ranks_in_a_cuda_graph(world: int, seed: int) -> None:
             _same(recv[2][:n], received[r][2], f"{tag} weights")
             assert (recv[4].recv_src_rank[n:] == -1).all() and (recv[1][n:] == -1).all(), tag
             _same(out, combined[r], f"{tag} combine")
+            _same(zero_copy_out, combined[r], f"{tag} zero-copy combine")
     for b in bufs:
         b.destroy()

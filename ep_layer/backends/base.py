@@ -119,6 +119,11 @@ class Backend(ABC):
     def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each token's rows back on its rank; (combined bf16 [T, H], summed top-k weights or None)."""
 
+    def normal_combine_buffer(self, rows: int, hidden: int, device: torch.device) -> torch.Tensor:
+        """bf16 [rows, hidden] for a caller to write a normal-mode combine's rows into, then pass as its x; a
+        backend that stages those rows returns the place it stages them in, which saves the copy."""
+        return torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+
     def combine_output(self, num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
         """A bf16 [num_tokens, hidden] tensor on `device` for a plain combine (no hook, no async_finish) to
         write; the cuda backend recycles the ones its callers have dropped."""

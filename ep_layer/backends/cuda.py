@@ -32,6 +32,7 @@ from ..quant import FP8_GROUP, UE8M0_PACK
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace
 from .cuda_normal import CudaNormalMode
 from .device_errors import take_recorded_error
+from .device_tensor import device_tensor
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
 
 MAX_HIDDEN = 16384
@@ -247,7 +248,7 @@ class CudaBackend(Backend):
         self._output_sets: dict[tuple, list[_OutputSet]] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._combine_outputs: dict[tuple[int, int], _CombineOutputs] = {}
-        self._buffer_start = _device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
+        self._buffer_start = device_tensor(self._base, (16,), self._device, torch.uint8)  # RowsInPlace.base
         expect(len(latency.BOUNDS_NS) <= self._c.MAX_LATENCY_BOUNDS, "latency.BOUNDS_NS",
                f"at most {self._c.MAX_LATENCY_BOUNDS} bounds (the kernels' __constant__ table)",
                len(latency.BOUNDS_NS))
@@ -322,6 +323,9 @@ class CudaBackend(Backend):
 
     def normal_combine(self, args: NormalCombineArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._normal_mode("combine").combine(args)
+
+    def normal_combine_buffer(self, rows: int, hidden: int, device: torch.device) -> torch.Tensor:
+        return self._normal_mode("get_next_combine_buffer").combine_buffer(rows, hidden)
 
     def _normal_mode(self, op: str) -> CudaNormalMode:
         if self._normal is None:
@@ -529,7 +533,7 @@ class CudaBackend(Backend):
             self._common(t, h, e, 0)  # checks the sizes and that the buffer holds them
             start = layout.zero_copy_offset(t, h, self.num_ranks) + slot * layout.zero_copy_bytes(t, h, e)
             shape = (e // self.num_ranks, self.num_ranks * t, h)
-            view = self._combine_views[key] = _device_tensor(self._base + start, shape, self._device)
+            view = self._combine_views[key] = device_tensor(self._base + start, shape, self._device)
         return view
 
     def _row_in_buffer(self, x: torch.Tensor) -> int:
@@ -569,7 +573,7 @@ class CudaBackend(Backend):
         self._mask.zero_()
 
     def local_buffer(self, offset: int) -> torch.Tensor:
-        return _device_tensor(self._base + offset, (self.num_rdma_bytes - offset,), self._device, torch.uint8)
+        return device_tensor(self._base + offset, (self.num_rdma_bytes - offset,), self._device, torch.uint8)
 
     def destroy(self) -> None:
         self._barrier()
@@ -584,20 +588,3 @@ class CudaBackend(Backend):
         if self._normal is not None:
             self._c.free_buffer(self._nvl_base)
             self._normal.destroy()
-
-
-class _DeviceArray:
-    """Device memory that torch.as_tensor can view without a copy (CUDA array interface, as bytes)."""
-
-    def __init__(self, pointer: int, shape: tuple[int, ...]) -> None:
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": "|u1", "data": (pointer, False),
-                                         "strides": None, "version": 3, "stream": None}
-
-
-def _device_tensor(pointer: int, shape: tuple[int, ...], device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A `dtype` tensor over memory this backend owns (alive until destroy); kept across calls, so made
-    outside inference mode (writable in and out of it)."""
-    with torch.inference_mode(False):
-        data = torch.as_tensor(_DeviceArray(pointer, (*shape[:-1], shape[-1] * dtype.itemsize)), device=device)
-        return data.view(dtype)

@@ -3,7 +3,8 @@ buffer per rank (`num_nvl_bytes`) that every peer maps through CUDA IPC (csrc/no
 
 A call stages this rank's rows in its own buffer, exchanges flags with every peer and pulls the rows
 meant for it from the peers' buffers, in the order and with the arithmetic of the reference backend
-(reference_normal.py), so the results agree bit for bit. A dispatch whose outputs are not sized by
+(reference_normal.py), so the results agree bit for bit. A combine's rows may be written where the
+combine stages them (`combine_buffer`), which saves that copy. A dispatch whose outputs are not sized by
 `num_worst_tokens` or a handle waits for the host once, for the number of rows it receives; the
 argument checks that need the device ride on that wait. Waits for peers are bounded by `timeout_s`;
 failures inside the kernels are recorded on the device and raised at the next call or at `check()`.
@@ -15,12 +16,14 @@ import math
 
 import torch
 
+from .. import layout
 from ..checks import check_topk_values, expect
 from ..dispatch_layout import dispatch_layout
 from ..errors import EPTimeoutError
 from ..kernel_args import NormalPointers
 from ..layout import STAGE_HEADER_BYTES, normal_buffer_bytes, normal_half_bytes, row_stride, stage_bytes
 from .device_errors import take_recorded_error
+from .device_tensor import device_tensor
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult, NormalHandle
 
 _DISPATCH, _CACHED_DISPATCH, _COMBINE = 0, 1, 2  # NormalOp
@@ -39,6 +42,15 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr() if t is not None else 0
 
 
+def _load_torch_kernels(num_ranks: int, device: torch.device) -> None:
+    """Runs the torch ops of the calls' host side once: under CUDA's lazy loading a kernel's first launch
+    waits for the device, where an emulated rank's exchange may be waiting for ranks launched after it."""
+    in_rank = torch.zeros(2, num_ranks, dtype=torch.bool, device=device)
+    in_rank.sum(dim=0, dtype=torch.int32)
+    (in_rank.cumsum(dim=0, dtype=torch.int32) - 1).contiguous()
+    torch.cuda.synchronize(device)
+
+
 class CudaNormalMode:
     """Normal-mode dispatch and combine of one rank, over its normal-mode buffer and its peers'."""
 
@@ -53,6 +65,12 @@ class CudaNormalMode:
         expect(self._half > STAGE_HEADER_BYTES, "num_nvl_bytes", f"more than "
                f"{normal_buffer_bytes(STAGE_HEADER_BYTES)} bytes (Config.get_nvl_buffer_size_hint)", num_bytes)
         c.normal_load_kernels()  # before any rank's exchange kernel can wait on the device
+        if emulated:
+            _load_torch_kernels(num_ranks, device)
+        # A combine's rows in this rank's half 1 (csrc/normal.cuh), and views of them lent by combine_buffer.
+        self._combine_rows = self._base + layout.normal_combine_rows_offset(num_bytes)
+        self._combine_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._lent = False  # a view is out whose rows no combine has read yet
         self._host_flag, device_flag = c.alloc_host_flag()
         with torch.inference_mode(False):
             self._ticket = torch.zeros(1, dtype=torch.int32, device=device)
@@ -63,8 +81,8 @@ class CudaNormalMode:
     def _stream(self) -> int:
         return torch._C._cuda_getCurrentRawStream(self._device.index)
 
-    def _check_capacity(self, op: str, rows: int, stride: int, with_in_rank: bool) -> None:
-        need = stage_bytes(rows, stride, self.num_ranks, with_in_rank)
+    def _check_capacity(self, op: str, rows: int, stride: int, after_bytes: int) -> None:
+        need = stage_bytes(rows, stride, after_bytes)
         expect(need <= self._half, "num_nvl_bytes", f"at least {normal_buffer_bytes(need)} "
                f"for a {op} of {rows} rows of {stride} bytes (two halves of {need} bytes)", self._num_bytes)
 
@@ -104,7 +122,7 @@ class CudaNormalMode:
         topk_weights = None if args.topk_weights is None else _aligned(args.topk_weights)
         k = 0 if topk_idx is None else topk_idx.shape[1]
         stride = row_stride(x_bytes, scale_bytes, 8 * k, 4 * k if topk_weights is not None else 0)
-        self._check_capacity("dispatch", num_tokens, stride, True)
+        self._check_capacity("dispatch", num_tokens, stride, r)
         cached = args.cached
         in_rank = _aligned(args.is_token_in_rank)
         rows_to_rank = in_rank.sum(dim=0, dtype=torch.int32)
@@ -118,7 +136,8 @@ class CudaNormalMode:
         def shape(out_rows: int) -> object:
             return c.NormalShape(op=op, num_rows=num_tokens, x_bytes=x_bytes, scale_bytes=scale_bytes, num_topk=k,
                                  has_idx=topk_idx is not None, has_weights=topk_weights is not None,
-                                 num_experts=num_experts, out_rows=out_rows, num_tokens=num_tokens)
+                                 num_experts=num_experts, out_rows=out_rows, num_tokens=num_tokens,
+                                 rows_in_place=False)
 
         def pointers(**outputs: int) -> tuple:
             return tuple(_NO_POINTERS._replace(
@@ -138,7 +157,11 @@ class CudaNormalMode:
             if args.num_worst_tokens:
                 out_rows = args.num_worst_tokens
             else:  # the one wait for the host: the rows received size the outputs
-                out_rows, per_expert = self._received(args, meta, rows_to_rank, num_local)
+                try:
+                    out_rows, per_expert = self._received(args, meta, rows_to_rank, num_local)
+                except Exception:  # a gather of no rows still releases the peers' halves this call staged
+                    c.normal_gather(self._common, shape(0), pointers(), num_sms, stream)
+                    raise
             src_idx = torch.empty(out_rows, dtype=torch.int32, device=self._device)
             src_rank = torch.empty(out_rows, dtype=torch.int32, device=self._device)
         out_x = torch.empty((out_rows, x.shape[1]), dtype=x.dtype, device=self._device)
@@ -189,8 +212,11 @@ class CudaNormalMode:
         expect(hidden % 8 == 0, "x", "rows of a multiple of 8 values (16 bytes) for the cuda backend", hidden)
         weights = None if args.topk_weights is None else _aligned(args.topk_weights)
         k = 0 if weights is None else weights.shape[1]
-        stride = row_stride(2 * hidden, 0, 0, 4 * k)
-        self._check_capacity("combine", rows, stride, False)
+        self._check_capacity("combine", rows, 2 * hidden, 4 * k)
+        in_place = x.data_ptr() == self._combine_rows
+        expect(in_place or not self._lent, "x", "the tensor get_next_combine_buffer returned: the rows written "
+               "there wait for their combine, and a combine of other rows would overwrite them", "another tensor")
+        self._lent = False
         in_rank = _aligned(handle.is_token_in_rank)
         num_tokens = in_rank.shape[0]
         send_pos = (in_rank.cumsum(dim=0, dtype=torch.int32) - 1).contiguous()  # [T, R]
@@ -200,7 +226,7 @@ class CudaNormalMode:
         meta = torch.empty(2 + r, dtype=torch.int32, device=self._device)
         shape = c.NormalShape(op=_COMBINE, num_rows=rows, x_bytes=2 * hidden, scale_bytes=0, num_topk=k,
                               has_idx=False, has_weights=weights is not None, num_experts=0, out_rows=0,
-                              num_tokens=num_tokens)
+                              num_tokens=num_tokens, rows_in_place=in_place)
         prefix = _aligned(handle.rank_prefix_matrix)
         pointers = tuple(_NO_POINTERS._replace(
             x=x.data_ptr(), topk_weights=_ptr(weights), in_rank=in_rank.data_ptr(), meta=meta.data_ptr(),
@@ -212,5 +238,19 @@ class CudaNormalMode:
         c.normal_reduce(self._common, shape, pointers, num_sms, stream)
         return out, combined_weights
 
+    def combine_buffer(self, rows: int, hidden: int) -> torch.Tensor:
+        """bf16 [rows, hidden] where this rank's next combine stages its rows, once every peer has read
+        those of the previous combine (a wait on the current stream, before the caller writes there)."""
+        expect(hidden % 8 == 0, "hidden", "a multiple of 8 values (16 bytes) for the cuda backend", hidden)
+        self._check_capacity("combine", rows, 2 * hidden, 0)
+        self.raise_recorded()
+        self._c.normal_wait_combine_half(self._common, self._stream())
+        view = self._combine_views.get((rows, hidden))
+        if view is None:
+            view = self._combine_views[rows, hidden] = device_tensor(self._combine_rows, (rows, hidden), self._device)
+        self._lent = True
+        return view
+
     def destroy(self) -> None:
+        self._combine_views.clear()
         self._c.free_host_flag(self._host_flag)

@@ -1,7 +1,8 @@
 """FusedMoE's forward through normal (high-throughput) mode, for batches larger than the low-latency
 buffer's T (prefill): route, DeepEP's layout and dispatch (each token once per rank that holds one of
 its experts), this rank's experts on the rows they picked, each row's weighted sum over its local
-experts, and the combine that adds the ranks' partial sums (docs/design.md section 4).
+experts, and the combine that adds the ranks' partial sums (docs/design.md section 4). The partial sums
+are written where the combine reads them (Buffer.get_next_combine_buffer), so the combine copies nothing.
 
 The expert inputs are packed into the masked layout [E_l, M, H] the expert kernels take, so both modes
 run the same GEMMs on the same rows. The weighted sum runs in float32 in ascending k, as the low-latency
@@ -31,14 +32,15 @@ def normal_forward(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
         send, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
     shared = layer.shared_expert(x)
-    partial = local_expert_sums(layer, recv_x, recv_idx, recv_weights, max(counts, default=0))
+    partial = buffer.get_next_combine_buffer(handle, x.shape[1])
+    local_expert_sums(layer, recv_x, recv_idx, recv_weights, max(counts, default=0), partial)
     combined, _, _ = buffer.combine(partial, handle)
     return combined if shared is None else combined + shared
 
 
 def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-                      recv_idx: torch.Tensor, recv_weights: torch.Tensor, most_rows: int) -> torch.Tensor:
-    """bf16 [N, H]: for each received row, Σ_k recv_weights[i, k] · expert(recv_idx[i, k])(row i) over its
+                      recv_idx: torch.Tensor, recv_weights: torch.Tensor, most_rows: int, out: torch.Tensor) -> None:
+    """Writes bf16 `out` [N, H]: for each received row, Σ_k recv_weights[i, k] · expert(recv_idx[i, k])(row i) over its
     local experts (ids ≥ 0), in float32, ascending k, rounded once; the rows are added to the layer's
     expert-load counters. `most_rows`: the most rows any local expert gets (the packed layout's M). No host
     sync: every row is placed and gathered by index arithmetic, slots of other ranks' experts going to a
@@ -73,4 +75,4 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
         here = local[:, k, None]
         term = recv_weights[:, k, None] * y[torch.where(local[:, k], slot[:, k], 0)].float()
         acc = torch.where(here, acc + term, acc)
-    return acc.to(torch.bfloat16)
+    out.copy_(acc)
