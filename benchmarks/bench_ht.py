@@ -13,17 +13,27 @@ E = 256 experts; bf16 rows, or e4m3 rows with float32 scales per 128 values).
 - `sync_us` (EP = 1): the usual dispatch, which waits for the host to count its rows (eager wall time);
 - `ref_*` (EP = 1, bf16): the reference backend on the GPU (eager; it synchronises).
 
+With `--processes` each EP > 1 runs instead as that many processes (one per GPU while there are GPUs
+enough, else several on one GPU, which then share it by time slices), each with a Buffer over a gloo
+group and the peers' buffers mapped through CUDA IPC: eager wall times of the slowest rank (medians),
+and each rank's received bytes over the dispatch time beside the copy rate to a peer GPU (or within
+the GPU when there is one).
+
     python benchmarks/bench_ht.py                            # EP = 1, 2, 4, 8 at 4096 tokens per rank
     python benchmarks/bench_ht.py --ep 1 --tokens 1024 8192 --num-sms 20 132
+    python benchmarks/bench_ht.py --ep 2 4 8 --processes     # IPC processes
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from bench_ll import copy_bandwidth, print_table, time_graph
 
 from ep_layer import Buffer
@@ -135,6 +145,83 @@ def measure(ep: int, tokens: int, args: argparse.Namespace, fp8: bool, sms: int,
             comb / bf16_floor, in_place / bf16_floor, received * row / disp / 1e3, size / 2**20, sync, *refs)
 
 
+PROCESS_HEADER = ("EP", "T", "fmt", "GPUs", "disp_us", "comb_us", "zc_us", "recv_GB/s/rank", "copy_GB/s")
+
+
+def peer_copy_rate(nbytes: int = 1 << 30) -> float:
+    """Bytes/s of one copy from this GPU to the next one (or within it, on one GPU), bytes read counted once."""
+    gpus = torch.cuda.device_count()
+    if gpus == 1:
+        return copy_bandwidth() / 2
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    samples = []
+    for _ in range(8):
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize("cuda:1")
+        samples.append(time.perf_counter() - start)
+    return nbytes / statistics.median(samples[2:])
+
+
+def slowest_wall_us(fn, group: object) -> float:
+    """The slowest rank's median eager wall time of one call, the ranks started together."""
+    samples = []
+    for _ in range(7):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    mine = torch.tensor([statistics.median(samples[2:])])
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    return float(mine)
+
+
+def process_rank(rank: int, world: int, port: int, args: argparse.Namespace, rate: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    Buffer.set_num_sms(max(args.num_sms))
+    for tokens in args.tokens:
+        for fp8 in (False, True):
+            size = nvl_bytes(tokens, args.hidden, args.topk, world)
+            buf = Buffer(group, num_nvl_bytes=size, low_latency_mode=False, backend="cuda")
+            r = Rank(buf, rank, tokens, args.hidden, args.experts, args.topk, fp8, world * tokens)
+            r.first_dispatch()
+            received = int(r.handle.recv_src_rank.ge(0).sum())
+            disp = slowest_wall_us(r.dispatch_sized, group)
+            zero_copy = slowest_wall_us(r.combine_in_place, group)
+            comb = slowest_wall_us(r.combine, group)
+            row = args.hidden if fp8 else 2 * args.hidden
+            per_rank = torch.tensor([received * row / disp / 1e3])
+            dist.all_reduce(per_rank, group=group)
+            buf.check()
+            buf.destroy()
+            if rank == 0:
+                print(" | ".join(str(v) for v in (world, tokens, "fp8" if fp8 else "bf16",
+                                                   min(world, torch.cuda.device_count()), f"{disp:.1f}",
+                                                   f"{comb:.1f}", f"{zero_copy:.1f}", f"{float(per_rank) / world:.0f}",
+                                                   f"{rate / 1e9:.0f}")), flush=True)
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def main_processes(args: argparse.Namespace) -> None:
+    rate = peer_copy_rate()
+    print(f"# IPC processes on {torch.cuda.device_count()} x {torch.cuda.get_device_name()}; H={args.hidden} "
+          f"E={args.experts} top-{args.topk}, {max(args.num_sms)} SMs a call", flush=True)
+    print(" | ".join(PROCESS_HEADER), flush=True)
+    for i, ep in enumerate(e for e in args.ep if e > 1):
+        mp.spawn(process_rank, args=(ep, args.port + i, args, rate), nprocs=ep)
+    print("eager wall time of the slowest rank; recv_GB/s/rank: a rank's received rows over the dispatch time, "
+          "averaged over the ranks; copy_GB/s: one copy to the next GPU (within the GPU when there is one)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -144,7 +231,12 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--num-sms", type=int, nargs="+", default=[20], help="Buffer.set_num_sms values (even)")
     parser.add_argument("--no-reference", action="store_true", help="skip the reference backend's columns")
+    parser.add_argument("--processes", action="store_true", help="EP > 1 as IPC processes instead of emulated")
+    parser.add_argument("--port", type=int, default=29575, help="with --processes: the first rendezvous port")
     args = parser.parse_args()
+    if args.processes:
+        main_processes(args)
+        return
     rate = copy_bandwidth()
     print(f"# H={args.hidden} E={args.experts} top-{args.topk}, copy rate {rate / 1e12:.2f} TB/s (read + written)",
           flush=True)
