@@ -10,7 +10,7 @@
 // or reduce tells the writer that its reads of that half are done (released); a stage waits for every
 // reader's release of the half's previous call before it writes, which is at once in the usual
 // dispatch, combine, dispatch order. No wait depends on a later call, so any order of calls is safe.
-// Byte offsets have a Python twin in ep_layer/backends/cuda_normal.py (stage_bytes).
+// Byte offsets have a Python twin in ep_layer/layout.py (stage_bytes, normal_combine_rows_offset).
 #pragma once
 
 #include <cstddef>

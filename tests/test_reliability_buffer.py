@@ -321,6 +321,7 @@ def test_every_public_name_is_covered() -> None:
     assert public == ["capture", "check", "clean_low_latency_buffer", "combine", "destroy", "dispatch",
                       "from_backend", "get_combine_config", "get_comm_stream", "get_dispatch_config",
                       "get_dispatch_layout", "get_local_buffer_tensor", "get_low_latency_rdma_size_hint",
-                      "get_next_combine_buffer", "get_next_low_latency_combine_buffer", "is_sm90_compiled", "latency_stats",
-                      "low_latency_clean_mask_buffer", "low_latency_combine", "low_latency_dispatch",
-                      "low_latency_query_mask_buffer", "low_latency_update_mask_buffer", "set_num_sms"], public
+                      "get_next_combine_buffer", "get_next_low_latency_combine_buffer", "is_sm90_compiled",
+                      "latency_stats", "low_latency_clean_mask_buffer", "low_latency_combine",
+                      "low_latency_dispatch", "low_latency_query_mask_buffer", "low_latency_update_mask_buffer",
+                      "set_num_sms"], public

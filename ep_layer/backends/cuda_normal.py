@@ -67,9 +67,7 @@ class CudaNormalMode:
         c.normal_load_kernels()  # before any rank's exchange kernel can wait on the device
         if emulated:
             _load_torch_kernels(num_ranks, device)
-        # A combine's rows in this rank's half 1 (csrc/normal.cuh), and views of them lent by combine_buffer.
-        self._combine_rows = self._base + layout.normal_combine_rows_offset(num_bytes)
-        self._combine_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._combine_rows = self._base + layout.normal_combine_rows_offset(num_bytes)  # in half 1 (normal.cuh)
         self._lent = False  # a view is out whose rows no combine has read yet
         self._host_flag, device_flag = c.alloc_host_flag()
         with torch.inference_mode(False):
@@ -245,12 +243,8 @@ class CudaNormalMode:
         self._check_capacity("combine", rows, 2 * hidden, 0)
         self.raise_recorded()
         self._c.normal_wait_combine_half(self._common, self._stream())
-        view = self._combine_views.get((rows, hidden))
-        if view is None:
-            view = self._combine_views[rows, hidden] = device_tensor(self._combine_rows, (rows, hidden), self._device)
         self._lent = True
-        return view
+        return device_tensor(self._combine_rows, (rows, hidden), self._device)  # not kept: N changes every call
 
     def destroy(self) -> None:
-        self._combine_views.clear()
         self._c.free_host_flag(self._host_flag)
