@@ -9,11 +9,14 @@ CUDA-graph replay (median of many); Python call time is the host time of one eag
 dispatch without a hook runs both halves as one kernel (`disp_us`); the hook's two kernels are timed
 too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels. With EP = 1 in the
 sweep a second table shows eager calls as an engine without CUDA graphs makes them: host time per call and
-the GPU time of a dispatch + combine pair with a cold L2.
+the GPU time of a dispatch + combine pair with a cold L2. `--transport nvshmem` makes the EP = 1 Buffer
+on NVSHMEM's symmetric heap (nvshmem4py) instead of a cudaMalloc'd one; emulated ranks stay on their
+own buffers (NVSHMEM runs one PE per process).
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
     python benchmarks/bench_ll.py --ep 8 --tokens 1 32 --max-tokens 256   # a decode batch below the buffer's maximum
+    python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288 --transport nvshmem
 """
 
 from __future__ import annotations
@@ -96,11 +99,15 @@ class Case:
     """All ranks' inputs for one (EP, T, E) point, and closures for each phase."""
 
     def __init__(self, ep: int, tokens: int, max_tokens: int, hidden: int, experts: int, topk: int, seed: int,
-                 serial_ranks: bool) -> None:
+                 serial_ranks: bool, transport: str = "ipc") -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.ep, self.tokens, self.max_tokens, self.hidden, self.experts = ep, tokens, max_tokens, hidden, experts
         self.size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ep, experts)
-        self.buffers = emulated_buffers(ep, self.size, gpu_share=1 if serial_ranks else ep)
+        if ep == 1 and transport == "nvshmem":
+            self.buffers = [Buffer(None, num_rdma_bytes=self.size, low_latency_mode=True, backend="cuda",
+                                   transport="nvshmem")]
+        else:
+            self.buffers = emulated_buffers(ep, self.size, gpu_share=1 if serial_ranks else ep)
         self.streams = RankStreams(ep) if ep > 1 and not serial_ranks else None
         self.xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(ep)]
         scores = [torch.rand(tokens, experts, device="cuda", generator=gen) for _ in range(ep)]
@@ -251,6 +258,8 @@ def main() -> None:
                              "often below it")
     parser.add_argument("--serial-ranks", action="store_true",
                         help="run the emulated ranks' kernels one after another on one stream")
+    parser.add_argument("--transport", choices=("ipc", "nvshmem"), default="ipc",
+                        help="the EP = 1 Buffer's memory: cudaMalloc (ipc) or NVSHMEM's symmetric heap")
     args = parser.parse_args()
     if args.max_tokens is not None and not max(args.tokens) <= args.max_tokens <= MAX_TOKENS_PER_RANK:
         parser.error(f"--max-tokens: expected {max(args.tokens)} (the largest --tokens) to {MAX_TOKENS_PER_RANK}, "
@@ -270,7 +279,7 @@ def main() -> None:
         for experts in args.experts:
             for tokens in args.tokens:
                 case = Case(ep, tokens, args.max_tokens or tokens, args.hidden, experts, args.topk,
-                            seed=ep * 1000 + tokens, serial_ranks=args.serial_ranks)
+                            seed=ep * 1000 + tokens, serial_ranks=args.serial_ranks, transport=args.transport)
                 disp_bytes = case.pairs * dispatch_bytes_per_pair(args.hidden)
                 comb_bytes = case.pairs * 2 * args.hidden
                 disp = time_graph(case.dispatch)

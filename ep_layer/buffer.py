@@ -116,7 +116,9 @@ class Buffer(NormalMode):
     and ignored. `enable_shrink` is DeepEP's rank
     masking (fault tolerance): a peer that misses a wait is masked instead of failing the call.
     `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or "reference";
-    `timeout_s` bounds every wait for a peer rank.
+    `timeout_s` bounds every wait for a peer rank. `transport` is how the cuda backend shares the ranks'
+    buffers: "auto" or "ipc" (CUDA IPC, one node), or "nvshmem" (NVSHMEM's symmetric heap, through
+    nvshmem4py: `pip install 'ep-layer[nvshmem]'`; peers reached by loads and stores only, for now).
     """
 
     num_sms: int = 20  # DeepEP's SM budget of its normal-mode kernels; the low-latency kernels size themselves
@@ -125,7 +127,7 @@ class Buffer(NormalMode):
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
-                 backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto") -> None:
         if comm is not None:
             raise NotImplementedError("comm: an MPI communicator is not supported; pass the torch.distributed "
                                       "group of the EP ranks as `group`")
@@ -137,7 +139,8 @@ class Buffer(NormalMode):
                "a positive, finite number of seconds", timeout_s)
         rank, size = group_rank_and_size(group)
         self._attach(create_backend(backend, group, rank, size, num_rdma_bytes, float(timeout_s),
-                                    shrink=bool(enable_shrink), num_nvl_bytes=num_nvl_bytes), bool(low_latency_mode))
+                                    shrink=bool(enable_shrink), num_nvl_bytes=num_nvl_bytes, transport=transport),
+                     bool(low_latency_mode))
         self.num_nvl_bytes = num_nvl_bytes
         self.explicitly_destroy = explicitly_destroy
 

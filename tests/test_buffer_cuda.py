@@ -749,15 +749,15 @@ def test_latency_stats_deferred_accounting_counts_each_call_once(seed: int) -> N
 
 
 # ---------------------------------------------------------------------------- real processes (IPC)
-def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int) -> None:
+def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int, transport: str = "ipc") -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())  # several GPUs: peers over NVLink
     rng = np.random.default_rng(seed)  # same stream on every rank: shared shapes, per-rank inputs below
-    hidden, num_local, topk = 1024, 3, 4
+    hidden, num_local, topk = 1024, 3 if world_size > 1 else 4, 4  # one rank: its experts hold the top-4
     num_experts = world_size * num_local
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
-    cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=60)
+    cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=60, transport=transport)
     ref = Buffer(dist.group.WORLD, low_latency_mode=True, backend="reference", timeout_s=60)
     xs, idxs = make_inputs(rng, world_size, max_tokens, hidden, num_experts, topk, device="cpu")
     x, idx = xs[rank], idxs[rank]
@@ -847,12 +847,12 @@ def test_ipc_ranks_match_reference(world_size: int, max_tokens: int, seed: int) 
     run_ranks(_ipc_rank, world_size, seed, max_tokens, timeout_s=240)
 
 
-def _silent_rank(rank: int, world_size: int) -> float:
+def _silent_rank(rank: int, world_size: int, transport: str = "ipc") -> float:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     size = Buffer.get_low_latency_rdma_size_hint(8, 512, world_size, 4)
-    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=2.0)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=2.0, transport=transport)
     if rank == 1:
         return 0.0  # never calls dispatch
     start = time.monotonic()

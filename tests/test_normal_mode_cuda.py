@@ -30,8 +30,9 @@ def _setup_device(rank: int) -> None:
     torch.cuda.set_device(rank % torch.cuda.device_count())
 
 
-def _buffers(group: object, timeout_s: float = 60) -> tuple[Buffer, Buffer]:
-    cuda = Buffer(group, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=timeout_s)
+def _buffers(group: object, timeout_s: float = 60, transport: str = "ipc") -> tuple[Buffer, Buffer]:
+    cuda = Buffer(group, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=timeout_s,
+                  transport=transport)
     ref = Buffer(group, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="reference", timeout_s=timeout_s)
     return cuda, ref
 
@@ -152,11 +153,11 @@ def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank
     _same(tuple(got_worst[4])[:4], tuple(want_worst[4])[:4], f"{tag} rank {rank} worst handle")
 
 
-def _rank_matches_reference(rank: int, world: int, seed: int) -> None:
+def _rank_matches_reference(rank: int, world: int, seed: int, transport: str = "ipc") -> None:
     import torch.distributed as dist
 
     _setup_device(rank)
-    cuda, ref = _buffers(dist.group.WORLD)
+    cuda, ref = _buffers(dist.group.WORLD, transport=transport)
     shared = np.random.default_rng(seed)  # the same on every rank: the shapes of each round
     rng = np.random.default_rng([seed, rank])
     for round_ in range(6):

@@ -10,9 +10,10 @@ from .base import Backend, DispatchResult, DispatchSpec, Handle, RecvX, RowsInPl
 from .reference import ReferenceBackend
 
 BACKENDS = ("auto", "cuda", "reference")
+TRANSPORTS = ("auto", "ipc", "nvshmem")  # the cuda backend's ways of sharing the ranks' buffers
 
-__all__ = ["BACKENDS", "Backend", "DispatchResult", "DispatchSpec", "Handle", "RecvX", "RowsInPlace", "create_backend",
-           "resolve_backend"]
+__all__ = ["BACKENDS", "TRANSPORTS", "Backend", "DispatchResult", "DispatchSpec", "Handle", "RecvX", "RowsInPlace",
+           "create_backend", "resolve_backend"]
 
 
 def resolve_backend(name: str, *, one_node: bool = True, device: torch.device | str | None = None) -> str:
@@ -29,15 +30,23 @@ def resolve_backend(name: str, *, one_node: bool = True, device: torch.device | 
 
 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
-                   num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False, num_nvl_bytes: int = 0) -> Backend:
+                   num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False, num_nvl_bytes: int = 0,
+                   transport: str = "auto") -> Backend:
     """The backend resolve_backend(name) names, for this rank of `group`; `num_nvl_bytes` sizes the cuda
-    backend's normal-mode buffer (the reference backend needs none)."""
+    backend's normal-mode buffer (the reference backend needs none); `transport` is how the cuda backend
+    shares its buffers: CUDA IPC ("auto" and "ipc") or NVSHMEM ("nvshmem")."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     name = resolve_backend(name)
     if name == "reference":
+        if transport == "nvshmem":
+            raise ValueError("transport: 'nvshmem' is a transport of the cuda backend, and this Buffer's backend is "
+                             "'reference'")
         return ReferenceBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
     if not torch.cuda.is_available():
         raise ValueError("backend: 'cuda' needs a CUDA GPU, and torch sees none")
     native.load()  # raises with the reason the extension is missing
     from .cuda import CudaBackend
 
-    return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink, num_nvl_bytes=num_nvl_bytes)
+    return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink, num_nvl_bytes=num_nvl_bytes,
+                       transport="nvshmem" if transport == "nvshmem" else "ipc")

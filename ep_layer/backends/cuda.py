@@ -29,6 +29,7 @@ from ..errors import EPTimeoutError
 from ..kernel_args import CombinePointers, DispatchPointers
 from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
+from . import nvshmem_heap
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace
 from .cuda_normal import CudaNormalMode
 from .device_errors import take_recorded_error
@@ -202,6 +203,9 @@ class _KeptForHook:
         self._tensors.clear()
 
 
+TRANSPORTS = ("ipc", "nvshmem")
+
+
 class CudaBackend(Backend):
     name = "cuda"
     supports_rows_in_place = True
@@ -209,13 +213,14 @@ class CudaBackend(Backend):
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False,
                  peer_bases: list[int] | None = None, gpu_share: int = 1, num_nvl_bytes: int = 0,
-                 nvl_peer_bases: list[int] | None = None) -> None:
+                 nvl_peer_bases: list[int] | None = None, transport: str = "ipc") -> None:
         """`peer_bases` (buffers from `alloc_buffer`, one per rank) is for ranks emulated in one process,
         `gpu_share` how many of them run their kernels at the same time; without them the buffer is
         allocated here, the peers' are mapped through CUDA IPC, and the ranks on this GPU share it.
         `num_nvl_bytes` > 0 adds normal mode, over a second buffer of that size (cuda_normal.py; emulated
         ranks pass theirs as `nvl_peer_bases`); then `num_rdma_bytes` may be 0 (no low-latency calls: the
-        low-latency buffer is only its control block)."""
+        low-latency buffer is only its control block). `transport`: how the ranks' buffers are shared,
+        "ipc" (CUDA IPC) or "nvshmem" (NVSHMEM's symmetric heap, nvshmem_heap.py)."""
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
         self._c = native.load()
         expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
@@ -229,16 +234,23 @@ class CudaBackend(Backend):
         self.num_nvl_bytes = num_nvl_bytes
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._num_sms = self._c.num_sms()
+        expect(transport in TRANSPORTS, "transport", f"one of {TRANSPORTS}", transport)
+        expect(transport == "ipc" or peer_bases is None, "transport", "'ipc' for ranks emulated in one process",
+               transport)
+        self._transport = transport
         self._opened: list[int] = []  # peers' buffers mapped through IPC, closed on destroy
+        self._symmetric: list[nvshmem_heap.SymmetricBuffer] = []  # NVSHMEM's, freed on destroy
         self._system_scope = False  # True once a peer sits on another GPU
         # Ranks whose kernels run on this GPU at the same time: each sizes its dispatch grids for its share
         # of the SMs, so that all of them run in one wave (8 emulated ranks side by side at T = 128 on an
         # H200: send blocks of four tokens instead of four waves of one-token blocks); a rank alone on the
         # GPU keeps all of it.
         self._gpu_share = gpu_share
+        if transport == "nvshmem":
+            nvshmem_heap.join(group, rank, num_ranks, self._device)
         if peer_bases is None:
             ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
-            peer_bases = self._exchange_handles(self._c.alloc_buffer(ll_bytes), ll_bytes, "num_rdma_bytes")
+            peer_bases = self._shared_buffer(ll_bytes, "num_rdma_bytes")
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
         self._peer_bases = list(peer_bases)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
@@ -261,33 +273,42 @@ class CudaBackend(Backend):
             self._mask = torch.zeros(num_ranks, dtype=torch.int32, device=self._device) if shrink else None
         self._normal: CudaNormalMode | None = None
         if num_nvl_bytes > 0:
-            nvl_bases = nvl_peer_bases or self._exchange_handles(self._c.alloc_buffer(num_nvl_bytes), num_nvl_bytes,
-                                                                 "num_nvl_bytes")
+            nvl_bases = nvl_peer_bases or self._shared_buffer(num_nvl_bytes, "num_nvl_bytes")
             self._nvl_base = nvl_bases[rank]
             self._normal = CudaNormalMode(self._c, rank, num_ranks, nvl_bases, num_nvl_bytes, self._system_scope,
                                           timeout_s, self._device, emulated=nvl_peer_bases is not None,
                                           max_sms=max(1, self._num_sms // self._gpu_share))
 
-    def _exchange_handles(self, base: int, num_bytes: int, name: str) -> list[int]:
-        """Share our buffer's IPC handle through the group; map every peer's buffer (closed on destroy)."""
-        if self.num_ranks == 1:
-            return [base]
+    def _shared_buffer(self, num_bytes: int, name: str) -> list[int]:
+        """A zeroed buffer of `num_bytes` on every rank (a collective), and each rank's address here: ours
+        shared through CUDA IPC (the peers' mapped, closed on destroy), or NVSHMEM's symmetric heap."""
+        if self._transport == "ipc":
+            base = self._c.alloc_buffer(num_bytes)
+            if self.num_ranks == 1:
+                return [base]
+            handles = self._gather_peers(num_bytes, name, self._c.ipc_handle(base))
+            bases = [base if r == self.rank else self._c.ipc_open(h) for r, h in enumerate(handles)]
+            self._opened += [b for r, b in enumerate(bases) if r != self.rank]
+            return bases
+        symmetric = nvshmem_heap.allocate(num_bytes, self.num_ranks)
+        self._symmetric.append(symmetric)
+        self._c.memset_async(symmetric.bases[self.rank], num_bytes, self._stream())
+        torch.cuda.synchronize(self._device)
+        if self.num_ranks > 1:
+            self._gather_peers(num_bytes, name, None)  # also: every rank's buffer is zeroed before any call
+        return symmetric.bases
+
+    def _gather_peers(self, num_bytes: int, name: str, handle: object) -> list:
+        """Every rank's `handle` through the group, checking that `num_bytes` agree; learns which peers
+        share this GPU (`gpu_share`) and whether one sits on another GPU (system-scope ordering)."""
         device_id = str(torch.cuda.get_device_properties(self._device).uuid)
-        mine = (self._c.ipc_handle(base), num_bytes, device_id)
         gathered: list = [None] * self.num_ranks
-        dist.all_gather_object(gathered, mine, group=self.group)
+        dist.all_gather_object(gathered, (handle, num_bytes, device_id), group=self.group)
         sizes = {r: g[1] for r, g in enumerate(gathered)}
         expect(len(set(sizes.values())) == 1, name, "the same on every rank", sizes)
         self._system_scope = len({g[2] for g in gathered}) > 1
         self._gpu_share = sum(g[2] == device_id for g in gathered)
-        bases = []
-        for r, (handle, _, _) in enumerate(gathered):
-            if r == self.rank:
-                bases.append(base)
-            else:
-                bases.append(self._c.ipc_open(handle))
-                self._opened.append(bases[-1])
-        return bases
+        return [g[0] for g in gathered]
 
     @property
     def device(self) -> torch.device:
@@ -583,8 +604,14 @@ class CudaBackend(Backend):
         self._combine_views.clear()
         self._output_sets.clear()
         self._combine_outputs.clear()
-        self._c.free_buffer(self._base)
         self._c.free_host_flag(self._host_flag)
         if self._normal is not None:
-            self._c.free_buffer(self._nvl_base)
             self._normal.destroy()
+        if self._transport == "nvshmem":
+            for symmetric in self._symmetric:
+                nvshmem_heap.free(symmetric)
+            self._symmetric.clear()
+            return
+        self._c.free_buffer(self._base)
+        if self._normal is not None:
+            self._c.free_buffer(self._nvl_base)
