@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_ll import copy_bandwidth, print_table, time_graph
+from bench_ll_multigpu import eager_time, nvlink_bandwidth
 
 from ep_layer import Buffer
 from ep_layer.emulation import RankStreams, emulated_buffers
@@ -148,35 +149,14 @@ def measure(ep: int, tokens: int, args: argparse.Namespace, fp8: bool, sms: int,
 PROCESS_HEADER = ("EP", "T", "fmt", "GPUs", "disp_us", "comb_us", "zc_us", "recv_GB/s/rank", "copy_GB/s")
 
 
-def peer_copy_rate(nbytes: int = 1 << 30) -> float:
-    """Bytes/s of one copy from this GPU to the next one (or within it, on one GPU), bytes read counted once."""
-    gpus = torch.cuda.device_count()
-    if gpus == 1:
-        return copy_bandwidth() / 2
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    samples = []
-    for _ in range(8):
-        torch.cuda.synchronize("cuda:0")
-        torch.cuda.synchronize("cuda:1")
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize("cuda:1")
-        samples.append(time.perf_counter() - start)
-    return nbytes / statistics.median(samples[2:])
+def peer_copy_rate() -> float:
+    """Bytes/s of one copy to the next GPU (or within this one, when it is alone), bytes read counted once."""
+    return nvlink_bandwidth() if torch.cuda.device_count() > 1 else copy_bandwidth() / 2
 
 
 def slowest_wall_us(fn, group: object) -> float:
     """The slowest rank's median eager wall time of one call, the ranks started together."""
-    samples = []
-    for _ in range(7):
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e6)
-    mine = torch.tensor([statistics.median(samples[2:])])
+    mine = torch.tensor([eager_time(fn, group)])
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     return float(mine)
 
