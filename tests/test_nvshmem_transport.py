@@ -67,3 +67,28 @@ def test_a_silent_rank_is_named() -> None:
     elapsed = run_ranks(_silent_rank, 2, "nvshmem", timeout_s=120)[0]
     assert 1.5 < elapsed < 20
 
+
+
+def _large_buffer_rank(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=3 << 30, low_latency_mode=False, backend="cuda", transport="nvshmem")
+    idx = torch.tensor([[0], [1]], device="cuda")
+    layout = buf.get_dispatch_layout(idx, 2)
+    x = torch.randn(2, 128, device="cuda").to(torch.bfloat16)
+    recv = buf.dispatch(x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                        topk_idx=idx)
+    out = buf.combine(recv[0], recv[4])[0]
+    buf.check()
+    assert torch.equal(out, x)
+    buf.destroy()
+    return 0
+
+
+@needs_nvshmem
+def test_a_buffer_larger_than_nvshmem_default_heap() -> None:
+    """NVSHMEM's heap is 1 GiB unless told otherwise; the first Buffer sizes it (3 GiB here)."""
+    from dist_harness import run_ranks
+
+    run_ranks(_large_buffer_rank, 1, timeout_s=120)

@@ -247,7 +247,8 @@ class CudaBackend(Backend):
         # GPU keeps all of it.
         self._gpu_share = gpu_share
         if transport == "nvshmem":
-            nvshmem_heap.join(group, rank, num_ranks, self._device)
+            nvshmem_heap.join(group, rank, num_ranks, self._device,
+                              layout.allocated_low_latency_bytes(num_rdma_bytes) + num_nvl_bytes)
         if peer_bases is None:
             ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
             peer_bases = self._shared_buffer(ll_bytes, "num_rdma_bytes")

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from ..checks import expect
 
 # Set for NVSHMEM unless the environment says otherwise: NVLink SHARP (multicast objects) off, which these
-# machines' drivers and the kernels do not use.
+# machines' drivers and the kernels do not use; and a symmetric heap sized by the first Buffer (heap_bytes).
 ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
+MIN_HEAP_BYTES = 1 << 30
 INSTALL_HINT = "pip install 'ep-layer[nvshmem]' (nvshmem4py-cu13, with the nvidia-nvshmem-cu13 library)"
 
 
@@ -40,9 +41,11 @@ def _nvshmem() -> Any:
     return nvshmem.core
 
 
-def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: torch.device) -> None:
+def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: torch.device, buffer_bytes: int) -> None:
     """Starts this process's NVSHMEM job as `rank` of `num_ranks` on `device` (a collective over `group`),
-    or checks that the job already started is that one: NVSHMEM has one job per process."""
+    or checks that the job already started is that one: NVSHMEM has one job per process. The heap (fixed
+    for the job) holds twice the first Buffer's `buffer_bytes`, so that a second Buffer of its size fits
+    (engines make one per micro-batch slot or mode), unless NVSHMEM_SYMMETRIC_SIZE says otherwise."""
     global _job
     if _job is not None:
         expect(_job == (rank, num_ranks), "group", f"the ranks of this process's NVSHMEM job (rank {_job[0]} of "
@@ -50,6 +53,7 @@ def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: tor
         return
     for name, value in ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(MIN_HEAP_BYTES, 2 * buffer_bytes)))
     nvshmem = _nvshmem()
     from cuda.core import Device
 
