@@ -33,7 +33,7 @@ TOL_BF16_F64 = 2**-5  # bf16 weights vs float64 (test_moe.py's float32 bound: ou
 def both_modes_rank(rank: int, world: int, cfg: MoeConfig, quant: str, weights: dict[str, torch.Tensor],
                     tokens: list[torch.Tensor], big: list[torch.Tensor], backend: str) -> dict[str, np.ndarray]:
     """This rank's tokens through both modes, and a batch larger than T through normal mode."""
-    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    device = torch.device("cpu")
     if backend == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())

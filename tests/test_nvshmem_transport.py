@@ -3,7 +3,8 @@ peer reached at the address NVSHMEM maps its buffer to. On the GPU (with nvshmem
 tests' rank functions run unchanged on this transport: low-latency dispatch and combine in every FP8 mode,
 with hooks and rows in place, against the reference backend bit for bit, on one process and on several
 processes sharing one GPU (NVSHMEM allowed two PEs on one H200 without MPS); normal mode against the
-reference; a silent rank named by the timeout. On CPU: the argument errors.
+reference; a silent rank named by the timeout; a buffer past NVSHMEM's default heap. On CPU: the
+argument errors.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ class _KeptForHook:
         self._tensors.clear()
 
 
-TRANSPORTS = ("ipc", "nvshmem")
+CUDA_TRANSPORTS = ("ipc", "nvshmem")  # create_backend maps the Buffer's "auto" to "ipc"
 
 
 class CudaBackend(Backend):
@@ -234,7 +234,7 @@ class CudaBackend(Backend):
         self.num_nvl_bytes = num_nvl_bytes
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._num_sms = self._c.num_sms()
-        expect(transport in TRANSPORTS, "transport", f"one of {TRANSPORTS}", transport)
+        expect(transport in CUDA_TRANSPORTS, "transport", f"one of {CUDA_TRANSPORTS}", transport)
         expect(transport == "ipc" or peer_bases is None, "transport", "'ipc' for ranks emulated in one process",
                transport)
         self._transport = transport
@@ -246,11 +246,10 @@ class CudaBackend(Backend):
         # H200: send blocks of four tokens instead of four waves of one-token blocks); a rank alone on the
         # GPU keeps all of it.
         self._gpu_share = gpu_share
+        ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
         if transport == "nvshmem":
-            nvshmem_heap.join(group, rank, num_ranks, self._device,
-                              layout.allocated_low_latency_bytes(num_rdma_bytes) + num_nvl_bytes)
+            nvshmem_heap.join(group, rank, num_ranks, self._device, ll_bytes + num_nvl_bytes)
         if peer_bases is None:
-            ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
             peer_bases = self._shared_buffer(ll_bytes, "num_rdma_bytes")
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
         self._peer_bases = list(peer_bases)
