@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 from . import kernel_args, layout
@@ -64,3 +65,12 @@ def load() -> ModuleType:
             f"ep_layer._C (the CUDA kernels) is not available: {_error}. Build it with nvcc on PATH "
             "(`pip install -e .` on a machine with the CUDA toolkit), or use backend='reference'.")
     return _module
+
+
+def nvshmem_available() -> bool:
+    """True when the NVSHMEM build of the kernels (ep_layer._C_nvshmem) and nvshmem4py are installed, so that
+    the cuda backend's NVSHMEM transport can run; nothing is imported (that needs NVSHMEM's host library)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in ("ep_layer._C_nvshmem", "nvshmem.core"))
+    except ModuleNotFoundError:  # no nvshmem package at all
+        return False

@@ -18,15 +18,16 @@ __all__ = ["BACKENDS", "TRANSPORTS", "Backend", "DispatchResult", "DispatchSpec"
 
 def resolve_backend(name: str, *, one_node: bool = True, device: torch.device | str | None = None) -> str:
     """The backend `name` stands for, the one place `auto` is decided: `cuda` where our kernels are
-    built, a GPU is present, the ranks share one node (the cuda backend maps its peers' buffers
-    through CUDA IPC) and the caller's tensors live on a GPU (`device`; None: wherever they may be),
-    else `reference`."""
+    built, a GPU is present, the caller's tensors live on a GPU (`device`; None: wherever they may be) and
+    the ranks share one node (CUDA IPC) or NVSHMEM can reach across nodes (native.nvshmem_available), else
+    `reference`."""
     if name not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {name!r}")
     if name != "auto":
         return name
     on_gpu = device is None or torch.device(device).type == "cuda"
-    return "cuda" if one_node and on_gpu and native.available() and torch.cuda.is_available() else "reference"
+    reachable = one_node or native.nvshmem_available()
+    return "cuda" if reachable and on_gpu and native.available() and torch.cuda.is_available() else "reference"
 
 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
