@@ -10,24 +10,29 @@ dispatch without a hook runs both halves as one kernel (`disp_us`); the hook's t
 too (`hook_us` = `send_us` + `recv_us`). Emulated ranks always use the hook's kernels. With EP = 1 in the
 sweep a second table shows eager calls as an engine without CUDA graphs makes them: host time per call and
 the GPU time of a dispatch + combine pair with a cold L2. `--transport nvshmem` makes the EP = 1 Buffer
-on NVSHMEM's symmetric heap (nvshmem4py) instead of a cudaMalloc'd one; emulated ranks stay on their
-own buffers (NVSHMEM runs one PE per process).
+on NVSHMEM's symmetric heap (nvshmem4py) instead of a cudaMalloc'd one, run by the kernels' NVSHMEM build;
+`nvshmem-puts` also reaches the rank through NVSHMEM puts (EP_LAYER_NVSHMEM_FORCE_PUTS=1: at EP = 1 its
+counts and hellos, as a rank on another node would be reached). Emulated ranks stay on their own
+buffers (NVSHMEM runs one PE per process).
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
     python benchmarks/bench_ll.py --ep 8 --tokens 1 32 --max-tokens 256   # a decode batch below the buffer's maximum
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288 --transport nvshmem
+    python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288 --transport nvshmem-puts
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
 from ep_layer import Buffer
+from ep_layer.backends import nvshmem_heap
 from ep_layer.checks import MAX_TOKENS_PER_RANK
 from ep_layer.emulation import RankStreams, each_rank, emulated_buffers
 
@@ -103,7 +108,8 @@ class Case:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.ep, self.tokens, self.max_tokens, self.hidden, self.experts = ep, tokens, max_tokens, hidden, experts
         self.size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, ep, experts)
-        if ep == 1 and transport == "nvshmem":
+        if ep == 1 and transport.startswith("nvshmem"):
+            os.environ[nvshmem_heap.FORCE_PUTS] = "1" if transport == "nvshmem-puts" else "0"
             self.buffers = [Buffer(None, num_rdma_bytes=self.size, low_latency_mode=True, backend="cuda",
                                    transport="nvshmem")]
         else:
@@ -258,8 +264,9 @@ def main() -> None:
                              "often below it")
     parser.add_argument("--serial-ranks", action="store_true",
                         help="run the emulated ranks' kernels one after another on one stream")
-    parser.add_argument("--transport", choices=("ipc", "nvshmem"), default="ipc",
-                        help="the EP = 1 Buffer's memory: cudaMalloc (ipc) or NVSHMEM's symmetric heap")
+    parser.add_argument("--transport", choices=("ipc", "nvshmem", "nvshmem-puts"), default="ipc",
+                        help="the EP = 1 Buffer's memory: cudaMalloc (ipc) or NVSHMEM's symmetric heap, its "
+                             "rank reached by loads and stores or (nvshmem-puts) by NVSHMEM puts")
     args = parser.parse_args()
     if args.max_tokens is not None and not max(args.tokens) <= args.max_tokens <= MAX_TOKENS_PER_RANK:
         parser.error(f"--max-tokens: expected {max(args.tokens)} (the largest --tokens) to {MAX_TOKENS_PER_RANK}, "

@@ -11,6 +11,14 @@
 
 #include "normal.cuh"
 #include "runtime.h"
+#ifdef EP_LAYER_NVSHMEM
+#include "nvshmem_glue.h"
+#endif
+
+// The module's name: _C, or _C_nvshmem for the build whose kernels also reach peers by NVSHMEM puts.
+#ifndef EP_LAYER_MODULE
+#define EP_LAYER_MODULE _C
+#endif
 
 namespace py = pybind11;
 
@@ -42,7 +50,7 @@ Field<T, M> field(const char* name, M T::*member) {
 // land in the wrong field, and none can be left out) and a read-only attribute per field.
 template <typename T, typename... M>
 void bind_struct(py::module_& m, const char* name, Field<T, M>... fields) {
-  py::class_<T> cls(m, name);
+  py::class_<T> cls(m, name, py::module_local());  // module-local: _C and _C_nvshmem bind the same types
   cls.def(py::init([fields...](M... values) {
             T t{};
             ((t.*fields.member = values), ...);
@@ -65,6 +73,7 @@ struct CommonArgs {
   double timeout_s;
   long long latency;  // the latency histogram (ll_common.cuh: Common::latency)
   long long mask;     // rank masking's int [num_ranks], or 0 when masking is off
+  unsigned put_ranks;  // ranks reached through NVSHMEM puts (bit r); 0 in the build without NVSHMEM
 };
 
 Common make_common(const CommonArgs& a) {
@@ -88,6 +97,11 @@ Common make_common(const CommonArgs& a) {
   c.timeout_ns = static_cast<unsigned long long>(a.timeout_s * 1e9);
   c.latency = ptr<unsigned long long>(a.latency);
   c.mask = ptr<int>(a.mask);
+#ifndef EP_LAYER_NVSHMEM
+  if (a.put_ranks != 0)
+    throw std::invalid_argument("make_common: put_ranks needs the NVSHMEM build of the kernels (ep_layer._C_nvshmem)");
+#endif
+  c.put_ranks = a.put_ranks;
   return c;
 }
 
@@ -141,11 +155,11 @@ struct CombineShape {
 };
 
 enum CombinePointer {
-  kCombineTicket, kCombineX, kXRow, kCombineRecvCount, kCombineMap, kCombineTopkIdx, kTopkWeights, kOut,
+  kCombineTicket, kCombineX, kXRow, kStageRow, kCombineRecvCount, kCombineMap, kCombineTopkIdx, kTopkWeights, kOut,
   kCombineWaitStats, kNumCombinePointers
 };
 const char* const kCombinePointerNames[kNumCombinePointers] = {
-    "ticket", "x", "x_row", "recv_count", "combine_map", "topk_idx", "topk_weights", "out", "wait_stats"};
+    "ticket", "x", "x_row", "stage_row", "recv_count", "combine_map", "topk_idx", "topk_weights", "out", "wait_stats"};
 using CombinePointers = std::array<long long, kNumCombinePointers>;
 
 ep::CombineCall combine_call(const Common& common, const CombineShape& s, const CombinePointers& p) {
@@ -157,6 +171,7 @@ ep::CombineCall combine_call(const Common& common, const CombineShape& s, const 
   call.blocks_per_expert = s.blocks_per_expert;
   call.x = ptr<const __nv_bfloat16>(p[kCombineX]);
   call.x_row = p[kXRow];
+  call.stage_row = p[kStageRow];
   call.recv_count = ptr<const int>(p[kCombineRecvCount]);
   call.combine_map = ptr<const int>(p[kCombineMap]);
   call.topk_idx = ptr<const long long>(p[kCombineTopkIdx]);
@@ -185,7 +200,7 @@ void bind_arguments(py::module_& m) {
   bind_struct(m, "BufferOffsets", field("control", &BufferOffsets::control), field("half", &BufferOffsets::half),
               field("dispatch", &BufferOffsets::dispatch), field("slot", &BufferOffsets::slot),
               field("combine", &BufferOffsets::combine), field("flags", &BufferOffsets::flags),
-              field("counts", &BufferOffsets::counts));
+              field("counts", &BufferOffsets::counts), field("send", &BufferOffsets::send));
   bind_struct(m, "CommonArgs", field("rank", &CommonArgs::rank), field("num_ranks", &CommonArgs::num_ranks),
               field("max_tokens", &CommonArgs::max_tokens), field("hidden", &CommonArgs::hidden),
               field("num_experts", &CommonArgs::num_experts), field("spec_check", &CommonArgs::spec_check),
@@ -193,7 +208,7 @@ void bind_arguments(py::module_& m) {
               field("peer_bases", &CommonArgs::peer_bases), field("local_base", &CommonArgs::local_base),
               field("layout", &CommonArgs::layout), field("host_error", &CommonArgs::host_error),
               field("timeout_s", &CommonArgs::timeout_s), field("latency", &CommonArgs::latency),
-              field("mask", &CommonArgs::mask));
+              field("mask", &CommonArgs::mask), field("put_ranks", &CommonArgs::put_ranks));
   bind_struct(m, "DispatchShape", field("num_tokens", &DispatchShape::num_tokens),
               field("num_topk", &DispatchShape::num_topk), field("use_fp8", &DispatchShape::use_fp8),
               field("round_scale", &DispatchShape::round_scale), field("use_ue8m0", &DispatchShape::use_ue8m0),
@@ -322,7 +337,7 @@ ep::NormalCall normal_call(const NormalShape& s, const NormalPointers& p) {
 }
 
 void bind_normal(py::module_& m) {
-  py::class_<ep::NormalCommon>(m, "NormalCommon");
+  py::class_<ep::NormalCommon>(m, "NormalCommon", py::module_local());
   bind_struct(m, "NormalCommonArgs", field("rank", &NormalCommonArgs::rank),
               field("num_ranks", &NormalCommonArgs::num_ranks), field("system_scope", &NormalCommonArgs::system_scope),
               field("peer_bases", &NormalCommonArgs::peer_bases), field("local_base", &NormalCommonArgs::local_base),
@@ -370,9 +385,13 @@ void bind_normal(py::module_& m) {
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "ep-layer CUDA kernels: low-latency dispatch/combine over CUDA IPC peer memory";
-  py::class_<Common>(m, "Common");
+PYBIND11_MODULE(EP_LAYER_MODULE, m) {
+  m.doc() = "ep-layer CUDA kernels: low-latency dispatch/combine over peer memory (and NVSHMEM puts in _C_nvshmem)";
+#ifdef EP_LAYER_NVSHMEM
+  m.def("attach_nvshmem", &ep::attach_nvshmem);
+  m.def("nvshmem_view", &ep::nvshmem_view);
+#endif
+  py::class_<Common>(m, "Common", py::module_local());
   bind_arguments(m);
   m.def("make_common", &make_common);
   bind_launchers(m);

@@ -38,6 +38,28 @@ __device__ __forceinline__ unsigned char* combine_slot(const Common& c, unsigned
   return half + c.layout.combine + (static_cast<long long>(token) * kMaxTopk + k) * c.hidden * 2;
 }
 
+#ifdef EP_LAYER_NVSHMEM
+// A warp's row for a put rank (kCopies): put from the stage area (the row is copied there first unless x is
+// that area: a put's source lies on the symmetric heap) into slot [token][k] of `source` for each position k
+// choosing the expert, each followed by its flag.
+__device__ __forceinline__ void put_row(const CombineCall& a, unsigned seq, long long in_row, int token, unsigned kmask,
+                                        int source, unsigned char* half) {
+  const Common& c = a.c;
+  const int lane = threadIdx.x % 32, row_bytes = c.hidden * 2;
+  unsigned char* staged = c.local_base + (a.stage_row + in_row) * row_bytes;
+  const auto* row = reinterpret_cast<const unsigned char*>(a.x + in_row * c.hidden);
+  if (staged != row) {
+    copy_vectors(reinterpret_cast<int4*>(staged), reinterpret_cast<const int4*>(row), c.hidden / 8, lane, 32);
+    __syncwarp();
+  }
+  for (unsigned m = kmask; m; m &= m - 1) {
+    const int k = __ffs(m) - 1;
+    const unsigned long long flag = (static_cast<unsigned long long>(static_cast<unsigned>(-(k + 1))) << 32) | seq;
+    put_with_flag(source, combine_slot(c, half, token, k), staged, row_bytes, combine_flag(c, half, token, k), flag);
+  }
+}
+#endif
+
 // The send half's rows of one (expert, row group) work item: kCopies, rows of other ranks' tokens are
 // copied into their slots (a warp per row); else every row is read where it lies and only its flags go
 // out (a thread per row). `workers` rows per pass, `row_groups` groups per expert.
@@ -61,7 +83,12 @@ __device__ __forceinline__ void send_rows(const CombineCall& a, unsigned seq, in
     int ref;
     if (source == c.rank) {
       ref = static_cast<int>(in_row);  // our own token: the receive half reads x in place
-    } else if (!kCopies) {
+#ifdef EP_LAYER_NVSHMEM
+    } else if (by_put(c, source)) {
+      if constexpr (kCopies) put_row(a, seq, in_row, token, kmask, source, half);  // the launcher picks kCopies
+      continue;
+#endif
+    } else if (a.x_row >= 0) {
       ref = -kMaxTopk - 1 - static_cast<int>(a.x_row + in_row);  // in our buffer: the receive half pulls it
     } else {
       copy_vectors(reinterpret_cast<int4*>(combine_slot(c, half, token, first_k)),
@@ -204,11 +231,17 @@ __global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
   if (block == 0 && threadIdx.x == 0) account_previous_call(a.c, kCombine, timing);
 }
 
+// Whether the send half moves rows (a warp each): to a peer that cannot read them where they lie, or by puts.
+bool copies_rows(const CombineCall& call) {
+  const bool put_peers = (call.c.put_ranks & ~(1u << call.c.rank)) != 0;
+  return put_peers || !(call.x_row >= 0 || call.c.num_ranks == 1);
+}
+
 }  // namespace
 
 void combine_send(const CombineCall& call, cudaStream_t stream) {
   const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
-  if (call.x_row >= 0 || call.c.num_ranks == 1)  // no row to copy
+  if (!copies_rows(call))
     combine_send_kernel<false><<<grid, kFlagThreads, 0, stream>>>(call);
   else
     combine_send_kernel<true><<<grid, kSendThreads, 0, stream>>>(call);
@@ -218,7 +251,7 @@ void combine_send(const CombineCall& call, cudaStream_t stream) {
 // the GPU holds at once (reducers then take several items each); at least one reducer, which with no
 // tokens waits for the peers' hellos as the receive kernel does.
 void combine_fused(const CombineCall& call, cudaStream_t stream) {
-  const bool copies = !(call.x_row >= 0 || call.c.num_ranks == 1);
+  const bool copies = copies_rows(call);
   const auto kernel = copies ? combine_fused_kernel<true> : combine_fused_kernel<false>;
   const int threads = copies ? kSendThreads : kFlagThreads;
   static thread_local int resident[2][64] = {};  // per variant and device: the occupancy query costs microseconds

@@ -7,6 +7,10 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <cstdint>
+#if defined(EP_LAYER_NVSHMEM) && defined(__CUDACC__)
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#endif
 
 namespace ep {
 
@@ -99,6 +103,8 @@ struct BufferOffsets {  // byte offsets: ep_layer/layout.py's BufferOffsets, the
   long long flags;       // offset of the combine flags inside a half
   long long counts;      // offset of the per-source expert counts inside a half: u64 [R][E_l],
                          // (sender's tokens << 48) | (count << 32) | seq
+  long long send;        // byte offset of half 0's send area (dispatch slots [destination][token] for puts);
+                         // half 1's follows it, `dispatch`'s size later
 };
 
 struct Common {
@@ -107,7 +113,11 @@ struct Common {
   unsigned spec_check;            // hash of what ranks must agree on
   int system_scope;               // peers on other GPUs: order at system scope, else at GPU scope
   int gpu_share;                  // ranks whose kernels run on this GPU at the same time (this one included)
-  long long peer_bases[kMaxRanks];  // each rank's buffer, mapped here (kernel parameters: no global load)
+  long long peer_bases[kMaxRanks];  // each rank's buffer, mapped here (kernel parameters: no global load); for a
+                                  // rank in put_ranks, this rank's own buffer (its symmetric address)
+  // Ranks reached through NVSHMEM puts rather than by loads and stores (bit r; ep_layer._C_nvshmem only: a
+  // peer without a load/store path, or every rank when puts are forced).
+  unsigned put_ranks;
   unsigned char* local_base;      // this rank's buffer
   BufferOffsets layout;
   unsigned* ticket;               // per call: the sequence number its send half used
@@ -325,14 +335,46 @@ __device__ __forceinline__ unsigned char* half_base(const Common& c, long long b
   return reinterpret_cast<unsigned char*>(base) + c.layout.control + (seq & 1u) * c.layout.half;
 }
 
+// Whether rank r is reached through NVSHMEM puts; never in the build without NVSHMEM (ep_layer._C), where
+// the put branches compile away.
+__device__ __forceinline__ bool by_put(const Common& c, int r) {
+#ifdef EP_LAYER_NVSHMEM
+  return (c.put_ranks >> r) & 1u;
+#else
+  return false;
+#endif
+}
+
+// Stores a word that orders no data (a hello, a tagged count) at `p` of rank r's buffer: a plain store
+// through its mapping, or an NVSHMEM signal (an atomic 64-bit write) at that symmetric address.
+__device__ __forceinline__ void store_word(const Common& c, int r, unsigned long long* p, unsigned long long v) {
+#ifdef EP_LAYER_NVSHMEM
+  if (by_put(c, r)) {
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(p), v, NVSHMEM_SIGNAL_SET, r);
+    return;
+  }
+#endif
+  *reinterpret_cast<volatile unsigned long long*>(p) = v;
+}
+
+#ifdef EP_LAYER_NVSHMEM
+// The calling warp puts `bytes` from `src` (this rank's buffer) to `dst` (a symmetric address) of rank r,
+// then sets the flag `*flag` = v there, after the data (NVSHMEM orders a put's signal after its data). It
+// returns once `src` may be reused.
+__device__ __forceinline__ void put_with_flag(int r, void* dst, const void* src, size_t bytes, unsigned long long* flag,
+                                              unsigned long long v) {
+  nvshmemx_putmem_signal_warp(dst, src, bytes, reinterpret_cast<uint64_t*>(flag), v, NVSHMEM_SIGNAL_SET, r);
+}
+#endif
+
 // Announce this call to every peer; thread r < num_ranks writes to rank r. A plain (relaxed) store: a
 // hello orders no data (every piece of data has its own flag); it tells peers what this rank agreed
 // to and that its kernels for this call have started.
 __device__ __forceinline__ void say_hello(const Common& c, Op op, unsigned seq) {
   if (threadIdx.x < c.num_ranks && !is_masked(c, threadIdx.x)) {
     auto* peer = reinterpret_cast<Control*>(c.peer_bases[threadIdx.x]);
-    *reinterpret_cast<volatile unsigned long long*>(&peer->hello[op][seq & 1u][c.rank]) =
-        (static_cast<unsigned long long>(c.spec_check) << 32) | seq;
+    store_word(c, threadIdx.x, &peer->hello[op][seq & 1u][c.rank],
+               (static_cast<unsigned long long>(c.spec_check) << 32) | seq);
   }
 }
 
@@ -453,6 +495,8 @@ struct CombineCall {
   int blocks_per_expert;
   const __nv_bfloat16* x;        // [E_l, R*T, H] expert outputs
   long long x_row;               // x's first row as a row of this rank's buffer (peers pull from it), or -1
+  long long stage_row;           // with put ranks: the first row of a bf16 [E_l, R*T, H] area of this rank's
+                                 // buffer that rows are put from (copied there unless x is that area), or -1
   const int* recv_count;         // [E_l], from dispatch
   const int* combine_map;        // [E_l, R*T], from dispatch
   const long long* topk_idx;     // [N, K]

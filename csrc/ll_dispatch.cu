@@ -23,6 +23,7 @@
 // Without a hook both halves run as one kernel whose blocks all fit on the GPU at once: each block
 // sends its tokens, then receives; one launch and no wait for the send kernel to drain.
 #include <algorithm>
+#include <cstddef>
 #include <stdexcept>
 #include <vector>
 
@@ -81,6 +82,14 @@ __device__ __forceinline__ unsigned char* dispatch_slot(const Common& c, int own
          (static_cast<long long>(sender) * c.max_tokens + token) * c.layout.slot;
 }
 
+// This rank's send-area slot for its token `token` to rank `dest` (a put rank): where the header and payload
+// are assembled for the put (the send area of a half is R * T slots, a multiple of 128 bytes as layout.py has it).
+__device__ __forceinline__ unsigned char* send_slot(const Common& c, int dest, unsigned seq, int token) {
+  const long long slots = static_cast<long long>(c.num_ranks) * c.max_tokens;
+  return c.local_base + c.layout.send + ((seq & 1u) * slots + static_cast<long long>(dest) * c.max_tokens + token) *
+                                            c.layout.slot;
+}
+
 // Where a slot's payload lies, as a byte offset from this rank's buffer (recv_rows; may be negative).
 __device__ __forceinline__ long long payload_offset(const Common& c, const unsigned char* slot) {
   return slot + kHeaderBytes - c.local_base;
@@ -136,7 +145,7 @@ __device__ void publish_counts(const DispatchCall& a, unsigned long long start, 
     auto* counts = reinterpret_cast<unsigned long long*>(half_base(c, c.peer_bases[dest], seq) + c.layout.counts);
     const unsigned long long word = static_cast<unsigned long long>(a.num_tokens) << kTokensShift |
                                     static_cast<unsigned long long>(bins[e]) << 32 | seq;
-    *reinterpret_cast<volatile unsigned long long*>(counts + c.rank * num_local + e % num_local) = word;
+    store_word(c, dest, counts + c.rank * num_local + e % num_local, word);
   }
   say_hello(c, kDispatch, seq);
   if (threadIdx.x == 0) {
@@ -303,14 +312,21 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   const auto self_row = [&](int k) { return static_cast<long long>(r.local[j][k]) * num_rows + r.offset[j][k]; };
   const unsigned slot_ranks = r.slot_ranks[j];
   if (slot_ranks == 0 && num_selfs == 0) return;
-  unsigned payload_ranks = slot_ranks && pull_payloads(c) ? 1u << c.rank : slot_ranks;  // slots holding the payload
+  unsigned put_slots = 0;  // ranks reached by puts: the payload goes into their send-area slots
+  for (unsigned m = slot_ranks; m; m &= m - 1) put_slots |= by_put(c, __ffs(m) - 1) ? m & -m : 0u;
+  const unsigned stored = slot_ranks & ~put_slots;
+  unsigned payload_ranks = stored && pull_payloads(c) ? 1u << c.rank : stored;  // their slots holding the payload
   const bool in_place = a.recv_rows != nullptr;
   if (in_place && num_selfs > 0) payload_ranks |= 1u << c.rank;  // rank 0's own rows read its own slot
+  // Bit b < kMaxRanks: the slot of rank b that a store reaches; bit kMaxRanks + d: the send slot for rank d.
+  unsigned targets = payload_ranks | put_slots << kMaxRanks;
+  const auto target = [&](unsigned bits) {
+    const int b = __ffs(bits) - 1;
+    return (b < kMaxRanks ? dispatch_slot(c, b, c.rank, seq, t) : send_slot(c, b - kMaxRanks, seq, t)) + kHeaderBytes;
+  };
   const int self_copies = in_place ? 0 : num_selfs;  // rows here that get the data (in place: scales only)
   if (!a.use_fp8) {
-    for (; payload_ranks; payload_ranks &= payload_ranks - 1)
-      share.store(reinterpret_cast<int4*>(dispatch_slot(c, __ffs(payload_ranks) - 1, c.rank, seq, t) + kHeaderBytes),
-                  row_pairs);
+    for (; targets; targets &= targets - 1) share.store(reinterpret_cast<int4*>(target(targets)), row_pairs);
     for (int n = 0; n < self_copies; ++n)
       share.store(reinterpret_cast<int4*>(static_cast<unsigned char*>(a.recv_x) + self_row(r.selfs[j][n]) * hidden * 2),
                   row_pairs);
@@ -320,8 +336,8 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   float scales[kPairs];
   cast_fp8<kPairs>(share, row_pairs, a.round_scale, packed, scales);
   const int in_group = threadIdx.x & 7;  // lane 0 of each 8 holds the group's scale for the slots
-  for (; payload_ranks; payload_ranks &= payload_ranks - 1) {
-    unsigned char* payload = dispatch_slot(c, __ffs(payload_ranks) - 1, c.rank, seq, t) + kHeaderBytes;
+  for (; targets; targets &= targets - 1) {
+    unsigned char* payload = target(targets);
 #pragma unroll
     for (int p = 0; p < kPairs; ++p) {
       const int i = RowShare<kPairs>::pair(p);
@@ -362,6 +378,31 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   }
 }
 
+#ifdef EP_LAYER_NVSHMEM
+// The puts of a pass, a warp per (token, put rank) with a flag: the send slot's entries and payload go to the
+// token's slot at that rank, then its flag; a slot without entries gets just its flag (nothing to order).
+__device__ void put_slots(const DispatchCall& a, int first, int n, unsigned seq,
+                          const unsigned long long (&put_flags)[kBatch][kMaxRanks]) {
+  const Common& c = a.c;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const size_t payload_bytes = a.use_fp8 ? c.hidden + c.hidden / kFp8Group * 4 : 2 * c.hidden;
+  constexpr size_t kEntriesAt = offsetof(DispatchHeader, entries);
+  for (int p = warp; p < n * c.num_ranks; p += kWarps) {
+    const int j = p / c.num_ranks, r = p % c.num_ranks;
+    const unsigned long long flag = put_flags[j][r];
+    if (flag == 0) continue;
+    unsigned char* dst = dispatch_slot(c, r, c.rank, seq, first + j);  // a symmetric address (peer_bases[r])
+    auto* dst_flag = &reinterpret_cast<DispatchHeader*>(dst)->flag;
+    if (flag >> 32 == 0) {
+      if (lane == 0) store_word(c, r, dst_flag, flag);
+      continue;
+    }
+    put_with_flag(r, dst + kEntriesAt, send_slot(c, r, seq, first + j) + kEntriesAt,
+                  kHeaderBytes - kEntriesAt + payload_bytes, dst_flag, flag);
+  }
+}
+#endif
+
 // The token blocks: block b >= 1 of `token_blocks` + 1 sends a contiguous run of tokens, kBatch per pass;
 // kPairs = pairs of 16-byte vectors of a bf16 row per thread (RowShare). A pass routes its tokens in
 // parallel (a warp each), then casts and stores them one after another, the next token's row loading
@@ -380,6 +421,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
   const int per_block = (a.num_tokens + token_blocks - 1) / token_blocks;
   const int begin = (blockIdx.x - 1) * per_block, end = min(begin + per_block, a.num_tokens);
   __shared__ PassRoutes routes;
+  __shared__ unsigned long long put_flags[kBatch][kMaxRanks];  // per token of a pass and put rank: its flag, 0: none
   // All loads first, in flight together: the first token's row, the first pass's expert ids, and the
   // ids of the earlier tokens (one per thread) for the row offsets. Thread 0 takes the ticket and keeps
   // it in a register: the data path needs the sequence number only for slots, so with one rank (and its
@@ -434,11 +476,14 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
     }
     if (c.num_ranks > 1) __syncthreads();  // every payload store of the pass, before the flags below
     // Every other rank gets a header for each of this call's tokens (no entries if no expert there), flag
-    // last: the receive waits for the slots of the tokens the counts announced, not for all max_tokens.
+    // last: the receive waits for the slots of the tokens the counts announced, not for all max_tokens. A
+    // put rank's header is assembled in its send slot, and its flag goes out with the put below.
     const int j = threadIdx.x / kMaxRanks, r = threadIdx.x % kMaxRanks;
+    if (j < kBatch) put_flags[j][r] = 0;
     // None from rank 0 to itself, none to a masked rank.
     if (j < n && r < c.num_ranks && !(r == 0 && own_tokens_skip_slots(c)) && !(masked >> r & 1u)) {
-      auto* header = reinterpret_cast<DispatchHeader*>(dispatch_slot(c, r, c.rank, seq, first + j));
+      auto* header = reinterpret_cast<DispatchHeader*>(by_put(c, r) ? send_slot(c, r, seq, first + j)
+                                                                    : dispatch_slot(c, r, c.rank, seq, first + j));
       unsigned m = 0;
       for (int k = 0; k < a.num_topk; ++k) {
         if (routes.dest[j][k] != r) continue;
@@ -446,9 +491,16 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
                                           static_cast<unsigned>(routes.offset[j][k]));
       }
       const unsigned long long flag = static_cast<unsigned long long>(m) << 32 | seq;
-      if (m > 0) st_release(c, &header->flag, flag);  // orders the payload (and entries) before it
+      if (by_put(c, r)) put_flags[j][r] = flag;
+      else if (m > 0) st_release(c, &header->flag, flag);  // orders the payload (and entries) before it
       else *reinterpret_cast<volatile unsigned long long*>(&header->flag) = flag;  // nothing to order
     }
+#ifdef EP_LAYER_NVSHMEM
+    if (c.put_ranks != 0) {
+      __syncthreads();  // the send slots' headers and payloads
+      put_slots(a, first, n, seq, put_flags);
+    }
+#endif
     if (warp < n && lane < a.num_topk && routes.dest[warp][lane] >= 0) atomicAdd(&bins[routes.expert[warp][lane]], 1);
     __syncthreads();  // the routes are rewritten by the next pass
   }
@@ -577,8 +629,9 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
     // expert, top-k mask and destination row.
     uint2 entry = make_uint2(0, 0);
     if (lane < n) entry = __ldcg(&header->entries[lane]);
-    const unsigned char* slot = pull_payloads(c) ? dispatch_slot(c, source, source, seq, token)
-                                                 : reinterpret_cast<const unsigned char*>(header);
+    const unsigned char* slot = pull_payloads(c) && !by_put(c, source)
+                                    ? dispatch_slot(c, source, source, seq, token)
+                                    : reinterpret_cast<const unsigned char*>(header);
     const auto* payload = reinterpret_cast<const int4*>(slot + kHeaderBytes);
     const bool scales_here = a.use_fp8 && chunk == chunks - 1;
     unsigned scale_value[kScaleWordsPerLane] = {};  // scale words lane, lane + 32, ...

@@ -117,8 +117,9 @@ class Buffer(NormalMode):
     masking (fault tolerance): a peer that misses a wait is masked instead of failing the call.
     `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or "reference";
     `timeout_s` bounds every wait for a peer rank. `transport` is how the cuda backend shares the ranks'
-    buffers: "auto" or "ipc" (CUDA IPC, one node), or "nvshmem" (NVSHMEM's symmetric heap, through
-    nvshmem4py: `pip install 'ep-layer[nvshmem]'`; peers reached by loads and stores only, for now).
+    buffers: "ipc" (CUDA IPC, one node), "nvshmem" (NVSHMEM's symmetric heap, through nvshmem4py: `pip
+    install 'ep-layer[nvshmem]'`; peers on other nodes reached by NVSHMEM puts), or "auto": NVSHMEM when
+    the ranks span several hosts and `num_rdma_bytes` > 0, else CUDA IPC.
     """
 
     num_sms: int = 20  # DeepEP's SM budget of its normal-mode kernels; the low-latency kernels size themselves
@@ -431,13 +432,13 @@ class Buffer(NormalMode):
             if async_finish:
                 def call() -> None:
                     backend.combine(x, topk_idx, topk_weights, handle, record.private, combined, wait_stats,
-                                    hook=False)()
+                                    hook=False, slot=record.slot)()
 
                 # `out` too: written on the comm stream, it must not go back to the allocator before that write.
                 _, event = self._on_comm_stream(call, (x, topk_idx, topk_weights, out))
                 return out, event, None
             receive = backend.combine(x, topk_idx, topk_weights, handle, record.private, out, wait_stats,
-                                      hook=return_recv_hook)
+                                      hook=return_recv_hook, slot=record.slot)
             if return_recv_hook:
                 return out, None, _once(receive, "low_latency_combine")
             receive()

@@ -27,6 +27,7 @@ class CombinePointers(NamedTuple):
     ticket: int  # 0 when one kernel does both halves
     x: int
     x_row: int  # x's first row as a row of this rank's buffer, or -1 (a row index, not a pointer)
+    stage_row: int  # with put ranks: the row of this rank's buffer that rows are put from, else -1
     recv_count: int
     combine_map: int
     topk_idx: int

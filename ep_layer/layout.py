@@ -11,7 +11,10 @@ be outstanding (double buffering); each half holds:
   each (sequence number, and for a rank's own experts the row to read in place instead of data).
 A token is written once per destination rank and expanded to its experts' rows by the receiver (or,
 with rows in place, read from its slot by the expert GEMM: the slot's payload starts on a 128-byte line).
-After the halves come two zero-copy combine buffers, bf16 [E_l, R*T, H] each, one per outstanding
+After the halves come two send areas, one per half: dispatch slots [destination rank][token] that a token's
+header and payload are assembled in for the peers reached by NVSHMEM puts (the put's source must lie on
+the symmetric heap, and each destination's header differs); the load/store transports leave them unused.
+Then come two zero-copy combine buffers, bf16 [E_l, R*T, H] each, one per outstanding
 dispatch (Buffer.get_next_low_latency_combine_buffer): expert outputs written there are combined
 without a copy into the slots when the ranks share a GPU (the receivers read them where they are).
 """
@@ -54,9 +57,15 @@ def half_bytes(max_tokens: int, hidden: int, num_ranks: int) -> tuple[int, int, 
     return dispatch, combine, flags, counts
 
 
+def send_area_bytes(max_tokens: int, hidden: int, num_ranks: int) -> int:
+    """Bytes of one half's send area: a dispatch slot per destination rank and token."""
+    return _align(num_ranks * max_tokens * dispatch_slot_bytes(hidden))
+
+
 class BufferOffsets(NamedTuple):
     """The byte offsets the kernels address the buffer with (csrc/ll_common.cuh: BufferOffsets, the same
-    fields); the dispatch slots, combine slots, combine flags and expert counts are offsets inside a half."""
+    fields); the dispatch slots, combine slots, combine flags and expert counts are offsets inside a half,
+    `send` is where half 0's send area starts (half 1's follows it)."""
 
     control: int  # = CONTROL_BYTES: where half 0 starts
     half: int  # bytes of one half
@@ -65,20 +74,24 @@ class BufferOffsets(NamedTuple):
     combine: int
     flags: int
     counts: int
+    send: int
 
 
 def buffer_offsets(max_tokens: int, hidden: int, num_ranks: int) -> BufferOffsets:
     """The offsets in a buffer of `num_ranks` ranks that send up to `max_tokens` tokens of `hidden` channels."""
     dispatch, combine, flags, counts = half_bytes(max_tokens, hidden, num_ranks)
-    return BufferOffsets(control=CONTROL_BYTES, half=dispatch + combine + flags + counts, dispatch=0,
-                         slot=dispatch_slot_bytes(hidden), combine=dispatch, flags=dispatch + combine,
-                         counts=dispatch + combine + flags)
+    half = dispatch + combine + flags + counts
+    return BufferOffsets(control=CONTROL_BYTES, half=half, dispatch=0, slot=dispatch_slot_bytes(hidden),
+                         combine=dispatch, flags=dispatch + combine, counts=dispatch + combine + flags,
+                         send=CONTROL_BYTES + 2 * half)
 
 
 def zero_copy_offset(max_tokens: int, hidden: int, num_ranks: int) -> int:
-    """Where the two zero-copy combine buffers start: after the halves, on a row boundary (2H bytes, a
-    multiple of ALIGN for the backend's hidden sizes), so that the kernels can name a row by its index."""
-    end = CONTROL_BYTES + 2 * sum(half_bytes(max_tokens, hidden, num_ranks))
+    """Where the two zero-copy combine buffers start: after the halves and the send areas, on a row boundary
+    (2H bytes, a multiple of ALIGN for the backend's hidden sizes), so that the kernels can name a row by its
+    index."""
+    end = CONTROL_BYTES + 2 * (sum(half_bytes(max_tokens, hidden, num_ranks))
+                               + send_area_bytes(max_tokens, hidden, num_ranks))
     row = 2 * hidden
     return (end + row - 1) // row * row
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+from pathlib import Path
 from types import ModuleType
 
 from . import kernel_args, layout
+
+NVSHMEM_INSTALL_HINT = "pip install 'ep-layer[nvshmem]' (nvshmem4py-cu13, with the nvidia-nvshmem-cu13 library)"
 
 _module: ModuleType | None = None
 _error: str | None = None
@@ -21,7 +25,7 @@ def _check_constants(module: ModuleType) -> None:
     for name in _SHARED_CONSTANTS:
         built, expected = getattr(module, name, None), getattr(layout, name)
         if built != expected:
-            raise ImportError(f"ep_layer._C was built with {name} = {built}, but ep_layer.layout has {name} = "
+            raise ImportError(f"{module.__name__} was built with {name} = {built}, but ep_layer.layout has {name} = "
                               f"{expected}: rebuild the CUDA kernels (`pip install -e .`)")
 
 
@@ -32,7 +36,7 @@ def _check_pointer_orders(module: ModuleType) -> None:
                          ("NORMAL_POINTERS", kernel_args.NormalPointers._fields)):
         built = tuple(getattr(module, name, ()))
         if built != fields:
-            raise ImportError(f"ep_layer._C takes {name} in the order {built}, but ep_layer.kernel_args has "
+            raise ImportError(f"{module.__name__} takes {name} in the order {built}, but ep_layer.kernel_args has "
                               f"{fields}: rebuild the CUDA kernels (`pip install -e .`)")
 
 
@@ -74,3 +78,29 @@ def nvshmem_available() -> bool:
         return all(importlib.util.find_spec(name) is not None for name in ("ep_layer._C_nvshmem", "nvshmem.core"))
     except ModuleNotFoundError:  # no nvshmem package at all
         return False
+
+
+def load_nvshmem() -> ModuleType:
+    """The NVSHMEM build of the kernels (ep_layer._C_nvshmem), loaded beside the NVSHMEM host library that
+    nvshmem4py uses (the module links it, and one host library means one job), or an ImportError that says
+    how to get it."""
+    try:
+        import nvshmem.core  # noqa: F401  nvshmem4py first: it finds and loads NVSHMEM's host library
+    except ImportError as e:
+        raise ImportError(f"transport: 'nvshmem' needs nvshmem4py; {NVSHMEM_INSTALL_HINT}") from e
+
+    spec = importlib.util.find_spec("nvidia.nvshmem")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        host = Path(location) / "lib" / "libnvshmem_host.so.3"
+        if host.exists():  # the same file nvshmem4py loaded, so that the module's dependency resolves to it
+            ctypes.CDLL(str(host), mode=ctypes.RTLD_GLOBAL)
+            break
+    try:
+        from . import _C_nvshmem
+    except ImportError as e:
+        raise ImportError(f"ep_layer._C_nvshmem (the kernels built with NVSHMEM) is not available: {e}. Install "
+                          f"NVSHMEM ({NVSHMEM_INSTALL_HINT}), then rebuild the kernels (`pip install -e .`, or "
+                          "set EP_LAYER_NVSHMEM_HOME to an NVSHMEM install)") from e
+    _check_constants(_C_nvshmem)
+    _check_pointer_orders(_C_nvshmem)
+    return _C_nvshmem

@@ -10,6 +10,7 @@ float32 arithmetic in the design's order, and within bf16 rounding against float
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -749,7 +750,8 @@ def test_latency_stats_deferred_accounting_counts_each_call_once(seed: int) -> N
 
 
 # ---------------------------------------------------------------------------- real processes (IPC)
-def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int, transport: str = "ipc") -> None:
+def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int, transport: str = "ipc",
+              check: Callable[[Buffer, int], None] | None = None) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())  # several GPUs: peers over NVLink
@@ -759,6 +761,8 @@ def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int, transport:
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
     cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=60, transport=transport)
     ref = Buffer(dist.group.WORLD, low_latency_mode=True, backend="reference", timeout_s=60)
+    if check is not None:  # what the caller asserts about the Buffer made (its transport's settings)
+        check(cuda, world_size)
     xs, idxs = make_inputs(rng, world_size, max_tokens, hidden, num_experts, topk, device="cpu")
     x, idx = xs[rank], idxs[rank]
     for mode, (use_fp8, round_scale, use_ue8m0) in MODES.items():

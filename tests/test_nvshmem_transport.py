@@ -1,20 +1,24 @@
-"""The cuda backend over NVSHMEM's symmetric heap (`Buffer(transport="nvshmem")`): the same kernels, each
-peer reached at the address NVSHMEM maps its buffer to. On the GPU (with nvshmem4py installed) the IPC
-tests' rank functions run unchanged on this transport: low-latency dispatch and combine in every FP8 mode,
-with hooks and rows in place, against the reference backend bit for bit, on one process and on several
-processes sharing one GPU (NVSHMEM allowed two PEs on one H200 without MPS); normal mode against the
-reference; a silent rank named by the timeout; a buffer past NVSHMEM's default heap. On CPU: the
-argument errors.
+"""The cuda backend over NVSHMEM's symmetric heap (`Buffer(transport="nvshmem")`): the kernels' NVSHMEM
+build (ep_layer._C_nvshmem), each peer reached at the address NVSHMEM maps its buffer to, or by NVSHMEM puts
+(every peer with EP_LAYER_NVSHMEM_FORCE_PUTS=1, as a peer on another node would be). On the GPU (with
+nvshmem4py installed) the IPC tests' rank functions run unchanged on this transport, both ways: low-latency
+dispatch and combine in every FP8 mode, with hooks and rows in place, against the reference backend bit
+for bit, on one process and on two processes sharing one GPU (NVSHMEM allowed two PEs on one H200 without
+MPS); CUDA-graph replays of dispatch and combine (zero-copy and staged) against the reference; a silent rank
+named by the timeout. Also normal mode against the reference (load/store peers; with puts it is refused),
+and a buffer past NVSHMEM's default heap. On CPU: the argument errors and the install hint.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
-from ep_layer import Buffer
+from ep_layer import Buffer, native
+from ep_layer.backends import nvshmem_heap
 
 HAS_NVSHMEM = importlib.util.find_spec("nvshmem") is not None
 
@@ -34,22 +38,127 @@ def test_transport_argument_errors() -> None:
         Buffer(None, low_latency_mode=True, backend="reference", transport="nvshmem")
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(HAS_NVSHMEM, reason="nvshmem4py is installed")
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cuda backend needs a GPU before the transport")
 def test_without_nvshmem4py_the_error_says_what_to_install() -> None:
-    size = Buffer.get_low_latency_rdma_size_hint(8, 512, 1, 4)
-    with pytest.raises(RuntimeError, match=r"pip install 'ep-layer\[nvshmem\]'"):
-        Buffer(None, 0, size, low_latency_mode=True, backend="cuda", transport="nvshmem")
+    assert not native.nvshmem_available()
+    with pytest.raises(ImportError, match=r"pip install 'ep-layer\[nvshmem\]'"):
+        native.load_nvshmem()
+
+
+def test_forced_puts_reach_every_rank_and_unmapped_peers_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    mapped = nvshmem_heap.SymmetricBuffer(None, [0x1000, None, 0x3000])
+    monkeypatch.delenv(nvshmem_heap.FORCE_PUTS, raising=False)
+    assert nvshmem_heap.put_ranks(mapped) == 0b010
+    monkeypatch.setenv(nvshmem_heap.FORCE_PUTS, "1")
+    assert nvshmem_heap.put_ranks(mapped) == 0b111
+    monkeypatch.setenv(nvshmem_heap.FORCE_PUTS, "yes")
+    with pytest.raises(ValueError, match=r"^EP_LAYER_NVSHMEM_FORCE_PUTS: expected 0 or 1, got yes"):
+        nvshmem_heap.put_ranks(mapped)
+
+
+@pytest.fixture(params=[False, True], ids=["load-store", "forced-puts"])
+def forced_puts(request: pytest.FixtureRequest) -> bool:
+    """Both ways of reaching the peers, passed to the ranks (their processes come from a fork server, whose
+    environment is the one it started with)."""
+    return request.param
+
+
+def _force_puts(forced: bool) -> None:
+    """A rank's setting, before it makes its Buffer."""
+    import os
+
+    os.environ[nvshmem_heap.FORCE_PUTS] = "1" if forced else "0"
+
+
+def _check_put_ranks(buffer: Buffer, world_size: int, forced: bool) -> None:
+    """The setting reached the kernels' arguments: otherwise a forced-put test would pass on loads and stores."""
+    assert buffer._live()._put_ranks == ((1 << world_size) - 1 if forced else 0)
+
+
+def _low_latency_rank(rank: int, world_size: int, seed: int, forced: bool) -> None:
+    from functools import partial
+
+    from test_buffer_cuda import _ipc_rank
+
+    _force_puts(forced)
+    _ipc_rank(rank, world_size, seed, 16, "nvshmem", check=partial(_check_put_ranks, forced=forced))
 
 
 @needs_nvshmem
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_low_latency_calls_match_the_reference(world_size: int, seed: int) -> None:
+def test_low_latency_calls_match_the_reference(world_size: int, seed: int, forced_puts: bool) -> None:
     from dist_harness import run_ranks
-    from test_buffer_cuda import _ipc_rank
 
-    run_ranks(_ipc_rank, world_size, seed, 16, "nvshmem", timeout_s=240)
+    run_ranks(_low_latency_rank, world_size, seed, forced_puts, timeout_s=240)
+
+
+def _graph_inputs(rng: np.random.Generator, max_tokens: int, hidden: int, num_experts: int,
+                  topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A full batch (a graph's shapes are fixed): bf16 rows, distinct experts per token with some -1, weights."""
+    x = torch.from_numpy(rng.standard_normal((max_tokens, hidden), dtype=np.float32)).to(torch.bfloat16)
+    idx = np.array([rng.permutation(num_experts)[:topk] for _ in range(max_tokens)], dtype=np.int64)
+    idx[rng.random(idx.shape) < 0.1] = -1
+    return x, torch.from_numpy(idx), torch.from_numpy(rng.random(idx.shape, dtype=np.float32))
+
+
+def _graph_rank(rank: int, world_size: int, seed: int, forced: bool) -> None:
+    """Dispatch, then combine (zero-copy: rows put from where they lie; staged: copied to the stage area
+    first), captured once and replayed on fresh inputs, each replay against the reference backend."""
+    import torch.distributed as dist
+    from cuda_graphs import capture_after_warmup
+
+    _force_puts(forced)
+    torch.cuda.set_device(0)
+    rng = np.random.default_rng([seed, rank])
+    max_tokens, hidden, num_local, topk = 8, 512, 3, 3
+    num_experts = world_size * num_local
+    size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
+    cuda = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=60, transport="nvshmem")
+    ref = Buffer(dist.group.WORLD, low_latency_mode=True, backend="reference", timeout_s=60)
+    _check_put_ranks(cuda, world_size, forced)
+    x = torch.zeros(max_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(max_tokens, topk, dtype=torch.int64, device="cuda")
+    w = torch.zeros(max_tokens, topk, device="cuda")
+    y = torch.zeros(num_local, world_size * max_tokens, hidden, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> tuple[torch.Tensor, ...]:
+        recv, count, handle, _, _ = cuda.low_latency_dispatch(x, idx, max_tokens, num_experts, use_fp8=False)
+        zero_copy = cuda.get_next_low_latency_combine_buffer(handle)
+        zero_copy.copy_(recv * 2)
+        in_place = cuda.low_latency_combine(zero_copy, idx, w, handle, zero_copy=True)[0]
+        # After the zero-copy combine: with put ranks a staged combine stages its rows in that buffer.
+        staged = cuda.low_latency_combine(y, idx, w, handle)[0]
+        return recv, count, staged, in_place
+
+    for replay in range(4):
+        x_cpu, idx_cpu, w_cpu = _graph_inputs(rng, max_tokens, hidden, num_experts, topk)
+        y_cpu = torch.from_numpy(rng.standard_normal(tuple(y.shape), dtype=np.float32)).to(torch.bfloat16)
+        x.copy_(x_cpu), idx.copy_(idx_cpu), w.copy_(w_cpu), y.copy_(y_cpu)
+        if replay == 0:
+            graph, (recv, count, staged, in_place) = capture_after_warmup(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        cuda.check()
+        want_recv, want_count, want_handle, _, _ = ref.low_latency_dispatch(x_cpu, idx_cpu, max_tokens, num_experts,
+                                                                            use_fp8=False)
+        assert count.cpu().tolist() == want_count.tolist(), f"seed={seed} replay {replay}"
+        rows = torch.zeros_like(want_recv)
+        for l, c in enumerate(want_count.tolist()):
+            assert torch.equal(recv[l, :c].cpu(), want_recv[l, :c]), f"seed={seed} replay {replay} rows"
+            rows[l, :c] = want_recv[l, :c] * 2
+        want_staged = ref.low_latency_combine(y_cpu, idx_cpu, w_cpu, want_handle)[0]
+        want_in_place = ref.low_latency_combine(rows, idx_cpu, w_cpu, want_handle)[0]
+        assert torch.equal(staged.cpu(), want_staged), f"seed={seed} replay {replay}: staged combine"
+        assert torch.equal(in_place.cpu(), want_in_place), f"seed={seed} replay {replay}: zero-copy combine"
+    cuda.destroy()
+
+
+@needs_nvshmem
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_graph_replays_match_the_reference(world_size: int, seed: int, forced_puts: bool) -> None:
+    from dist_harness import run_ranks
+
+    run_ranks(_graph_rank, world_size, seed, forced_puts, timeout_s=240)
 
 
 @needs_nvshmem
@@ -60,12 +169,36 @@ def test_normal_mode_matches_the_reference(seed: int) -> None:
     run_ranks(_rank_matches_reference, 2, seed, "nvshmem", timeout_s=300)
 
 
+def _normal_mode_with_puts_rank(rank: int, world_size: int) -> str:
+    import torch.distributed as dist
+
+    _force_puts(True)
+    torch.cuda.set_device(0)
+    with pytest.raises(NotImplementedError, match=r"^num_nvl_bytes: normal mode reaches its peers by loads and "
+                                                  r"stores, and ranks \[0, 1\] are reached by NVSHMEM puts"):
+        Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, num_rdma_bytes=1 << 24, backend="cuda", transport="nvshmem")
+    return "refused"
+
+
 @needs_nvshmem
-def test_a_silent_rank_is_named() -> None:
+def test_normal_mode_is_refused_with_put_ranks() -> None:
     from dist_harness import run_ranks
+
+    assert run_ranks(_normal_mode_with_puts_rank, 2, timeout_s=120) == ["refused", "refused"]
+
+
+def _silent_rank_with(rank: int, world_size: int, forced: bool) -> float:
     from test_buffer_cuda import _silent_rank
 
-    elapsed = run_ranks(_silent_rank, 2, "nvshmem", timeout_s=120)[0]
+    _force_puts(forced)
+    return _silent_rank(rank, world_size, "nvshmem")
+
+
+@needs_nvshmem
+def test_a_silent_rank_is_named(forced_puts: bool) -> None:
+    from dist_harness import run_ranks
+
+    elapsed = run_ranks(_silent_rank_with, 2, forced_puts, timeout_s=120)[0]
     assert 1.5 < elapsed < 20
 
 
@@ -93,3 +226,22 @@ def test_a_buffer_larger_than_nvshmem_default_heap() -> None:
     from dist_harness import run_ranks
 
     run_ranks(_large_buffer_rank, 1, timeout_s=120)
+
+
+def _spans_hosts_rank(rank: int, world_size: int, same_host: bool) -> bool:
+    import socket
+
+    import torch.distributed as dist
+
+    from ep_layer import backends
+
+    socket.gethostname = lambda: "node" if same_host else f"node{rank}"  # this rank's process only
+    return backends._spans_hosts(dist.group.WORLD, world_size)
+
+
+@pytest.mark.parametrize("same_host", [True, False])
+def test_auto_transport_asks_whether_the_ranks_span_hosts(same_host: bool) -> None:
+    """`auto` picks NVSHMEM across hosts: the question is answered from every rank's host name."""
+    from dist_harness import run_ranks
+
+    assert run_ranks(_spans_hosts_rank, 3, same_host, timeout_s=60) == [not same_host] * 3

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
-from .. import native
+from .. import layout, native
 from .base import Backend, DispatchResult, DispatchSpec, Handle, RecvX, RowsInPlace
 from .reference import ReferenceBackend
 
@@ -33,12 +35,19 @@ def resolve_backend(name: str, *, one_node: bool = True, device: torch.device | 
 def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                    num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False, num_nvl_bytes: int = 0,
                    transport: str = "auto") -> Backend:
-    """The backend resolve_backend(name) names, for this rank of `group`; `num_nvl_bytes` sizes the cuda
-    backend's normal-mode buffer (the reference backend needs none); `transport` is how the cuda backend
-    shares its buffers: CUDA IPC ("auto" and "ipc") or NVSHMEM ("nvshmem")."""
+    """The backend resolve_backend(name) names, for this rank of `group` (`auto` with more ranks than the
+    cuda backend takes: `reference`); `num_nvl_bytes` sizes the cuda backend's normal-mode buffer (the
+    reference backend needs none); `transport` is how the cuda backend shares its buffers: CUDA IPC ("ipc"),
+    NVSHMEM ("nvshmem"), or "auto": NVSHMEM when the ranks span several hosts and `num_rdma_bytes` > 0
+    (DeepEP's convention), else CUDA IPC."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
-    name = resolve_backend(name)
+    # Only where the cuda backend may run: the question is a collective, and no answer changes `reference`.
+    may_be_cuda = name != "reference" and native.available() and torch.cuda.is_available()
+    spans_hosts = transport == "auto" and may_be_cuda and num_ranks > 1 and _spans_hosts(group, num_ranks)
+    name = resolve_backend(name, one_node=not spans_hosts)
+    if name == "cuda" and num_ranks > layout.MAX_RANKS and transport == "auto":
+        name = "reference"
     if name == "reference":
         if transport == "nvshmem":
             raise ValueError("transport: 'nvshmem' is a transport of the cuda backend, and this Buffer's backend is "
@@ -49,5 +58,14 @@ def create_backend(name: str, group: dist.ProcessGroup | None, rank: int, num_ra
     native.load()  # raises with the reason the extension is missing
     from .cuda import CudaBackend
 
+    if transport == "auto":
+        transport = "nvshmem" if spans_hosts and num_rdma_bytes > 0 else "ipc"
     return CudaBackend(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink=shrink, num_nvl_bytes=num_nvl_bytes,
-                       transport="nvshmem" if transport == "nvshmem" else "ipc")
+                       transport=transport)
+
+
+def _spans_hosts(group: dist.ProcessGroup | None, num_ranks: int) -> bool:
+    """Whether the group's ranks run on more than one host (a collective over `group`)."""
+    hosts: list = [None] * num_ranks
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) > 1

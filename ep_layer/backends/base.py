@@ -106,9 +106,10 @@ class Backend(ABC):
     @abstractmethod
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
+                wait_stats: torch.Tensor | None, *, hook: bool, slot: int) -> ReceiveHalf:
         """Launch the send half of combine; the returned callable writes the weighted sums to `out`. With
-        `hook=False` the caller runs it right after, so a backend may do both halves at once here."""
+        `hook=False` the caller runs it right after, so a backend may do both halves at once here. `slot`
+        is the zero-copy combine buffer that belongs to the dispatch (combine_buffer)."""
 
     # DeepEP's normal (high-throughput) mode: the Buffer checked the arguments (docs/design.md section 2).
     @abstractmethod

@@ -203,7 +203,7 @@ class _KeptForHook:
         self._tensors.clear()
 
 
-CUDA_TRANSPORTS = ("ipc", "nvshmem")  # create_backend maps the Buffer's "auto" to "ipc"
+CUDA_TRANSPORTS = ("ipc", "nvshmem")  # create_backend resolves the Buffer's "auto" to one of them
 
 
 class CudaBackend(Backend):
@@ -222,9 +222,9 @@ class CudaBackend(Backend):
         low-latency buffer is only its control block). `transport`: how the ranks' buffers are shared,
         "ipc" (CUDA IPC) or "nvshmem" (NVSHMEM's symmetric heap, nvshmem_heap.py)."""
         super().__init__(group, rank, num_ranks, num_rdma_bytes, timeout_s, shrink)
-        self._c = native.load()
-        expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks (one node) for "
-               "the cuda backend", num_ranks)
+        self._c = native.load_nvshmem() if transport == "nvshmem" else native.load()
+        expect(num_ranks <= layout.MAX_RANKS, "group", f"at most {layout.MAX_RANKS} ranks for the cuda backend",
+               num_ranks)
         expect(num_rdma_bytes > layout.CONTROL_BYTES or (num_rdma_bytes == 0 and num_nvl_bytes > 0),
                "num_rdma_bytes", "at least Buffer.get_low_latency_rdma_size_hint(T, H, num_ranks, E) bytes for the "
                "cuda backend (or 0 with num_nvl_bytes > 0: normal mode only)", num_rdma_bytes)
@@ -241,6 +241,8 @@ class CudaBackend(Backend):
         self._opened: list[int] = []  # peers' buffers mapped through IPC, closed on destroy
         self._symmetric: list[nvshmem_heap.SymmetricBuffer] = []  # NVSHMEM's, freed on destroy
         self._system_scope = False  # True once a peer sits on another GPU
+        # Ranks reached through NVSHMEM puts (bit r; nvshmem_heap.put_ranks, agreed both ways between ranks).
+        self._put_ranks = 0
         # Ranks whose kernels run on this GPU at the same time: each sizes its dispatch grids for its share
         # of the SMs, so that all of them run in one wave (8 emulated ranks side by side at T = 128 on an
         # H200: send blocks of four tokens instead of four waves of one-token blocks); a rank alone on the
@@ -248,7 +250,7 @@ class CudaBackend(Backend):
         self._gpu_share = gpu_share
         ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
         if transport == "nvshmem":
-            nvshmem_heap.join(group, rank, num_ranks, self._device, ll_bytes + num_nvl_bytes)
+            nvshmem_heap.join(group, rank, num_ranks, self._device, ll_bytes + num_nvl_bytes, self._c)
         if peer_bases is None:
             peer_bases = self._shared_buffer(ll_bytes, "num_rdma_bytes")
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
@@ -273,6 +275,10 @@ class CudaBackend(Backend):
             self._mask = torch.zeros(num_ranks, dtype=torch.int32, device=self._device) if shrink else None
         self._normal: CudaNormalMode | None = None
         if num_nvl_bytes > 0:
+            if self._put_ranks:
+                raise NotImplementedError(f"num_nvl_bytes: normal mode reaches its peers by loads and stores, and "
+                                          f"ranks {_ranks(self._put_ranks)} are reached by NVSHMEM puts (another node, "
+                                          f"or {nvshmem_heap.FORCE_PUTS}=1); across nodes use low-latency mode")
             nvl_bases = nvl_peer_bases or self._shared_buffer(num_nvl_bytes, "num_nvl_bytes")
             self._nvl_base = nvl_bases[rank]
             self._normal = CudaNormalMode(self._c, rank, num_ranks, nvl_bases, num_nvl_bytes, self._system_scope,
@@ -290,13 +296,18 @@ class CudaBackend(Backend):
             bases = [base if r == self.rank else self._c.ipc_open(h) for r, h in enumerate(handles)]
             self._opened += [b for r, b in enumerate(bases) if r != self.rank]
             return bases
-        symmetric = nvshmem_heap.allocate(num_bytes, self.num_ranks)
+        symmetric = nvshmem_heap.allocate(num_bytes, self.rank, self._c)
         self._symmetric.append(symmetric)
-        self._c.memset_async(symmetric.bases[self.rank], num_bytes, self._stream())
+        own = symmetric.bases[self.rank]
+        self._c.memset_async(own, num_bytes, self._stream())
         torch.cuda.synchronize(self._device)
-        if self.num_ranks > 1:
-            self._gather_peers(num_bytes, name, None)  # also: every rank's buffer is zeroed before any call
-        return symmetric.bases
+        puts = nvshmem_heap.put_ranks(symmetric)
+        if self.num_ranks > 1:  # also: every rank's buffer is zeroed before any call
+            theirs = self._gather_peers(num_bytes, name, puts)
+            puts |= sum(1 << r for r, their_puts in enumerate(theirs) if their_puts >> self.rank & 1)
+        self._put_ranks |= puts
+        # A put rank is addressed at this rank's own buffer: its symmetric address, which NVSHMEM resolves.
+        return [own if puts >> r & 1 else base for r, base in enumerate(symmetric.bases)]
 
     def _gather_peers(self, num_bytes: int, name: str, handle: object) -> list:
         """Every rank's `handle` through the group, checking that `num_bytes` agree; learns which peers
@@ -379,7 +390,7 @@ class CudaBackend(Backend):
                 num_experts=num_experts, spec_check=zlib.crc32(repr(key).encode()), system_scope=self._system_scope,
                 gpu_share=self._gpu_share, peer_bases=self._peer_bases, local_base=self._base, layout=offsets,
                 host_error=self._device_flag, timeout_s=self.timeout_s, latency=self._latency.data_ptr(),
-                mask=_data_ptr(self._mask)))
+                mask=_data_ptr(self._mask), put_ranks=self._put_ranks))
             self._commons[key] = common
         return common
 
@@ -499,7 +510,7 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
+                wait_stats: torch.Tensor | None, *, hook: bool, slot: int) -> ReceiveHalf:
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
         _, _, t, h, e = handle
@@ -513,6 +524,7 @@ class CudaBackend(Backend):
             plan = self._combine_plans[key] = _CombinePlan(self._common(t, h, e, 0), shape)
         pointers = CombinePointers(
             ticket=outputs.pointers["ticket"] + 4, x=x.data_ptr(), x_row=self._row_in_buffer(x),
+            stage_row=self._stage_row(x, slot, handle) if self._put_ranks else -1,
             recv_count=outputs.pointers["recv_count"], combine_map=outputs.pointers["combine_map"],
             topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
             out=out.data_ptr(), wait_stats=_data_ptr(wait_stats))
@@ -557,12 +569,26 @@ class CudaBackend(Backend):
             view = self._combine_views[key] = device_tensor(self._base + start, shape, self._device)
         return view
 
-    def _row_in_buffer(self, x: torch.Tensor) -> int:
-        """x's first row as a row of this rank's buffer (2H bytes a row) when peers sharing this GPU can read
-        it there (a zero-copy combine), else -1: the send half then copies the rows into the peers' slots."""
+    def _buffer_row(self, x: torch.Tensor) -> int | None:
+        """x's first row as a row of this rank's buffer (2H bytes a row), or None when x lies elsewhere."""
         offset, row_bytes = x.data_ptr() - self._base, 2 * x.shape[-1]
         inside = offset >= 0 and offset + x.numel() * 2 <= self.num_rdma_bytes and offset % row_bytes == 0
-        return offset // row_bytes if inside and not self._system_scope else -1
+        return offset // row_bytes if inside else None
+
+    def _row_in_buffer(self, x: torch.Tensor) -> int:
+        """x's first row in this rank's buffer when peers sharing this GPU can read it there (a zero-copy
+        combine), else -1: the send half then copies the rows into the peers' slots."""
+        row = self._buffer_row(x)
+        return row if row is not None and not self._system_scope else -1
+
+    def _stage_row(self, x: torch.Tensor, slot: int, handle: Handle) -> int:
+        """The row of this rank's buffer that the rows for put ranks are put from (a put's source lies on the
+        symmetric heap): x's own when it lies in the buffer, else zero-copy buffer `slot`'s, which the kernel
+        copies them into (it belongs to this dispatch, so no other call writes there meanwhile)."""
+        row = self._buffer_row(x)
+        if row is not None:
+            return row
+        return (self.combine_buffer(slot, handle).data_ptr() - self._base) // (2 * x.shape[-1])
 
     # ------------------------------------------------------------------ housekeeping
     def _barrier(self) -> None:

@@ -2,9 +2,10 @@
 symmetric heap (nvshmem4py), one NVSHMEM job per process bootstrapped with a unique id that the group's
 first rank broadcasts over the Buffer's torch.distributed group.
 
-The kernels reach each peer's buffer by loads and stores at the address NVSHMEM maps it to here
-(nvshmem_ptr), as they reach a peer mapped through CUDA IPC. A peer with no such address (another node,
-reached over RDMA) needs NVSHMEM puts in the kernels, which are not built yet: it is a NotImplementedError.
+The kernels (ep_layer._C_nvshmem) reach each peer's buffer by loads and stores at the address NVSHMEM maps
+it to here (nvshmem_ptr), as they reach a peer mapped through CUDA IPC, and a peer with no such address
+(another node, over RDMA) by NVSHMEM puts; EP_LAYER_NVSHMEM_FORCE_PUTS=1 sends puts to every rank, so that
+their code path runs on one node.
 """
 
 from __future__ import annotations
@@ -17,17 +18,20 @@ import torch
 import torch.distributed as dist
 
 from ..checks import expect
+from ..native import NVSHMEM_INSTALL_HINT
 
-# Set for NVSHMEM unless the environment says otherwise: NVLink SHARP (multicast objects) off, which these
-# machines' drivers and the kernels do not use; and a symmetric heap sized by the first Buffer (heap_bytes).
-ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1"}
+# Set for NVSHMEM unless the environment says otherwise: NVLink SHARP (multicast objects) off, which the
+# kernels do not use and many drivers refuse; GPU-initiated RDMA (IBGDA: the kernels' puts post their own
+# work requests, no proxy thread); queue pairs deeper than the 1024 tokens a rank may send a peer in one call;
+# and a symmetric heap sized by the first Buffer (join).
+ENV_DEFAULTS = {"NVSHMEM_DISABLE_NVLS": "1", "NVSHMEM_IB_ENABLE_IBGDA": "1", "NVSHMEM_QP_DEPTH": "2048"}
+FORCE_PUTS = "EP_LAYER_NVSHMEM_FORCE_PUTS"  # "1": every rank is reached by puts, load/store paths or not
 MIN_HEAP_BYTES = 1 << 30
-INSTALL_HINT = "pip install 'ep-layer[nvshmem]' (nvshmem4py-cu13, with the nvidia-nvshmem-cu13 library)"
 
 
 class SymmetricBuffer(NamedTuple):
     buffer: Any  # the cuda.core Buffer nvshmem4py allocated (freed collectively)
-    bases: list[int]  # every rank's buffer, as this process addresses it
+    bases: list[int | None]  # every rank's buffer as this process addresses it; None: no load/store path
 
 
 _job: tuple[int, int] | None = None  # (rank, num_ranks) of this process's NVSHMEM job
@@ -37,15 +41,17 @@ def _nvshmem() -> Any:
     try:
         import nvshmem.core
     except ImportError as e:
-        raise RuntimeError(f"transport: 'nvshmem' needs nvshmem4py; {INSTALL_HINT}") from e
+        raise ImportError(f"transport: 'nvshmem' needs nvshmem4py; {NVSHMEM_INSTALL_HINT}") from e
     return nvshmem.core
 
 
-def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: torch.device, buffer_bytes: int) -> None:
+def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: torch.device, buffer_bytes: int,
+         kernels: Any) -> None:
     """Starts this process's NVSHMEM job as `rank` of `num_ranks` on `device` (a collective over `group`),
     or checks that the job already started is that one: NVSHMEM has one job per process. The heap (fixed
     for the job) holds twice the first Buffer's `buffer_bytes`, so that a second Buffer of its size fits
-    (engines make one per micro-batch slot or mode), unless NVSHMEM_SYMMETRIC_SIZE says otherwise."""
+    (engines make one per micro-batch slot or mode), unless NVSHMEM_SYMMETRIC_SIZE says otherwise.
+    `kernels` (ep_layer._C_nvshmem) is then attached to the job, and must see it as this rank."""
     global _job
     if _job is not None:
         expect(_job == (rank, num_ranks), "group", f"the ranks of this process's NVSHMEM job (rank {_job[0]} of "
@@ -66,22 +72,32 @@ def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: tor
         if rank != 0:
             uid._data[...] = np.frombuffer(data[0], dtype=uid._data.dtype).reshape(uid._data.shape)
     nvshmem.init(device=cuda_device, uid=uid, rank=rank, nranks=num_ranks, initializer_method="uid")
+    kernels.attach_nvshmem()
+    seen = kernels.nvshmem_view(0)[:2]
+    if seen != (rank, num_ranks):
+        raise RuntimeError(f"transport: the NVSHMEM build of the kernels sees PE {seen[0]} of {seen[1]}, not rank "
+                           f"{rank} of {num_ranks}: it and nvshmem4py loaded different NVSHMEM host libraries")
     _job = (rank, num_ranks)
 
 
-def allocate(num_bytes: int, num_ranks: int) -> SymmetricBuffer:
-    """`num_bytes` on every rank's heap (a collective), and each rank's address here."""
-    nvshmem = _nvshmem()
-    buffer = nvshmem.buffer(num_bytes)
-    bases = []
-    for pe in range(num_ranks):
-        try:
-            bases.append(int(nvshmem.get_peer_buffer(buffer, pe).handle))
-        except Exception as e:  # nvshmem4py's NvshmemError: no load/store path to that PE
-            nvshmem.free(buffer)
-            raise NotImplementedError(f"transport: rank {pe} is not reachable by loads and stores from here (another "
-                                      "node); NVSHMEM puts for such peers are not built yet") from e
+def allocate(num_bytes: int, rank: int, kernels: Any) -> SymmetricBuffer:
+    """`num_bytes` on every rank's heap (a collective), and each rank's address here as the kernels see it
+    (nvshmem_ptr in `kernels`, ep_layer._C_nvshmem)."""
+    buffer = _nvshmem().buffer(num_bytes)
+    own = int(buffer.handle)
+    bases = [p or None for p in kernels.nvshmem_view(own)[2]]
+    if bases[rank] != own:
+        free(SymmetricBuffer(buffer, bases))
+        raise RuntimeError(f"transport: the kernels map this rank's NVSHMEM buffer {own:#x} at {bases[rank]}")
     return SymmetricBuffer(buffer, bases)
+
+
+def put_ranks(buffer: SymmetricBuffer) -> int:
+    """The ranks this process reaches by NVSHMEM puts (bit r): those without a load/store path to their
+    part of `buffer`, or every rank with EP_LAYER_NVSHMEM_FORCE_PUTS=1."""
+    forced = os.environ.get(FORCE_PUTS, "0")
+    expect(forced in ("0", "1"), FORCE_PUTS, "0 or 1", forced)
+    return sum(1 << r for r, base in enumerate(buffer.bases) if forced == "1" or base is None)
 
 
 def free(buffer: SymmetricBuffer) -> None:

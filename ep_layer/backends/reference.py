@@ -211,8 +211,8 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None, *, hook: bool) -> ReceiveHalf:
-        del hook  # the receive half is where the exchange completes either way
+                wait_stats: torch.Tensor | None, *, hook: bool, slot: int) -> ReceiveHalf:
+        del hook, slot  # the receive half is where the exchange completes either way; no zero-copy buffers
         start = time.perf_counter_ns()
         receive = self._combine(x, topk_idx, topk_weights, handle, out, wait_stats)
         return self._timed("combine", start, receive)
