@@ -18,6 +18,7 @@ from .engine.engine_config import (
     DEFAULT_LOADER,
     DEFAULT_MAX_TOKENS_PER_RANK,
     EP_BACKENDS,
+    EP_TRANSPORTS,
     LOAD_FORMATS,
     EngineConfig,
 )
@@ -201,7 +202,13 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "more than --max-tokens-per-rank tokens (long prefills), low-latency for the others")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
                    help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
-                        "torch.distributed one, or 'auto' (cuda when built and on GPU)")
+                        "torch.distributed one, or 'auto' (cuda when built and on GPU, and across hosts only "
+                        "with NVSHMEM)")
+    p.add_argument("--ep-transport", choices=EP_TRANSPORTS, default="auto",
+                   help="how the cuda backend's Buffers reach the other ranks: 'ipc' (CUDA IPC, one host), "
+                        "'nvshmem' (NVSHMEM; across hosts over RDMA; needs pip install 'ep-layer[nvshmem]' "
+                        "and the NVSHMEM build of the kernels), or 'auto' (NVSHMEM when the ranks span hosts, "
+                        "else CUDA IPC)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -236,6 +243,9 @@ def _add_multi_host_args(p: argparse.ArgumentParser) -> None:
                    help=f"port on the rank-0 host where the ranks meet (torch.distributed's TCP store; default: "
                         f"{DEFAULT_RPC_PORT} when the ranks span several ep-serve processes, else a free port); 0 "
                         f"on the rank-0 host: a free port, logged as 'all ranks meet at ADDR:PORT'")
+    g.add_argument("--nnodes", "-n", type=int, default=None, metavar="N",
+                   help="hosts the ranks run on, which decides whether CUDA IPC reaches them all (default: one "
+                        "host per ep-serve process; --nnodes 1 for several ep-serve processes on one host)")
     g.add_argument("--data-parallel-hybrid-lb", "-dph", action="store_true",
                    help="accepted for vLLM compatibility: the ep-serve of each host serves its own ranks either way")
 
@@ -256,7 +266,7 @@ def _rank_placement(args: argparse.Namespace) -> dict[str, int | str | None]:
     if port is None:
         port = DEFAULT_RPC_PORT if spans else 0
     return dict(data_parallel_size_local=local, data_parallel_start_rank=start,
-                data_parallel_address=args.data_parallel_address, dist_port=port)
+                data_parallel_address=args.data_parallel_address, dist_port=port, nnodes=args.nnodes)
 
 
 def hf_cache_dir(download_dir: str | None) -> str:
@@ -310,6 +320,14 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
                          f"no tensor parallelism and scales by data-parallel ranks with expert parallelism instead "
                          f"(attention replicated on every rank, the experts sharded over them): use "
                          f"--data-parallel-size N --enable-expert-parallel")
+    if args.ep_transport == "nvshmem":
+        from ep_layer import native
+
+        if not native.nvshmem_available():
+            raise SystemExit("ep-serve: --ep-transport nvshmem: NVSHMEM is not installed here; install "
+                             "nvshmem4py with `pip install 'ep-layer[nvshmem]'` and the NVSHMEM build of the "
+                             "kernels (ep_layer._C_nvshmem: rebuild ep-layer where NVSHMEM is found), or use "
+                             "--ep-transport auto")
     tokenizer = None if args.tokenizer is None else local_path(args.tokenizer, args.download_dir, "--tokenizer")
     return EngineConfig(
         model=model, served_model_name=served_name, tokenizer=tokenizer, dtype=DTYPES[args.dtype],
@@ -319,8 +337,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         max_num_batched_tokens=args.max_num_batched_tokens, deepep_mode=args.deepep_mode, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-        ep_backend=args.ep_backend, device=args.device, seed=args.seed, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, chat_template=args.chat_template,
+        ep_backend=args.ep_backend, ep_transport=args.ep_transport, device=args.device, seed=args.seed,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, chat_template=args.chat_template,
         **_rank_placement(args))
 
 
@@ -394,12 +412,11 @@ class _UvicornLogs(logging.Filter):
 def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelInfo, url: str) -> str:
     """What is served, how and where, from the config and what rank 0 reported (serving.engine.messages'
     ModelInfo). The Buffer backend and the CUDA graphs are what the ranks decide with the same functions
-    (resolve_backend, why_eager, graph_sizes): ModelInfo does not report them."""
+    (ep_backend_for, why_eager, graph_sizes): ModelInfo does not report them."""
     import torch
 
-    from ep_layer.backends import resolve_backend
-
     from .engine.model_runner import graph_sizes, why_eager
+    from .engine.rank_worker import ep_backend_for
 
     device = torch.device(info.device)
     size, experts = config.data_parallel_size, checkpoint.n_routed_experts
@@ -411,14 +428,15 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     else:
         ranks = f"{size} data-parallel rank{'s' if size > 1 else ''}, all {experts} experts on each"
     has_moe = checkpoint.first_k_dense_replace < checkpoint.num_hidden_layers
-    backend = resolve_backend(config.ep_backend, one_node=not config.spans_processes, device=device) if has_moe \
-        else None
+    backend = ep_backend_for(config, device) if has_moe else None
     if backend is None:
         buffer = "no MoE layers (no Buffer)"
     elif not config.expert_parallel:
         buffer = f"Buffer backend {backend} (a rank alone: nothing exchanged)"
     elif backend == "cuda":
-        buffer = "Buffer backend cuda over CUDA IPC"
+        buffer = f"Buffer backend cuda over {buffer_transport(config)}"
+    elif device.type == "cuda" and config.spans_hosts and config.ep_backend == "auto":
+        buffer = "Buffer backend reference over torch.distributed (NCCL; across hosts the cuda backend needs NVSHMEM)"
     else:
         buffer = f"Buffer backend reference over torch.distributed ({'NCCL' if device.type == 'cuda' else 'gloo'})"
     if config.enforce_eager:
@@ -443,6 +461,14 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     return (f"ep-serve ready at {url}: model {config.served_model_name} ({config.model}), dtype {config.dtype}"
             f"{weights}, {ranks}, {buffer}{dispatch}, {graphs}, on {info.device}; KV cache {info.num_kv_blocks} "
             f"blocks of {info.block_size} tokens a rank, max_model_len {info.max_model_len}")
+
+
+def buffer_transport(config: EngineConfig) -> str:
+    """How the cuda backend's Buffers reach the other ranks, as ep_layer.Buffer decides it from
+    --ep-transport: 'auto' is NVSHMEM where the ranks span several hosts (the engine's Buffer always has
+    RDMA bytes), else CUDA IPC."""
+    nvshmem = config.ep_transport == "nvshmem" or (config.ep_transport == "auto" and config.spans_hosts)
+    return f"{'NVSHMEM' if nvshmem else 'CUDA IPC'} (--ep-transport {config.ep_transport})"
 
 
 class RequestLog:

@@ -2,7 +2,7 @@
 LWS's environment, a Service over them, a ServiceMonitor on that Service, a PrometheusRule equal to
 deploy/prometheus/alerts.yml), the pod template against Kubernetes' own schema, and the container's
 command run through bash for every pod of a group, with an `ep-serve` stand-in that parses the flags
-with ep-serve's parser and builds its engine config."""
+with ep-serve's parser and builds its engine config (ranks, rendezvous, hosts and the Buffer transport)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,10 @@ def test_leaderworkerset_pods():
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
         assert volumes[mounts["/models"]]["persistentVolumeClaim"]["readOnly"]
+        # RDMA between the hosts: GPU-initiated, with memory pinned past the memlock limit and the NICs.
+        assert env["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        assert any(name.startswith("rdma/") for name in c["resources"]["limits"])
 
 
 def test_pod_templates_follow_the_kubernetes_schema():
@@ -125,7 +129,8 @@ STAND_IN = textwrap.dedent("""\
     config = engine_config(args, args.model, args.served_model_name or args.model)
     print(json.dumps(dict(model=args.model, host=args.host, port=args.port, size=config.data_parallel_size,
                           ep=config.expert_parallel, ranks=list(config.local_ranks),
-                          address=config.data_parallel_address, rpc_port=config.dist_port)))
+                          address=config.data_parallel_address, rpc_port=config.dist_port,
+                          transport=config.ep_transport, nnodes=config.nnodes, spans_hosts=config.spans_hosts)))
     """)
 
 
@@ -156,6 +161,7 @@ def test_every_pod_of_a_group_runs_its_ranks_of_one_job(tmp_path):
             assert got["ranks"] == list(range(index * gpus, (index + 1) * gpus)), got
             assert got["address"] == LEADER and got["rpc_port"] == 29550, got
             assert got["host"] == "0.0.0.0" and got["port"] == 8000, got
+            assert got["transport"] == "auto" and got["nnodes"] == size and got["spans_hosts"], got
             assert any(got["model"].startswith(m + "/") for m in mounts), got["model"]
             seen += got["ranks"]
         assert sorted(seen) == list(range(size * gpus))

@@ -146,3 +146,144 @@ def test_rank_placement_flags():
 def test_rank_placement_errors(argv: list[str], message: str):
     with pytest.raises((SystemExit, ValueError), match=re.escape(message)):
         config(*argv)
+
+
+# ---------------------------------------------------------------------------- the Buffer's backend and transport
+@pytest.fixture
+def gpu_build(monkeypatch: pytest.MonkeyPatch):
+    """A host where the cuda backend is built and a GPU is present; the test says whether NVSHMEM is."""
+    import torch
+
+    from ep_layer import native
+
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def nvshmem(installed: bool) -> None:
+        monkeypatch.setattr(native, "nvshmem_available", lambda: installed)
+    return nvshmem
+
+
+HOST1 = ("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpr", "8", "--enforce-eager")
+
+
+def test_ep_transport_flag_parses_into_the_config(capsys: pytest.CaptureFixture[str]):
+    assert config().ep_transport == "auto"
+    assert config("--ep-transport", "ipc").ep_transport == "ipc"
+    with pytest.raises(SystemExit) as exc:
+        parse("--ep-transport", "rdma")
+    assert exc.value.code == 2
+    assert "argument --ep-transport: invalid choice: 'rdma'" in capsys.readouterr().err
+    text = build_parser().format_help()
+    assert "--ep-transport {auto,ipc,nvshmem}" in text and "--nnodes N, -n N" in text
+
+
+def test_ep_transports_are_the_buffers():
+    from ep_layer.backends import TRANSPORTS
+    from serving.engine.engine_config import EP_TRANSPORTS
+
+    assert EP_TRANSPORTS == TRANSPORTS
+
+
+def test_ep_transport_nvshmem_needs_nvshmem_installed(gpu_build):
+    gpu_build(False)
+    with pytest.raises(SystemExit, match=re.escape("pip install 'ep-layer[nvshmem]'")) as exc:
+        config("--ep-transport", "nvshmem")
+    assert "--ep-transport nvshmem" in str(exc.value) and "NVSHMEM build of the kernels" in str(exc.value)
+    gpu_build(True)
+    assert config("--ep-transport", "nvshmem").ep_transport == "nvshmem"
+    with pytest.raises(ValueError, match="'nvshmem' is a transport of the cuda backend"):
+        config("--ep-transport", "nvshmem", "--ep-backend", "reference")
+
+
+def test_the_host_count_decides_whether_the_cuda_backend_reaches_the_ranks(gpu_build):
+    import torch
+
+    from serving.engine.rank_worker import ep_backend_for
+
+    gpu = torch.device("cuda", 0)
+    one_process = config("--enable-expert-parallel", "-dp", "8")
+    host1 = config(*HOST1)
+    same_host = config(*HOST1, "--nnodes", "1")  # two ep-serve processes on one host
+    assert not one_process.spans_hosts and host1.spans_hosts and not same_host.spans_hosts
+    assert config(*HOST1, "--nnodes", "2").spans_hosts
+    gpu_build(False)
+    assert ep_backend_for(host1, gpu) == "reference"  # CUDA IPC cannot reach the other host
+    assert ep_backend_for(same_host, gpu) == ep_backend_for(one_process, gpu) == "cuda"
+    assert ep_backend_for(host1, torch.device("cpu")) == "reference"
+    gpu_build(True)
+    assert ep_backend_for(host1, gpu) == "cuda"  # NVSHMEM reaches it
+
+
+def test_startup_summary_names_the_transport(gpu_build):
+    from serving.cli import startup_summary
+    from serving.engine.messages import ModelInfo
+    from serving.model_config import ModelConfig
+    from serving.tiny_model import TINY_CONFIG
+
+    tiny = ModelConfig.from_dict(dict(TINY_CONFIG))
+    info = ModelInfo(512, (1,), 2048, 100, 16, "cuda:0")
+
+    def buffer(*argv: str) -> str:
+        line = startup_summary(config(*argv).resolved(tiny), tiny, info, "http://h:1")
+        return line.split("experts a rank, ")[1].split(", low-latency dispatch")[0]
+
+    gpu_build(True)
+    assert buffer(*HOST1) == "Buffer backend cuda over NVSHMEM (--ep-transport auto)"
+    assert buffer(*HOST1, "--nnodes", "1") == "Buffer backend cuda over CUDA IPC (--ep-transport auto)"
+    assert buffer(*HOST1, "--nnodes", "1", "--ep-transport", "nvshmem") == \
+        "Buffer backend cuda over NVSHMEM (--ep-transport nvshmem)"
+    assert buffer("--enable-expert-parallel", "-dp", "8", "--enforce-eager", "--ep-transport", "ipc") == \
+        "Buffer backend cuda over CUDA IPC (--ep-transport ipc)"
+    gpu_build(False)
+    assert buffer(*HOST1) == ("Buffer backend reference over torch.distributed (NCCL; across hosts the cuda backend "
+                              "needs NVSHMEM)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*HOST1, "--ep-transport", "ipc"], "'ipc' (CUDA IPC) reaches the GPUs of one host"),
+    ([*HOST1, "--ep-transport", "ipc", "--nnodes", "2"], "the ranks run on 2 hosts"),
+    (["--enable-expert-parallel", "-dp", "8", "--nnodes", "2"], "nnodes: expected the hosts the ranks run on, in "
+                                                                "[1, 1] (this process runs 8 of the 8 ranks), got 2"),
+    ([*HOST1, "--nnodes", "10"], "in [1, 9] (this process runs 8 of the 16 ranks), got 10"),
+    ([*HOST1, "--nnodes", "0"], "in [1, 9]"),
+])
+def test_host_count_errors(argv: list[str], message: str):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config(*argv)
+    assert config(*HOST1, "--ep-transport", "ipc", "--nnodes", "1").ep_transport == "ipc"
+
+
+def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """serving.engine.loading makes the model's one Buffer with --ep-transport, at the size
+    ep_layer.moe.make_buffer gives one for the same layers."""
+    import torch
+
+    from ep_layer import Buffer
+    from ep_layer.moe import make_buffer
+    from serving.engine import loading
+    from serving.engine.engine_config import EngineConfig
+    from serving.model_config import ModelConfig
+    from serving.tiny_model import tiny_checkpoint
+
+    made: list[dict] = []
+
+    class Recorded(Buffer):
+        def __init__(self, group, **kwargs) -> None:
+            made.append(kwargs)
+            super().__init__(group, **kwargs)
+
+    monkeypatch.setattr(loading, "Buffer", Recorded)
+    cpu = torch.device("cpu")
+    cfg = EngineConfig(model=tiny_checkpoint(str(tmp_path)), ep_transport="ipc", device="cpu")
+    model, _ = loading.load_model(cfg, None, cpu)
+    assert isinstance(model.ep_buffer, Recorded)
+    (kwargs,) = made
+    assert kwargs["transport"] == "ipc" and kwargs["backend"] == "reference"
+    checkpoint = ModelConfig.from_file(cfg.model)
+    for mode in ("low_latency", "auto"):
+        ours = loading.make_ep_buffer(EngineConfig(model=cfg.model, deepep_mode=mode), checkpoint, None, cpu)
+        theirs = make_buffer(None, cfg.max_tokens_per_rank, checkpoint.hidden_size,
+                             checkpoint.n_routed_experts, "reference", cpu, normal_mode=mode != "low_latency")
+        assert (ours.num_rdma_bytes, ours.num_nvl_bytes) == (theirs.num_rdma_bytes, theirs.num_nvl_bytes), mode
+    assert ours.num_nvl_bytes > 0

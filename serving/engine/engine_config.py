@@ -10,6 +10,7 @@ from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
 
 DEFAULT_LOADER = "serving.engine.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
+EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, named here without importing torch
 DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
 DEFAULT_MAX_TOKENS_PER_RANK = 256
 DEFAULT_NORMAL_BUDGET = 2048  # tokens per step with normal mode (vLLM's default max_num_batched_tokens)
@@ -28,11 +29,13 @@ class EngineConfig:
     schedules per step (None: max_tokens_per_rank, or with normal mode DEFAULT_NORMAL_BUDGET).
     max_model_len / num_kv_blocks: None = from the model / from memory. tokenizer, dtype, quantization,
     gpu_memory_utilization and chat_template mean what vLLM's flags of those names mean (serving.cli).
+    ep_transport: how the cuda backend's Buffers reach the other ranks (ep_layer.Buffer's `transport`).
 
     Multi-host jobs (vLLM's flags): each ep-serve runs the ranks [data_parallel_start_rank,
     data_parallel_start_rank + data_parallel_size_local) of data_parallel_size and serves HTTP for them;
     all ranks meet through torch.distributed at data_parallel_address:dist_port, where the ep-serve that
-    runs rank 0 keeps the rendezvous store."""
+    runs rank 0 keeps the rendezvous store. nnodes: the hosts those ranks run on (None: one per ep-serve
+    process, as the launch recipe runs them), which decides whether CUDA IPC can reach every rank."""
 
     model: str
     served_model_name: str = "ep-layer-tiny"
@@ -53,6 +56,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     ep_backend: str = "auto"
+    ep_transport: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
     enforce_eager: bool = False  # no decode CUDA graphs (see serving.engine.model_runner)
@@ -61,6 +65,7 @@ class EngineConfig:
     data_parallel_size_local: int | None = None  # ranks this process runs (None: all from the start rank on)
     data_parallel_start_rank: int = 0  # global rank of this process's first rank
     data_parallel_address: str = "127.0.0.1"  # host of the rendezvous store (the process that runs rank 0)
+    nnodes: int | None = None  # hosts the ranks run on (None: one per ep-serve process)
     chat_template: str | None = None  # --chat-template as given: a file, the template, or a template's name
 
     def __post_init__(self) -> None:
@@ -68,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.ep_backend not in EP_BACKENDS:
             raise ValueError(f"ep_backend: expected one of {EP_BACKENDS}, got {self.ep_backend!r}")
+        if self.ep_transport not in EP_TRANSPORTS:
+            raise ValueError(f"ep_transport: expected one of {EP_TRANSPORTS}, got {self.ep_transport!r}")
         if self.dtype not in (AUTO_DTYPE, *SUPPORTED_DTYPES):
             raise ValueError(f"dtype: expected {AUTO_DTYPE!r} or one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -90,6 +97,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         self._check_ranks()
+        self._check_transport()
 
     def _check_ranks(self) -> None:
         size, start, local = self.data_parallel_size, self.data_parallel_start_rank, self.data_parallel_size_local
@@ -109,6 +117,19 @@ class EngineConfig:
             if not lowest <= self.dist_port < 65536:
                 raise ValueError(f"dist_port: expected the rendezvous port every host uses, in [{lowest}, 65535], "
                                  f"got {self.dist_port}")
+        most = 1 + size - len(self.local_ranks)  # this host, and each other one runs one rank at least
+        if self.nnodes is not None and not 1 <= self.nnodes <= most:
+            raise ValueError(f"nnodes: expected the hosts the ranks run on, in [1, {most}] (this process runs "
+                             f"{len(self.local_ranks)} of the {size} ranks), got {self.nnodes}")
+
+    def _check_transport(self) -> None:
+        if self.ep_transport == "nvshmem" and (self.ep_backend == "reference" or self.device == "cpu"):
+            raise ValueError(f"ep_transport: 'nvshmem' is a transport of the cuda backend on GPU, got ep_backend "
+                             f"{self.ep_backend!r} and device {self.device!r}")
+        if self.ep_transport == "ipc" and self.spans_hosts:
+            raise ValueError(f"ep_transport: 'ipc' (CUDA IPC) reaches the GPUs of one host, and the ranks run on "
+                             f"{self.nnodes or 'several'} hosts; use 'auto' or 'nvshmem' (or nnodes=1 for several "
+                             f"ep-serve processes on one host)")
 
     @property
     def token_budget(self) -> int:
@@ -149,6 +170,12 @@ class EngineConfig:
     def spans_processes(self) -> bool:
         """Some ranks of the job run in other ep-serve processes (other hosts)."""
         return len(self.local_ranks) < self.data_parallel_size
+
+    @property
+    def spans_hosts(self) -> bool:
+        """The ranks run on several hosts, so CUDA IPC cannot reach them all: nnodes > 1, or with nnodes
+        unset, some ranks run in other ep-serve processes (one ep-serve per host)."""
+        return self.nnodes > 1 if self.nnodes is not None else self.spans_processes
 
     @property
     def expert_parallel(self) -> bool:

@@ -1,5 +1,6 @@
 """The default model loader of the engine ranks (EngineConfig.loader names a module with these two
-functions): the checkpoint directory EngineConfig.model through serving.loader."""
+functions): the checkpoint directory EngineConfig.model through serving.loader, its MoE layers over one
+Buffer with the configured backend and transport."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ep_layer import Buffer, Config
+
+from ..model_config import ModelConfig
 from .engine_config import EngineConfig
+from .rank_worker import ep_backend_for
+
+BF16_BYTES = 2  # a normal-mode dispatch sends bf16 rows
 
 
 def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
@@ -16,12 +23,27 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
     from .. import loader
 
     rank = dist.get_rank(group) if group is not None else 0
-    dtype = getattr(torch, loader.load_config(config.model).serving_dtype(config.dtype))
-    model = loader.load_model(config.model, group=group, backend=config.ep_backend,
+    checkpoint = loader.load_config(config.model)
+    dtype = getattr(torch, checkpoint.serving_dtype(config.dtype))
+    model = loader.load_model(config.model, ep_buffer=make_ep_buffer(config, checkpoint, group, device),
                               max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
                               load_format=config.load_format, dtype=dtype,
                               normal_mode=config.deepep_mode != "low_latency")
     return model.eval(), load_tokenizer(config)
+
+
+def make_ep_buffer(config: EngineConfig, checkpoint: ModelConfig, group: dist.ProcessGroup | None,
+                   device: torch.device) -> Buffer | None:
+    """The Buffer all MoE layers of `checkpoint` share (None without MoE layers), with config.ep_transport;
+    sized as ep_layer.moe.make_buffer sizes it, since that takes no transport."""
+    if checkpoint.first_k_dense_replace >= checkpoint.num_hidden_layers:
+        return None
+    ranks = dist.get_world_size(group) if group is not None else 1
+    hidden = checkpoint.hidden_size
+    rdma = Buffer.get_low_latency_rdma_size_hint(config.max_tokens_per_rank, hidden, ranks, checkpoint.n_routed_experts)
+    nvl = Config().get_nvl_buffer_size_hint(BF16_BYTES * hidden, ranks) if config.deepep_mode != "low_latency" else 0
+    return Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=True,
+                  backend=ep_backend_for(config, device), transport=config.ep_transport)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:

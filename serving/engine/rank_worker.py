@@ -56,6 +56,12 @@ def resolve_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device(kind)
 
 
+def ep_backend_for(config: EngineConfig, device: torch.device) -> str:
+    """The Buffer backend config.ep_backend stands for on `device` (resolve_backend): whether the ranks
+    span several hosts (config.spans_hosts) decides whether the cuda backend can reach them all."""
+    return resolve_backend(config.ep_backend, one_node=not config.spans_hosts, device=device)
+
+
 def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
     """The configured loader's (model, tokenizer) for this rank."""
     return importlib.import_module(config.loader).load_model(config, group, device)
@@ -92,8 +98,7 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(config.local_ranks)))
         device = resolve_device(config, rank - config.local_ranks.start)
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
-        config = dataclasses.replace(config, ep_backend=resolve_backend(config.ep_backend, device=device,
-                                                                        one_node=not config.spans_processes))
+        config = dataclasses.replace(config, ep_backend=ep_backend_for(config, device))
         group, sync_group = _init_group(config, rank, device)
         model, tokenizer = load_model(config, group, device)
         max_positions = int(model.config.max_position_embeddings)
