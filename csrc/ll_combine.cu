@@ -88,7 +88,7 @@ __device__ __forceinline__ void send_rows(const CombineCall& a, unsigned seq, in
       if constexpr (kCopies) put_row(a, seq, in_row, token, kmask, source, half);  // the launcher picks kCopies
       continue;
 #endif
-    } else if (a.x_row >= 0) {
+    } else if (!kCopies || a.x_row >= 0) {  // compile-time true without copies: no copy code, few registers
       ref = -kMaxTopk - 1 - static_cast<int>(a.x_row + in_row);  // in our buffer: the receive half pulls it
     } else {
       copy_vectors(reinterpret_cast<int4*>(combine_slot(c, half, token, first_k)),

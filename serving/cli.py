@@ -415,6 +415,8 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     (ep_backend_for, why_eager, graph_sizes): ModelInfo does not report them."""
     import torch
 
+    from ep_layer.layout import MAX_RANKS
+
     from .engine.model_runner import graph_sizes, why_eager
     from .engine.rank_worker import ep_backend_for
 
@@ -435,6 +437,9 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
         buffer = f"Buffer backend {backend} (a rank alone: nothing exchanged)"
     elif backend == "cuda":
         buffer = f"Buffer backend cuda over {buffer_transport(config)}"
+    elif device.type == "cuda" and config.ep_backend == "auto" and size > MAX_RANKS:
+        buffer = (f"Buffer backend reference over torch.distributed (NCCL; the cuda backend takes at most {MAX_RANKS} "
+                  "ranks)")
     elif device.type == "cuda" and config.spans_hosts and config.ep_backend == "auto":
         buffer = "Buffer backend reference over torch.distributed (NCCL; across hosts the cuda backend needs NVSHMEM)"
     else:

@@ -245,3 +245,16 @@ def test_auto_transport_asks_whether_the_ranks_span_hosts(same_host: bool) -> No
     from dist_harness import run_ranks
 
     assert run_ranks(_spans_hosts_rank, 3, same_host, timeout_s=60) == [not same_host] * 3
+
+
+@pytest.mark.parametrize(("one_node", "nvshmem", "num_ranks", "want"), [
+    (True, False, 8, "cuda"), (True, False, 9, "reference"), (False, False, 2, "reference"),
+    (False, True, 8, "cuda"), (False, True, 16, "reference")])
+def test_auto_backend_across_nodes_needs_nvshmem_and_at_most_eight_ranks(
+        monkeypatch: pytest.MonkeyPatch, one_node: bool, nvshmem: bool, num_ranks: int, want: str) -> None:
+    from ep_layer.backends import resolve_backend
+
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.setattr(native, "nvshmem_available", lambda: nvshmem)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_backend("auto", one_node=one_node, num_ranks=num_ranks) == want

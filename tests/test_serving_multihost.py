@@ -164,7 +164,8 @@ def gpu_build(monkeypatch: pytest.MonkeyPatch):
     return nvshmem
 
 
-HOST1 = ("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpr", "8", "--enforce-eager")
+HOST1 = ("--enable-expert-parallel", "-dp", "8", "-dpl", "4", "-dpr", "4", "--enforce-eager")
+SIXTEEN = ("--enable-expert-parallel", "-dp", "16", "-dpl", "8", "-dpr", "8", "--enforce-eager")  # past the kernels
 
 
 def test_ep_transport_flag_parses_into_the_config(capsys: pytest.CaptureFixture[str]):
@@ -213,6 +214,7 @@ def test_the_host_count_decides_whether_the_cuda_backend_reaches_the_ranks(gpu_b
     assert ep_backend_for(host1, torch.device("cpu")) == "reference"
     gpu_build(True)
     assert ep_backend_for(host1, gpu) == "cuda"  # NVSHMEM reaches it
+    assert ep_backend_for(config(*SIXTEEN), gpu) == "reference"  # more ranks than the kernels take
 
 
 def test_startup_summary_names_the_transport(gpu_build):
@@ -235,6 +237,8 @@ def test_startup_summary_names_the_transport(gpu_build):
         "Buffer backend cuda over NVSHMEM (--ep-transport nvshmem)"
     assert buffer("--enable-expert-parallel", "-dp", "8", "--enforce-eager", "--ep-transport", "ipc") == \
         "Buffer backend cuda over CUDA IPC (--ep-transport ipc)"
+    assert buffer(*SIXTEEN) == ("Buffer backend reference over torch.distributed (NCCL; the cuda backend takes at "
+                                "most 8 ranks)")
     gpu_build(False)
     assert buffer(*HOST1) == ("Buffer backend reference over torch.distributed (NCCL; across hosts the cuda backend "
                               "needs NVSHMEM)")
@@ -245,8 +249,8 @@ def test_startup_summary_names_the_transport(gpu_build):
     ([*HOST1, "--ep-transport", "ipc", "--nnodes", "2"], "the ranks run on 2 hosts"),
     (["--enable-expert-parallel", "-dp", "8", "--nnodes", "2"], "nnodes: expected the hosts the ranks run on, in "
                                                                 "[1, 1] (this process runs 8 of the 8 ranks), got 2"),
-    ([*HOST1, "--nnodes", "10"], "in [1, 9] (this process runs 8 of the 16 ranks), got 10"),
-    ([*HOST1, "--nnodes", "0"], "in [1, 9]"),
+    ([*HOST1, "--nnodes", "6"], "in [1, 5] (this process runs 4 of the 8 ranks), got 6"),
+    ([*HOST1, "--nnodes", "0"], "in [1, 5]"),
 ])
 def test_host_count_errors(argv: list[str], message: str):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -255,12 +259,12 @@ def test_host_count_errors(argv: list[str], message: str):
 
 
 def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """serving.engine.loading makes the model's one Buffer with --ep-transport, at the size
-    ep_layer.moe.make_buffer gives one for the same layers."""
+    """serving.engine.loading makes the model's one Buffer through ep_layer.moe.make_buffer, with
+    --ep-transport, sized for normal mode exactly when --deepep-mode may use it."""
     import torch
 
+    import ep_layer.moe.layer
     from ep_layer import Buffer
-    from ep_layer.moe import make_buffer
     from serving.engine import loading
     from serving.engine.engine_config import EngineConfig
     from serving.model_config import ModelConfig
@@ -273,7 +277,7 @@ def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monke
             made.append(kwargs)
             super().__init__(group, **kwargs)
 
-    monkeypatch.setattr(loading, "Buffer", Recorded)
+    monkeypatch.setattr(ep_layer.moe.layer, "Buffer", Recorded)
     cpu = torch.device("cpu")
     cfg = EngineConfig(model=tiny_checkpoint(str(tmp_path)), ep_transport="ipc", device="cpu")
     model, _ = loading.load_model(cfg, None, cpu)
@@ -281,9 +285,6 @@ def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monke
     (kwargs,) = made
     assert kwargs["transport"] == "ipc" and kwargs["backend"] == "reference"
     checkpoint = ModelConfig.from_file(cfg.model)
-    for mode in ("low_latency", "auto"):
-        ours = loading.make_ep_buffer(EngineConfig(model=cfg.model, deepep_mode=mode), checkpoint, None, cpu)
-        theirs = make_buffer(None, cfg.max_tokens_per_rank, checkpoint.hidden_size,
-                             checkpoint.n_routed_experts, "reference", cpu, normal_mode=mode != "low_latency")
-        assert (ours.num_rdma_bytes, ours.num_nvl_bytes) == (theirs.num_rdma_bytes, theirs.num_nvl_bytes), mode
-    assert ours.num_nvl_bytes > 0
+    nvl = {mode: loading.make_ep_buffer(EngineConfig(model=cfg.model, deepep_mode=mode), checkpoint, None,
+                                        cpu).num_nvl_bytes for mode in ("low_latency", "auto")}
+    assert nvl["low_latency"] == 0 < nvl["auto"]

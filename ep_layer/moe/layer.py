@@ -333,14 +333,16 @@ def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_toke
 
 def make_buffer(group: dist.ProcessGroup | None, max_tokens_per_rank: int, hidden: int, num_experts: int,
                 backend: str = "auto", device: torch.device | str | None = None, *,
-                normal_mode: bool = False) -> Buffer:
+                normal_mode: bool = False, transport: str = "auto") -> Buffer:
     """A low-latency Buffer for `group` (None: the default group, else one rank) sized for MoE layers on
     `device` that dispatch up to max_tokens_per_rank tokens of `hidden` channels to num_experts experts;
-    with `normal_mode`, sized for normal-mode calls too (FusedMoE.forward(..., mode="normal"))."""
+    with `normal_mode`, sized for normal-mode calls too (FusedMoE.forward(..., mode="normal")). `transport`
+    is the Buffer's (the cuda backend's CUDA IPC or NVSHMEM)."""
     _, ranks = group_rank_and_size(group)
     if num_experts % ranks:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ranks}, got {num_experts}")
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, ranks, num_experts)
     nvl_bytes = Config().get_nvl_buffer_size_hint(2 * hidden, ranks) if normal_mode else 0
     backend = resolve_backend(backend, device=torch.empty(0, device=device).device)
-    return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=size, low_latency_mode=True, backend=backend)
+    return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
+                  transport=transport)

@@ -9,13 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_layer import Buffer, Config
+from ep_layer import Buffer
+from ep_layer.moe import make_buffer
 
 from ..model_config import ModelConfig
 from .engine_config import EngineConfig
 from .rank_worker import ep_backend_for
-
-BF16_BYTES = 2  # a normal-mode dispatch sends bf16 rows
 
 
 def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
@@ -34,16 +33,12 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
 
 def make_ep_buffer(config: EngineConfig, checkpoint: ModelConfig, group: dist.ProcessGroup | None,
                    device: torch.device) -> Buffer | None:
-    """The Buffer all MoE layers of `checkpoint` share (None without MoE layers), with config.ep_transport;
-    sized as ep_layer.moe.make_buffer sizes it, since that takes no transport."""
+    """The Buffer all MoE layers of `checkpoint` share (None without MoE layers), with config.ep_transport."""
     if checkpoint.first_k_dense_replace >= checkpoint.num_hidden_layers:
         return None
-    ranks = dist.get_world_size(group) if group is not None else 1
-    hidden = checkpoint.hidden_size
-    rdma = Buffer.get_low_latency_rdma_size_hint(config.max_tokens_per_rank, hidden, ranks, checkpoint.n_routed_experts)
-    nvl = Config().get_nvl_buffer_size_hint(BF16_BYTES * hidden, ranks) if config.deepep_mode != "low_latency" else 0
-    return Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=True,
-                  backend=ep_backend_for(config, device), transport=config.ep_transport)
+    return make_buffer(group, config.max_tokens_per_rank, checkpoint.hidden_size, checkpoint.n_routed_experts,
+                       ep_backend_for(config, device), device, normal_mode=config.deepep_mode != "low_latency",
+                       transport=config.ep_transport)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:

@@ -58,8 +58,10 @@ def resolve_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 def ep_backend_for(config: EngineConfig, device: torch.device) -> str:
     """The Buffer backend config.ep_backend stands for on `device` (resolve_backend): whether the ranks
-    span several hosts (config.spans_hosts) decides whether the cuda backend can reach them all."""
-    return resolve_backend(config.ep_backend, one_node=not config.spans_hosts, device=device)
+    span several hosts (config.spans_hosts), and how many there are, decide whether the cuda backend can
+    reach them all."""
+    return resolve_backend(config.ep_backend, one_node=not config.spans_hosts, device=device,
+                           num_ranks=config.data_parallel_size)
 
 
 def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
