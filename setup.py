@@ -43,16 +43,20 @@ def gencode_flags() -> list[str]:
 
 
 def find_nvshmem() -> Path | None:
-    """NVSHMEM's install (include/, lib/): EP_LAYER_NVSHMEM_HOME, else the nvidia-nvshmem-cu13 package."""
+    """NVSHMEM's install (include/, lib/): EP_LAYER_NVSHMEM_HOME, else the nvidia-nvshmem-cu13 package, on
+    sys.path or in the site-packages of the environment being installed into (pip builds in an isolated
+    environment of its own)."""
     home = os.environ.get("EP_LAYER_NVSHMEM_HOME")
     if home:
         return Path(home)
     try:
         spec = importlib.util.find_spec("nvidia.nvshmem")
     except ModuleNotFoundError:
-        return None
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    found = [Path(p) for p in locations if (Path(p) / "lib" / "libnvshmem_device.a").exists()]
+        spec = None
+    locations = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    paths = sysconfig.get_paths()
+    locations += [Path(paths[key]) / "nvidia" / "nvshmem" for key in ("purelib", "platlib")]
+    found = [p for p in locations if (p / "lib" / "libnvshmem_device.a").exists()]
     return found[0] if found else None
 
 
