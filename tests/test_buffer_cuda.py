@@ -799,7 +799,7 @@ def _ipc_rank(rank: int, world_size: int, seed: int, max_tokens: int, transport:
     cuda.destroy()
 
 
-def _empty_microbatch_rank(rank: int, world_size: int, seed: int) -> None:
+def _empty_microbatch_rank(rank: int, world_size: int, seed: int, transport: str = "ipc") -> None:
     """Two micro-batches per step (send A, send B, hook A, combine A, hook B, combine B, hooks), B empty
     on every rank, the last rank slow before its hook B. The others leave their (empty) combine B
     early and send the next step's B into a buffer half the slow rank has not read yet, unless the
@@ -811,7 +811,7 @@ def _empty_microbatch_rank(rank: int, world_size: int, seed: int) -> None:
     max_tokens, hidden, num_local, topk = 8, 512, 2, 2
     num_experts = world_size * num_local
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world_size, num_experts)
-    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=10)
+    buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=10, transport=transport)
     xs, idxs = make_inputs(rng, world_size, max_tokens, hidden, num_experts, topk, device="cuda")
     x_a, idx_a = xs[rank], idxs[rank]
     w_a = torch.rand(idx_a.shape, device="cuda")

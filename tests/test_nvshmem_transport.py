@@ -5,8 +5,9 @@ nvshmem4py installed) the IPC tests' rank functions run unchanged on this transp
 dispatch and combine in every FP8 mode, with hooks and rows in place, against the reference backend bit
 for bit, on one process and on two processes sharing one GPU (NVSHMEM allowed two PEs on one H200 without
 MPS); CUDA-graph replays of dispatch and combine (zero-copy and staged) against the reference; a silent rank
-named by the timeout. Also normal mode against the reference (load/store peers; with puts it is refused),
-and a buffer past NVSHMEM's default heap. On CPU: the argument errors and the install hint.
+named by the timeout; two micro-batches with an empty one; rank masking of a killed process (four PEs).
+Also normal mode against the reference (load/store peers; with puts it is refused), and a buffer past
+NVSHMEM's default heap. On CPU: the argument errors, the install hint and how `auto` decides.
 """
 
 from __future__ import annotations
@@ -167,6 +168,35 @@ def test_normal_mode_matches_the_reference(seed: int) -> None:
     from test_normal_mode_cuda import _rank_matches_reference
 
     run_ranks(_rank_matches_reference, 2, seed, "nvshmem", timeout_s=300)
+
+
+def _empty_microbatch_rank_with(rank: int, world_size: int, seed: int, forced: bool) -> None:
+    from test_buffer_cuda import _empty_microbatch_rank
+
+    _force_puts(forced)
+    _empty_microbatch_rank(rank, world_size, seed, "nvshmem")
+
+
+@needs_nvshmem
+def test_an_empty_microbatch_keeps_ranks_in_step(seed: int, forced_puts: bool) -> None:
+    from dist_harness import run_ranks
+
+    run_ranks(_empty_microbatch_rank_with, 2, seed, forced_puts, timeout_s=120)
+
+
+def _killed_process_rank(rank: int, world_size: int, seed: int, dead: int, forced: bool) -> dict[str, float]:
+    from test_rank_masking_cuda import _survive_a_killed_process
+
+    _force_puts(forced)
+    return _survive_a_killed_process(rank, world_size, seed, dead, "nvshmem")
+
+
+@needs_nvshmem
+def test_survivors_mask_a_killed_process(seed: int, forced_puts: bool) -> None:
+    """Rank masking: four PEs on one GPU, one killed between two rounds."""
+    from test_rank_masking_cuda import survivors_mask_a_killed_process
+
+    survivors_mask_a_killed_process(seed, _killed_process_rank, forced_puts)
 
 
 def _normal_mode_with_puts_rank(rank: int, world_size: int) -> str:

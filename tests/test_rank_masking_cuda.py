@@ -112,14 +112,14 @@ def test_without_enable_shrink_the_same_wait_is_a_timeout(seed: int) -> None:
         mask_of(buffers[0])
 
 
-def _survive_a_killed_process(rank: int, world: int, seed: int, dead: int) -> dict[str, float]:
+def _survive_a_killed_process(rank: int, world: int, seed: int, dead: int, transport: str = "ipc") -> dict[str, float]:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     every = on_gpu(inputs(world, seed))
     size = Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
     buf = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, enable_shrink=True, backend="cuda",
-                 timeout_s=TIMEOUT_S)
+                 timeout_s=TIMEOUT_S, transport=transport)
     num_local = E // world
 
     def one_round(live: set[int]) -> float:
@@ -149,13 +149,18 @@ def _survive_a_killed_process(rank: int, world: int, seed: int, dead: int) -> di
     return took
 
 
-def test_ipc_survivors_mask_a_killed_process(seed: int) -> None:
+def survivors_mask_a_killed_process(seed: int, rank_fn=_survive_a_killed_process, *args: object) -> None:
+    """Four processes, rank 1 killed between two rounds; `rank_fn(rank, world, seed, dead, *args)` runs a rank."""
     from dist_harness import run_ranks
 
     world, dead = 4, 1
-    took = run_ranks(_survive_a_killed_process, world, seed, dead, timeout_s=120, dies=(dead,))
+    took = run_ranks(rank_fn, world, seed, dead, *args, timeout_s=120, dies=(dead,))
     for rank, t in enumerate(took):
         if rank != dead:
             assert t["first after"] <= TIMEOUT_S + 5.0 and t["masked"] < TIMEOUT_S / 2, (rank, t)
     print(f"rank {dead} killed: " + ", ".join(f"rank {r}: " + " / ".join(f"{k} {v:.3f} s" for k, v in t.items())
                                               for r, t in enumerate(took) if t))
+
+
+def test_ipc_survivors_mask_a_killed_process(seed: int) -> None:
+    survivors_mask_a_killed_process(seed)

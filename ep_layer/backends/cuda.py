@@ -634,8 +634,11 @@ class CudaBackend(Backend):
         if self._normal is not None:
             self._normal.destroy()
         if self._transport == "nvshmem":
-            for symmetric in self._symmetric:
-                nvshmem_heap.free(symmetric)
+            # Freeing is collective over every PE: with a rank masked (dead) it would never return, so the
+            # symmetric buffers stay allocated until the job ends.
+            if not (self._mask is not None and bool(self._mask.any())):
+                for symmetric in self._symmetric:
+                    nvshmem_heap.free(symmetric)
             self._symmetric.clear()
             return
         self._c.free_buffer(self._base)
