@@ -335,15 +335,17 @@ __device__ __forceinline__ unsigned char* half_base(const Common& c, long long b
   return reinterpret_cast<unsigned char*>(base) + c.layout.control + (seq & 1u) * c.layout.half;
 }
 
-// Whether rank r is reached through NVSHMEM puts; never in the build without NVSHMEM (ep_layer._C), where
-// the put branches compile away.
-__device__ __forceinline__ bool by_put(const Common& c, int r) {
+// The ranks reached through NVSHMEM puts (bits); none in the build without NVSHMEM (ep_layer._C), where the
+// put branches compile away.
+__device__ __forceinline__ unsigned put_mask(const Common& c) {
 #ifdef EP_LAYER_NVSHMEM
-  return (c.put_ranks >> r) & 1u;
+  return c.put_ranks;
 #else
-  return false;
+  return 0u;
 #endif
 }
+
+__device__ __forceinline__ bool by_put(const Common& c, int r) { return (put_mask(c) >> r) & 1u; }
 
 // Stores a word that orders no data (a hello, a tagged count) at `p` of rank r's buffer: a plain store
 // through its mapping, or an NVSHMEM signal (an atomic 64-bit write) at that symmetric address.

@@ -312,14 +312,13 @@ __device__ __forceinline__ void send_payload(const DispatchCall& a, const RowSha
   const auto self_row = [&](int k) { return static_cast<long long>(r.local[j][k]) * num_rows + r.offset[j][k]; };
   const unsigned slot_ranks = r.slot_ranks[j];
   if (slot_ranks == 0 && num_selfs == 0) return;
-  unsigned put_slots = 0;  // ranks reached by puts: the payload goes into their send-area slots
-  for (unsigned m = slot_ranks; m; m &= m - 1) put_slots |= by_put(c, __ffs(m) - 1) ? m & -m : 0u;
-  const unsigned stored = slot_ranks & ~put_slots;
+  const unsigned put_targets = slot_ranks & put_mask(c);  // the payload goes into their send-area slots
+  const unsigned stored = slot_ranks & ~put_targets;
   unsigned payload_ranks = stored && pull_payloads(c) ? 1u << c.rank : stored;  // their slots holding the payload
   const bool in_place = a.recv_rows != nullptr;
   if (in_place && num_selfs > 0) payload_ranks |= 1u << c.rank;  // rank 0's own rows read its own slot
   // Bit b < kMaxRanks: the slot of rank b that a store reaches; bit kMaxRanks + d: the send slot for rank d.
-  unsigned targets = payload_ranks | put_slots << kMaxRanks;
+  unsigned targets = payload_ranks | put_targets << kMaxRanks;
   const auto target = [&](unsigned bits) {
     const int b = __ffs(bits) - 1;
     return (b < kMaxRanks ? dispatch_slot(c, b, c.rank, seq, t) : send_slot(c, b - kMaxRanks, seq, t)) + kHeaderBytes;
@@ -496,7 +495,7 @@ __device__ void send_tokens(const DispatchCall& a, int token_blocks, int* bins, 
       else *reinterpret_cast<volatile unsigned long long*>(&header->flag) = flag;  // nothing to order
     }
 #ifdef EP_LAYER_NVSHMEM
-    if (c.put_ranks != 0) {
+    if (put_mask(c) != 0) {
       __syncthreads();  // the send slots' headers and payloads
       put_slots(a, first, n, seq, put_flags);
     }

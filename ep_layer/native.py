@@ -80,15 +80,20 @@ def nvshmem_available() -> bool:
         return False
 
 
+def nvshmem_core() -> ModuleType:
+    """nvshmem4py's `nvshmem.core`, or an ImportError that says what to install."""
+    try:
+        import nvshmem.core
+    except ImportError as e:
+        raise ImportError(f"transport: 'nvshmem' needs nvshmem4py; {NVSHMEM_INSTALL_HINT}") from e
+    return nvshmem.core
+
+
 def load_nvshmem() -> ModuleType:
     """The NVSHMEM build of the kernels (ep_layer._C_nvshmem), loaded beside the NVSHMEM host library that
     nvshmem4py uses (the module links it, and one host library means one job), or an ImportError that says
     how to get it."""
-    try:
-        import nvshmem.core  # noqa: F401  nvshmem4py first: it finds and loads NVSHMEM's host library
-    except ImportError as e:
-        raise ImportError(f"transport: 'nvshmem' needs nvshmem4py; {NVSHMEM_INSTALL_HINT}") from e
-
+    nvshmem_core()  # nvshmem4py first: it finds and loads NVSHMEM's host library
     spec = importlib.util.find_spec("nvidia.nvshmem")
     for location in (spec.submodule_search_locations or []) if spec else []:
         host = Path(location) / "lib" / "libnvshmem_host.so.3"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import expect
-from ..native import NVSHMEM_INSTALL_HINT
+from ..native import nvshmem_core
 
 # Set for NVSHMEM unless the environment says otherwise: NVLink SHARP (multicast objects) off, which the
 # kernels do not use and many drivers refuse; GPU-initiated RDMA (IBGDA: the kernels' puts post their own
@@ -37,14 +37,6 @@ class SymmetricBuffer(NamedTuple):
 _job: tuple[int, int] | None = None  # (rank, num_ranks) of this process's NVSHMEM job
 
 
-def _nvshmem() -> Any:
-    try:
-        import nvshmem.core
-    except ImportError as e:
-        raise ImportError(f"transport: 'nvshmem' needs nvshmem4py; {NVSHMEM_INSTALL_HINT}") from e
-    return nvshmem.core
-
-
 def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: torch.device, buffer_bytes: int,
          kernels: Any) -> None:
     """Starts this process's NVSHMEM job as `rank` of `num_ranks` on `device` (a collective over `group`),
@@ -60,7 +52,7 @@ def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: tor
     for name, value in ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(MIN_HEAP_BYTES, 2 * buffer_bytes)))
-    nvshmem = _nvshmem()
+    nvshmem = nvshmem_core()
     from cuda.core import Device
 
     cuda_device = Device(device.index)
@@ -83,7 +75,7 @@ def join(group: dist.ProcessGroup | None, rank: int, num_ranks: int, device: tor
 def allocate(num_bytes: int, rank: int, kernels: Any) -> SymmetricBuffer:
     """`num_bytes` on every rank's heap (a collective), and each rank's address here as the kernels see it
     (nvshmem_ptr in `kernels`, ep_layer._C_nvshmem)."""
-    buffer = _nvshmem().buffer(num_bytes)
+    buffer = nvshmem_core().buffer(num_bytes)
     own = int(buffer.handle)
     bases = [p or None for p in kernels.nvshmem_view(own)[2]]
     if bases[rank] != own:
@@ -102,4 +94,4 @@ def put_ranks(buffer: SymmetricBuffer) -> int:
 
 def free(buffer: SymmetricBuffer) -> None:
     """Frees `buffer` on every rank (a collective)."""
-    _nvshmem().free(buffer.buffer)
+    nvshmem_core().free(buffer.buffer)
