@@ -260,6 +260,8 @@ struct NormalCommonArgs {
   long long host_error;  // device pointer of the host-mapped error flag
   double timeout_s;
   long long ticket;      // device unsigned: the sequence number of the call in flight
+  unsigned get_ranks;    // ranks read with NVSHMEM gets (ep_layer._C_nvshmem only)
+  long long landing;     // this rank's landing area (NORMAL_LANDING_BYTES on the NVSHMEM heap), 0 without get ranks
 };
 
 ep::NormalCommon make_normal_common(const NormalCommonArgs& a) {
@@ -277,6 +279,12 @@ ep::NormalCommon make_normal_common(const NormalCommonArgs& a) {
   c.host_error = ptr<volatile int>(a.host_error);
   c.timeout_ns = static_cast<unsigned long long>(a.timeout_s * 1e9);
   c.ticket = ptr<unsigned>(a.ticket);
+#ifndef EP_LAYER_NVSHMEM
+  if (a.get_ranks != 0) throw std::invalid_argument("make_normal_common: get_ranks needs ep_layer._C_nvshmem");
+#endif
+  if (a.get_ranks != 0 && a.landing == 0) throw std::invalid_argument("make_normal_common: get ranks need a landing area");
+  c.get_ranks = a.get_ranks;
+  c.landing = ptr<unsigned char>(a.landing);
   return c;
 }
 
@@ -342,7 +350,8 @@ void bind_normal(py::module_& m) {
               field("num_ranks", &NormalCommonArgs::num_ranks), field("system_scope", &NormalCommonArgs::system_scope),
               field("peer_bases", &NormalCommonArgs::peer_bases), field("local_base", &NormalCommonArgs::local_base),
               field("half_bytes", &NormalCommonArgs::half_bytes), field("host_error", &NormalCommonArgs::host_error),
-              field("timeout_s", &NormalCommonArgs::timeout_s), field("ticket", &NormalCommonArgs::ticket));
+              field("timeout_s", &NormalCommonArgs::timeout_s), field("ticket", &NormalCommonArgs::ticket),
+              field("get_ranks", &NormalCommonArgs::get_ranks), field("landing", &NormalCommonArgs::landing));
   m.def("make_normal_common", &make_normal_common);
   m.def("normal_load_kernels", [] { ep::check_cuda(ep::normal_load_kernels(), "loading the normal-mode kernels"); });
   bind_struct(m, "NormalShape", field("op", &NormalShape::op), field("num_rows", &NormalShape::num_rows),
@@ -381,6 +390,8 @@ void bind_normal(py::module_& m) {
   });
   m.attr("NORMAL_CONTROL_BYTES") = ep::kNormalControlBytes;
   m.attr("STAGE_HEADER_BYTES") = ep::kStageHeaderBytes;
+  m.attr("NORMAL_LANDING_BYTES") = ep::kLandingBytes;
+  m.attr("NORMAL_WARP_LANDING_BYTES") = ep::kWarpLandingBytes;
 }
 
 }  // namespace

@@ -1,4 +1,6 @@
 // Normal-mode kernels (normal.cuh): stage, exchange, scan, gather (dispatch) and reduce (combine).
+#include <algorithm>
+
 #include "normal.cuh"
 
 namespace ep {
@@ -16,6 +18,52 @@ __device__ __forceinline__ int half_index(int op) { return op == kNormalCombine 
 
 __device__ __forceinline__ unsigned char* half_of(const NormalCommon& c, long long base, int op) {
   return reinterpret_cast<unsigned char*>(base) + kNormalControlBytes + half_index(op) * c.half_bytes;
+}
+
+// The ranks read with NVSHMEM gets (bits); none in the build without NVSHMEM (ep_layer._C), where the get
+// branches compile away.
+__device__ __forceinline__ unsigned get_mask(const NormalCommon& c) {
+#ifdef EP_LAYER_NVSHMEM
+  return c.get_ranks;
+#else
+  return 0u;
+#endif
+}
+
+__device__ __forceinline__ bool by_get(const NormalCommon& c, int r) { return (get_mask(c) >> r) & 1u; }
+
+// Sets the flag `*p` of rank r (a symmetric address for a get rank) to v, after everything this thread wrote or
+// read before: a release store, or an NVSHMEM signal after a system fence.
+__device__ __forceinline__ void set_flag(const NormalCommon& c, int r, unsigned long long* p, unsigned long long v) {
+#ifdef EP_LAYER_NVSHMEM
+  if (by_get(c, r)) {
+    __threadfence_system();
+    nvshmemx_signal_op(reinterpret_cast<uint64_t*>(p), v, NVSHMEM_SIGNAL_SET, r);
+    return;
+  }
+#endif
+  st_release(c, p, v);
+}
+
+__device__ __forceinline__ unsigned char* landed_header(const NormalCommon& c, int r) {
+  return c.landing + static_cast<long long>(r) * kStageHeaderBytes;
+}
+
+#ifdef EP_LAYER_NVSHMEM
+__device__ __forceinline__ unsigned char* landed_in_rank(const NormalCommon& c, int r) {
+  return c.landing + kMaxRanks * kStageHeaderBytes + static_cast<long long>(r) * kScanLandingBytes;
+}
+
+// The calling warp's piece of the landing area (the grid has at most kLandingWarps warps with get ranks).
+__device__ __forceinline__ unsigned char* warp_landing(const NormalCommon& c) {
+  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  return c.landing + kLandingWarpsAt + static_cast<long long>(warp) * kWarpLandingBytes;
+}
+#endif
+
+// Rank r's stage header of this call: where it lies, or the copy the exchange fetched from a get rank.
+__device__ __forceinline__ const StageHeader* stage_header(const NormalCommon& c, int r, int op) {
+  return reinterpret_cast<const StageHeader*>(by_get(c, r) ? landed_header(c, r) : half_of(c, c.peer_bases[r], op));
 }
 
 __device__ __forceinline__ int error_op(const NormalCall& call) {
@@ -74,7 +122,8 @@ __device__ void release_reads(const NormalCommon& c, int h, unsigned seq) {
   __syncthreads();
   if (last && threadIdx.x < c.num_ranks) {
     if (c.system_scope) __threadfence_system();
-    st_release(c, &control_of(c.peer_bases[threadIdx.x])->released[h][c.rank], static_cast<unsigned long long>(seq));
+    set_flag(c, threadIdx.x, &control_of(c.peer_bases[threadIdx.x])->released[h][c.rank],
+             static_cast<unsigned long long>(seq));
   }
 }
 
@@ -177,12 +226,16 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
   if (lane == 0) control_of(reinterpret_cast<long long>(c.local_base))->half_seq[half_index(call.op)] = seq;
   if (lane < r) {
     if (c.system_scope) __threadfence_system();  // the stage kernel's rows before the flag, for peers on other GPUs
-    st_release(c, &control_of(c.peer_bases[lane])->ready[seq & 1u][me], static_cast<unsigned long long>(seq));
+    set_flag(c, lane, &control_of(c.peer_bases[lane])->ready[seq & 1u][me], static_cast<unsigned long long>(seq));
     const unsigned long long* flag = &control_of(reinterpret_cast<long long>(c.local_base))->ready[seq & 1u][lane];
     if (!wait_ready(c, flag, seq)) {
       atomicOr(&missing, 1u << lane);
     } else {
-      const auto* peer = reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[lane], call.op));
+#ifdef EP_LAYER_NVSHMEM
+      if (by_get(c, lane))
+        nvshmem_getmem(landed_header(c, lane), half_of(c, c.peer_bases[lane], call.op), sizeof(StageHeader), lane);
+#endif
+      const StageHeader* peer = stage_header(c, lane, call.op);
       const bool same = __ldcg(&peer->seq) == seq && __ldcg(&peer->op) == mine->op && __ldcg(&peer->x_bytes) == mine->x_bytes &&
                         __ldcg(&peer->scale_bytes) == mine->scale_bytes && __ldcg(&peer->idx_bytes) == mine->idx_bytes &&
                         __ldcg(&peer->weight_bytes) == mine->weight_bytes &&
@@ -225,7 +278,7 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
     for (int l = lane; l < num_local; l += 32) {
       int sum = 0;
       for (int s = 0; s < r; ++s)
-        sum += __ldcg(&reinterpret_cast<const StageHeader*>(half_of(c, c.peer_bases[s], call.op))->tokens_per_expert[me * num_local + l]);
+        sum += __ldcg(&stage_header(c, s, call.op)->tokens_per_expert[me * num_local + l]);
       call.meta[2 + r + l] = sum;
     }
   }
@@ -246,50 +299,65 @@ __global__ void exchange_kernel(NormalCommon c, NormalCall call) {
 
 // ------------------------------------------------------------------------------------------------- scan
 // Block s: the tokens source s sends this rank, in ascending order, as rows base_s... of the outputs
-// (base_s: the rows of the sources before it); the rows past those received name source -1.
+// (base_s: the rows of the sources before it); the rows past those received name source -1. A get rank's
+// is_token_in_rank is fetched and scanned a window of rows at a time; one read in place is one window.
 __global__ void __launch_bounds__(kScanThreads) scan_kernel(NormalCommon c, NormalCall call) {
   if (call.meta[0] == 0) return;
   const int s = blockIdx.x, r = c.num_ranks, me = c.rank;
   const int total = call.meta[1];
   int base = 0;
   for (int i = 0; i < s; ++i) base += call.meta[2 + i];
-  const unsigned char* half = half_of(c, c.peer_bases[s], call.op);
-  const auto* h = reinterpret_cast<const StageHeader*>(half);
+  const StageHeader* h = stage_header(c, s, call.op);
   const int rows = static_cast<int>(__ldcg(&h->num_rows));
   const long long stride = row_stride(__ldcg(&h->x_bytes), __ldcg(&h->scale_bytes), __ldcg(&h->idx_bytes),
                                       __ldcg(&h->weight_bytes));
-  const unsigned char* in_rank = half + after_rows(rows, stride);
-  // Thread i takes tokens [i * per, (i + 1) * per): count, scan the counts across the block, then place.
-  const int per = (rows + kScanThreads - 1) / kScanThreads;
-  const int first = threadIdx.x * per, last = min(first + per, rows);
-  int count = 0;
-  for (int t = first; t < last; ++t) count += __ldcg(in_rank + static_cast<long long>(t) * r + me) != 0;
+  const unsigned char* in_rank = half_of(c, c.peer_bases[s], call.op) + after_rows(rows, stride);
+  const int window = by_get(c, s) ? kScanLandingBytes / r : rows;
   __shared__ int warp_sums[kScanThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int inclusive = count;
-  for (int d = 1; d < 32; d *= 2) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    int w = warp_sums[lane];
+  for (int from = 0; from < rows; from += window) {
+    const int n = min(window, rows - from);
+    const unsigned char* flags = in_rank + static_cast<long long>(from) * r;
+#ifdef EP_LAYER_NVSHMEM
+    if (by_get(c, s)) {
+      nvshmemx_getmem_block(landed_in_rank(c, s), flags, static_cast<size_t>(n) * r, s);
+      __syncthreads();
+      flags = landed_in_rank(c, s);
+    }
+#endif
+    // Thread i takes tokens [i * per, (i + 1) * per) of the window: count, scan the counts across the block,
+    // then place.
+    const int per = (n + kScanThreads - 1) / kScanThreads;
+    const int first = threadIdx.x * per, last = min(first + per, n);
+    int count = 0;
+    for (int t = first; t < last; ++t) count += __ldcg(flags + static_cast<long long>(t) * r + me) != 0;
+    int inclusive = count;
     for (int d = 1; d < 32; d *= 2) {
-      const int v = __shfl_up_sync(0xffffffffu, w, d);
-      if (lane >= d) w += v;
+      const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += v;
     }
-    warp_sums[lane] = w;
-  }
-  __syncthreads();
-  int pos = base + inclusive - count + (warp > 0 ? warp_sums[warp - 1] : 0);
-  for (int t = first; t < last; ++t) {
-    if (__ldcg(in_rank + static_cast<long long>(t) * r + me) == 0) continue;
-    if (pos < call.out_rows) {
-      call.src_idx[pos] = t;
-      call.src_rank[pos] = s;
+    if (lane == 31) warp_sums[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+      int w = warp_sums[lane];
+      for (int d = 1; d < 32; d *= 2) {
+        const int v = __shfl_up_sync(0xffffffffu, w, d);
+        if (lane >= d) w += v;
+      }
+      warp_sums[lane] = w;
     }
-    ++pos;
+    __syncthreads();
+    int pos = base + inclusive - count + (warp > 0 ? warp_sums[warp - 1] : 0);
+    for (int t = first; t < last; ++t) {
+      if (__ldcg(flags + static_cast<long long>(t) * r + me) == 0) continue;
+      if (pos < call.out_rows) {
+        call.src_idx[pos] = from + t;
+        call.src_rank[pos] = s;
+      }
+      ++pos;
+    }
+    base += warp_sums[kScanThreads / 32 - 1];
+    __syncthreads();  // warp_sums and the landed window are rewritten by the next window
   }
   for (int i = total + s * kScanThreads + threadIdx.x; i < call.out_rows; i += r * kScanThreads) {
     call.src_idx[i] = -1;
@@ -300,8 +368,23 @@ __global__ void __launch_bounds__(kScanThreads) scan_kernel(NormalCommon c, Norm
 }
 
 // ----------------------------------------------------------------------------------------------- gather
+#ifdef EP_LAYER_NVSHMEM
+// The calling warp copies `bytes` at `src` of get rank r to `dst`, a landed piece at a time.
+__device__ void warp_get_copy(const NormalCommon& c, void* dst, const unsigned char* src, int bytes, int r, int lane) {
+  unsigned char* landing = warp_landing(c);
+  for (int at = 0; at < bytes; at += kWarpLandingBytes) {
+    const int n = min(kWarpLandingBytes, bytes - at);
+    nvshmemx_getmem_warp(landing, src + at, n, r);
+    __syncwarp();
+    warp_copy(static_cast<unsigned char*>(dst) + at, landing, n, lane);
+    __syncwarp();  // the landing piece is rewritten next
+  }
+}
+#endif
+
 // One warp per output row: the row's columns from its source's half, its top-k ids made local (-1 for
-// experts of other ranks, whose weights become 0); rows of source -1 get ids -1 and weights 0.
+// experts of other ranks, whose weights become 0); rows of source -1 get ids -1 and weights 0. A get rank's row
+// is fetched: its data a piece at a time, then the columns after it (the caller checks that they fit a piece).
 __device__ void gather_rows(const NormalCommon& c, const NormalCall& call) {
   const int lane = threadIdx.x % 32, me = c.rank;
   const int k = call.num_topk;
@@ -319,25 +402,40 @@ __device__ void gather_rows(const NormalCommon& c, const NormalCall& call) {
       continue;
     }
     const unsigned char* row = half_of(c, c.peer_bases[s], call.op) + kStageHeaderBytes + call.src_idx[n] * stride;
-    warp_copy(out_x, row, call.x_bytes, lane);
-    long long at = align_up(call.x_bytes, 16);
+    const long long after_x = align_up(call.x_bytes, 16);
+    const unsigned char* columns = row + after_x;  // the scales, ids and weights
+#ifdef EP_LAYER_NVSHMEM
+    if (by_get(c, s)) {
+      warp_get_copy(c, out_x, row, call.x_bytes, s, lane);
+      if (stride > after_x) {
+        nvshmemx_getmem_warp(warp_landing(c), columns, stride - after_x, s);
+        __syncwarp();
+        columns = warp_landing(c);
+      }
+    } else
+#endif
+    {
+      warp_copy(out_x, row, call.x_bytes, lane);
+    }
+    long long at = 0;
     if (call.scale_bytes) {
-      warp_copy(out_scales, row + at, call.scale_bytes, lane);
+      warp_copy(out_scales, columns + at, call.scale_bytes, lane);
       at += align_up(call.scale_bytes, 16);
     }
     bool local = false;
     if (call.has_idx) {
       if (lane < k) {
-        const long long id = __ldcg(reinterpret_cast<const long long*>(row + at) + lane);
+        const long long id = __ldcg(reinterpret_cast<const long long*>(columns + at) + lane);
         local = id >= static_cast<long long>(me) * num_local && id < static_cast<long long>(me + 1) * num_local;
         call.out_topk_idx[static_cast<long long>(n) * k + lane] = local ? id - static_cast<long long>(me) * num_local : -1;
       }
       at += align_up(idx_bytes, 16);
     }
     if (call.has_weights && lane < k) {
-      const float w = __ldcg(reinterpret_cast<const float*>(row + at) + lane);
+      const float w = __ldcg(reinterpret_cast<const float*>(columns + at) + lane);
       call.out_weights[static_cast<long long>(n) * k + lane] = local ? w : 0.f;
     }
+    if (by_get(c, s)) __syncwarp();  // the landed columns are rewritten by the next row
   }
 }
 
@@ -369,7 +467,7 @@ __device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
   if (threadIdx.x < r) {
     const int base = me > 0 ? call.rank_prefix[(me - 1) * r + threadIdx.x] : 0;
     const unsigned char* half = half_of(c, c.peer_bases[threadIdx.x], call.op);
-    const long long rows = static_cast<long long>(__ldcg(&reinterpret_cast<const StageHeader*>(half)->num_rows));
+    const long long rows = static_cast<long long>(__ldcg(&stage_header(c, threadIdx.x, call.op)->num_rows));
     rows_of[threadIdx.x] = half + kStageHeaderBytes + base * stride;
     weights_of[threadIdx.x] = reinterpret_cast<const float*>(half + after_rows(rows, stride)) + static_cast<long long>(base) * k;
   }
@@ -385,38 +483,71 @@ __device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
       src[d] = d < r && call.in_rank[static_cast<long long>(t) * r + d]
                    ? rows_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * stride
                    : nullptr;
-    // Two chunks per lane at a time: twice the loads in flight of one.
-    for (int first = lane; first < chunks; first += 64) {
-      int4 v[2][kMaxRanks];
+    // The rows of get ranks are fetched a piece at a time (each rank's into its part of the warp's landing piece);
+    // without get ranks the whole row is one piece.
+    unsigned gets = 0;
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+    for (int d = 0; d < kMaxRanks; ++d) gets |= static_cast<unsigned>(src[d] != nullptr && by_get(c, d)) << d;
+    const int piece_chunks = gets ? kPieceBytes / 16 : chunks;
+    for (int p0 = 0; p0 < chunks; p0 += piece_chunks) {
+      const int piece = min(piece_chunks, chunks - p0);
+      const unsigned char* from[kMaxRanks];  // where the piece's chunk 0 of each rank's row is read
 #pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (src[d] != nullptr && first + 32 * u < chunks) v[u][d] = ld_peer_written(src[d] + (first + 32 * u) * 16);
+      for (int d = 0; d < kMaxRanks; ++d) from[d] = src[d] != nullptr ? src[d] + p0 * 16 : nullptr;
+#ifdef EP_LAYER_NVSHMEM
+      if (gets) {
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int ch = first + 32 * u;
-        if (ch >= chunks) break;
-        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int d = 0; d < kMaxRanks; ++d)
-          if (src[d] != nullptr) add_bf16x8(acc, v[u][d]);
-        const long long at = static_cast<long long>(t) * (call.x_bytes / 2) + ch * 8;
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          if (biases[i] != nullptr) add_bf16x8(acc, *reinterpret_cast<const int4*>(biases[i] + at));
-        int4 o;
-        auto* ob = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) ob[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-        *reinterpret_cast<int4*>(call.out + at) = o;
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (!(gets >> d & 1u)) continue;
+          unsigned char* landed = warp_landing(c) + d * kPieceBytes;
+          nvshmemx_getmem_warp(landed, from[d], piece * 16, d);
+          from[d] = landed;
+        }
+        __syncwarp();
       }
+#endif
+      // Two chunks per lane at a time: twice the loads in flight of one.
+      for (int first = lane; first < piece; first += 64) {
+        int4 v[2][kMaxRanks];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int d = 0; d < kMaxRanks; ++d)
+            if (from[d] != nullptr && first + 32 * u < piece) v[u][d] = ld_peer_written(from[d] + (first + 32 * u) * 16);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int ch = p0 + first + 32 * u;
+          if (first + 32 * u >= piece) break;
+          float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int d = 0; d < kMaxRanks; ++d)
+            if (src[d] != nullptr) add_bf16x8(acc, v[u][d]);
+          const long long at = static_cast<long long>(t) * (call.x_bytes / 2) + ch * 8;
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            if (biases[i] != nullptr) add_bf16x8(acc, *reinterpret_cast<const int4*>(biases[i] + at));
+          int4 o;
+          auto* ob = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) ob[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+          *reinterpret_cast<int4*>(call.out + at) = o;
+        }
+      }
+      if (gets) __syncwarp();  // the landing piece is rewritten next
     }
     if (call.combined_weights != nullptr && lane < k) {
       float w = 0.f;
-      for (int d = 0; d < r; ++d)
-        if (call.in_rank[static_cast<long long>(t) * r + d])
-          w += __ldcg(weights_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * k + lane);
+      for (int d = 0; d < r; ++d) {
+        if (!call.in_rank[static_cast<long long>(t) * r + d]) continue;
+        const float* weight = weights_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * k + lane;
+#ifdef EP_LAYER_NVSHMEM
+        if (by_get(c, d)) {
+          w += nvshmem_float_g(weight, d);
+          continue;
+        }
+#endif
+        w += __ldcg(weight);
+      }
       call.combined_weights[static_cast<long long>(t) * k + lane] = w;
     }
   }
@@ -465,12 +596,17 @@ void normal_scan(const NormalCommon& c, const NormalCall& call, cudaStream_t str
   scan_kernel<<<c.num_ranks, kScanThreads, 0, stream>>>(c, call);
 }
 
+// The gather and reduce with get ranks: as many blocks as the landing area has warps' pieces, at most.
+int landing_sms(const NormalCommon& c, int num_sms) {
+  return c.get_ranks ? std::min(num_sms, kLandingWarps / kWarps) : num_sms;
+}
+
 void normal_gather(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
-  gather_kernel<<<copy_blocks(call.out_rows, num_sms), kWarps * 32, 0, stream>>>(c, call);
+  gather_kernel<<<copy_blocks(call.out_rows, landing_sms(c, num_sms)), kWarps * 32, 0, stream>>>(c, call);
 }
 
 void normal_reduce(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
-  reduce_kernel<<<copy_blocks(call.num_tokens, num_sms), kWarps * 32, 0, stream>>>(c, call);
+  reduce_kernel<<<copy_blocks(call.num_tokens, landing_sms(c, num_sms)), kWarps * 32, 0, stream>>>(c, call);
 }
 
 }  // namespace ep

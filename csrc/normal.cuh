@@ -10,7 +10,11 @@
 // or reduce tells the writer that its reads of that half are done (released); a stage waits for every
 // reader's release of the half's previous call before it writes, which is at once in the usual
 // dispatch, combine, dispatch order. No wait depends on a later call, so any order of calls is safe.
-// Byte offsets have a Python twin in ep_layer/layout.py (stage_bytes, normal_combine_rows_offset).
+// A peer without a load/store path (another node, or every rank with EP_LAYER_NVSHMEM_FORCE_PUTS=1; ep_layer._C_nvshmem
+// only) is read with NVSHMEM gets instead, into this rank's landing area (a get's destination must lie on the
+// symmetric heap): the exchange fetches its stage header, the scan its is_token_in_rank a window at a time, and
+// each warp of a gather or reduce its rows a piece at a time; its flags are set with NVSHMEM signals.
+// Byte offsets have a Python twin in ep_layer/layout.py (stage_bytes, normal_combine_rows_offset, the landing area).
 #pragma once
 
 #include <cstddef>
@@ -59,6 +63,15 @@ struct StageHeader {
 };
 static_assert(sizeof(StageHeader) <= kStageHeaderBytes, "StageHeader must fit kStageHeaderBytes");
 
+// The landing area (after the normal-mode buffer, on the NVSHMEM heap): the get ranks' stage headers [R], then a
+// window of is_token_in_rank per rank [R], then a piece per warp of a gather or reduce [kLandingWarps].
+constexpr int kLandingWarps = 1024;                         // warps of a gather or reduce with get ranks at most
+constexpr int kPieceBytes = 4096;                           // a reduce gets each rank's row in pieces of this size
+constexpr int kWarpLandingBytes = kMaxRanks * kPieceBytes;  // a warp's: a gather's piece of a row, a reduce's pieces
+constexpr int kScanLandingBytes = 32768;                    // per rank: is_token_in_rank rows of R bytes
+constexpr long long kLandingWarpsAt = static_cast<long long>(kMaxRanks) * (kStageHeaderBytes + kScanLandingBytes);
+constexpr long long kLandingBytes = kLandingWarpsAt + static_cast<long long>(kLandingWarps) * kWarpLandingBytes;
+
 __host__ __device__ constexpr long long align_up(long long n, long long to) { return (n + to - 1) / to * to; }
 
 __host__ __device__ inline long long row_stride(long long x, long long scale, long long idx, long long weight) {
@@ -79,6 +92,8 @@ struct NormalCommon {
   volatile int* host_error;         // host-mapped flag: set when an error is recorded
   unsigned long long timeout_ns;
   unsigned* ticket;                 // the sequence number of the call in flight (stage writes it)
+  unsigned get_ranks;               // ranks read with NVSHMEM gets (bit r; ep_layer._C_nvshmem only)
+  unsigned char* landing;           // this rank's landing area (kLandingBytes), or null without get ranks
 };
 
 // One call; fields a kernel does not use are 0. Row counts: num_rows staged here, out_rows received.

@@ -130,6 +130,18 @@ def normal_buffer_bytes(half_bytes: int) -> int:
     return NORMAL_CONTROL_BYTES + 2 * _align(half_bytes)
 
 
+# Normal mode over NVSHMEM gets (csrc/normal.cuh): a landing area after the normal-mode buffer on the symmetric
+# heap, where what a rank reads of a get rank's half lands (the peers' stage headers, a window of is_token_in_rank
+# per peer, a piece per warp of the gather and reduce).
+NORMAL_WARP_LANDING_BYTES = MAX_RANKS * 4096
+NORMAL_LANDING_BYTES = MAX_RANKS * (STAGE_HEADER_BYTES + 32768) + 1024 * NORMAL_WARP_LANDING_BYTES
+
+
+def normal_landing_offset(num_nvl_bytes: int) -> int:
+    """Where the landing area starts in an NVSHMEM normal-mode allocation of a `num_nvl_bytes` buffer."""
+    return _align(num_nvl_bytes)
+
+
 def normal_combine_rows_offset(num_nvl_bytes: int) -> int:
     """Where a combine's rows start in a normal-mode buffer of `num_nvl_bytes`: after half 1's header (combines
     stage in half 1, csrc/normal.cuh)."""

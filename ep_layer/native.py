@@ -16,7 +16,7 @@ _error: str | None = None
 
 # What ep_layer.layout and the kernels (csrc/ll_common.cuh) must agree on; _C exports each under this name.
 _SHARED_CONSTANTS = ("CONTROL_BYTES", "MAX_RANKS", "MAX_TOPK", "MAX_EXPERTS", "DISPATCH_HEADER_BYTES",
-                     "NORMAL_CONTROL_BYTES", "STAGE_HEADER_BYTES")
+                     "NORMAL_CONTROL_BYTES", "STAGE_HEADER_BYTES", "NORMAL_LANDING_BYTES", "NORMAL_WARP_LANDING_BYTES")
 
 
 def _check_constants(module: ModuleType) -> None:

@@ -13,6 +13,8 @@ plain torch oracle of design.md's rules.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -85,8 +87,9 @@ def _on_gpu(t: object) -> object:
 
 
 def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank: int, hidden: int, experts: int,
-           k: int, fp8: str | None, tag: str) -> None:
-    tokens = int(rng.integers(0, 300)) if rank else int(rng.integers(200, 300))  # ranks differ, one may be empty
+           k: int, fp8: str | None, tag: str, tokens: int | None = None) -> None:
+    if tokens is None:
+        tokens = int(rng.integers(0, 300)) if rank else int(rng.integers(200, 300))  # ranks differ, one may be empty
     idx = _topk_idx(rng, tokens, experts, k)
     weights = torch.from_numpy(rng.random((tokens, k)).astype(np.float32))
     x = _x(rng, tokens, hidden, fp8)
@@ -137,7 +140,8 @@ def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank
     _same(zero_copy[:2], ref.combine(y, want[4], topk_weights=want[2])[:2], f"{tag} rank {rank} zero-copy combine")
 
     # Outputs sized in advance: no host wait. The rows past those received have unspecified data.
-    worst, received = world * 300, want[1].shape[0]
+    received = want[1].shape[0]
+    worst = max(world * 300, received)
     want_worst = ref.dispatch(x, num_worst_tokens=worst, **kwargs)
     got_worst = cuda.dispatch(_on_gpu(x), num_worst_tokens=worst, **{n: _on_gpu(v) for n, v in kwargs.items()})
     cuda.check()
@@ -153,11 +157,15 @@ def _round(cuda: Buffer, ref: Buffer, rng: np.random.Generator, world: int, rank
     _same(tuple(got_worst[4])[:4], tuple(want_worst[4])[:4], f"{tag} rank {rank} worst handle")
 
 
-def _rank_matches_reference(rank: int, world: int, seed: int, transport: str = "ipc") -> None:
+def _rank_matches_reference(rank: int, world: int, seed: int, transport: str = "ipc",
+                            check: Callable[[Buffer], None] | None = None) -> None:
+    """Six rounds of random shapes against the reference; `check` looks at the cuda Buffer first."""
     import torch.distributed as dist
 
     _setup_device(rank)
     cuda, ref = _buffers(dist.group.WORLD, transport=transport)
+    if check is not None:
+        check(cuda)
     shared = np.random.default_rng(seed)  # the same on every rank: the shapes of each round
     rng = np.random.default_rng([seed, rank])
     for round_ in range(6):
@@ -214,13 +222,14 @@ def test_ranks_that_disagree_get_a_value_error(seed: int) -> None:
     assert "[1]" in messages[0] and "[0]" in messages[1], messages
 
 
-def _rank_silent(rank: int, world: int) -> float:
+def _rank_silent(rank: int, world: int, transport: str = "ipc") -> float:
     import time
 
     import torch.distributed as dist
 
     _setup_device(rank)
-    cuda = Buffer(dist.group.WORLD, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=2)
+    cuda = Buffer(dist.group.WORLD, num_nvl_bytes=NVL_BYTES, low_latency_mode=False, backend="cuda", timeout_s=2,
+                  transport=transport)
     elapsed = 0.0
     if rank == 0:
         idx = torch.tensor([[0, 2]], device="cuda")

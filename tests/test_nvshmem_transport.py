@@ -6,8 +6,9 @@ dispatch and combine in every FP8 mode, with hooks and rows in place, against th
 for bit, on one process and on two processes sharing one GPU (NVSHMEM allowed two PEs on one H200 without
 MPS); CUDA-graph replays of dispatch and combine (zero-copy and staged) against the reference; a silent rank
 named by the timeout; two micro-batches with an empty one; rank masking of a killed process (four PEs).
-Also normal mode against the reference (load/store peers; with puts it is refused), and a buffer past
-NVSHMEM's default heap. On CPU: the argument errors, the install hint and how `auto` decides.
+Also normal mode against the reference both ways (with forced puts every peer is read with NVSHMEM gets,
+also past one scan window and one landing piece), a rank that never calls normal mode named both ways, and a
+buffer past NVSHMEM's default heap. On CPU: the argument errors, the install hint and how `auto` decides.
 """
 
 from __future__ import annotations
@@ -162,12 +163,55 @@ def test_graph_replays_match_the_reference(world_size: int, seed: int, forced_pu
     run_ranks(_graph_rank, world_size, seed, forced_puts, timeout_s=240)
 
 
-@needs_nvshmem
-def test_normal_mode_matches_the_reference(seed: int) -> None:
-    from dist_harness import run_ranks
+def _check_get_ranks(buffer: Buffer, world_size: int, forced: bool) -> None:
+    """Normal mode reads every peer with NVSHMEM gets exactly when puts are forced."""
+    assert buffer._live()._normal._get_ranks == ((1 << world_size) - 1 if forced else 0)
+
+
+def _normal_rank(rank: int, world_size: int, seed: int, forced: bool) -> None:
+    from functools import partial
+
     from test_normal_mode_cuda import _rank_matches_reference
 
-    run_ranks(_rank_matches_reference, 2, seed, "nvshmem", timeout_s=300)
+    _force_puts(forced)
+    _rank_matches_reference(rank, world_size, seed, "nvshmem", check=partial(_check_get_ranks, world_size=world_size,
+                                                                             forced=forced))
+
+
+@needs_nvshmem
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_normal_mode_matches_the_reference(world_size: int, seed: int, forced_puts: bool) -> None:
+    from dist_harness import run_ranks
+
+    run_ranks(_normal_rank, world_size, seed, forced_puts, timeout_s=300)
+
+
+def _normal_windows_rank(rank: int, world_size: int, seed: int) -> None:
+    import torch.distributed as dist
+    from test_normal_mode_cuda import _buffers, _round
+
+    _force_puts(True)
+    torch.cuda.set_device(0)
+    cuda, ref = _buffers(dist.group.WORLD, transport="nvshmem")
+    _check_get_ranks(cuda, world_size, True)
+    rng = np.random.default_rng([seed, rank])
+    # Past the scan's window of is_token_in_rank (32 KiB of R-byte rows) from rank 0, then rows longer than a
+    # warp's landing piece (the gather fetches them in two pieces, the reduce in nine).
+    window = 32768 // world_size
+    for tokens, hidden, fp8 in ((window + 600 if rank == 0 else 7, 128, None), (40, 17408, None),
+                                (40, 17408, "ue8m0")):
+        _round(cuda, ref, rng, world_size, rank, hidden, 4 * world_size, 3, fp8,
+               f"seed={seed} T={tokens} H={hidden} fp8={fp8}", tokens=tokens)
+    cuda.destroy()
+    ref.destroy()
+
+
+@needs_nvshmem
+def test_normal_mode_gets_past_one_window_and_one_piece(seed: int) -> None:
+    """Forced gets where the scan needs several windows and a row several pieces."""
+    from dist_harness import run_ranks
+
+    run_ranks(_normal_windows_rank, 2, seed, timeout_s=300)
 
 
 def _empty_microbatch_rank_with(rank: int, world_size: int, seed: int, forced: bool) -> None:
@@ -202,22 +246,19 @@ def test_survivors_mask_a_killed_process(seed: int, forced_puts: bool, request: 
     survivors_mask_a_killed_process(seed, _killed_process_rank, forced_puts)
 
 
-def _normal_mode_with_puts_rank(rank: int, world_size: int) -> str:
-    import torch.distributed as dist
+def _normal_silent_rank_with(rank: int, world_size: int, forced: bool) -> float:
+    from test_normal_mode_cuda import _rank_silent
 
-    _force_puts(True)
-    torch.cuda.set_device(0)
-    with pytest.raises(NotImplementedError, match=r"^num_nvl_bytes: normal mode reaches its peers by loads and "
-                                                  r"stores, and ranks \[0, 1\] are reached by NVSHMEM puts"):
-        Buffer(dist.group.WORLD, num_nvl_bytes=1 << 24, num_rdma_bytes=1 << 24, backend="cuda", transport="nvshmem")
-    return "refused"
+    _force_puts(forced)
+    return _rank_silent(rank, world_size, "nvshmem")
 
 
 @needs_nvshmem
-def test_normal_mode_is_refused_with_put_ranks() -> None:
+def test_a_rank_that_never_calls_normal_mode_is_named(forced_puts: bool) -> None:
     from dist_harness import run_ranks
 
-    assert run_ranks(_normal_mode_with_puts_rank, 2, timeout_s=120) == ["refused", "refused"]
+    elapsed = run_ranks(_normal_silent_rank_with, 2, forced_puts, timeout_s=120)[0]
+    assert 2 <= elapsed < 10, elapsed
 
 
 def _silent_rank_with(rank: int, world_size: int, forced: bool) -> float:

@@ -250,7 +250,8 @@ class CudaBackend(Backend):
         self._gpu_share = gpu_share
         ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
         if transport == "nvshmem":
-            nvshmem_heap.join(group, rank, num_ranks, self._device, ll_bytes + num_nvl_bytes, self._c)
+            nvl_bytes = num_nvl_bytes and layout.normal_landing_offset(num_nvl_bytes) + layout.NORMAL_LANDING_BYTES
+            nvshmem_heap.join(group, rank, num_ranks, self._device, ll_bytes + nvl_bytes, self._c)
         if peer_bases is None:
             peer_bases = self._shared_buffer(ll_bytes, "num_rdma_bytes")
         self._base = peer_bases[rank]  # this rank's own buffer, freed on destroy
@@ -275,15 +276,16 @@ class CudaBackend(Backend):
             self._mask = torch.zeros(num_ranks, dtype=torch.int32, device=self._device) if shrink else None
         self._normal: CudaNormalMode | None = None
         if num_nvl_bytes > 0:
-            if self._put_ranks:
-                raise NotImplementedError(f"num_nvl_bytes: normal mode reaches its peers by loads and stores, and "
-                                          f"ranks {_ranks(self._put_ranks)} are reached by NVSHMEM puts (another node, "
-                                          f"or {nvshmem_heap.FORCE_PUTS}=1); across nodes use low-latency mode")
-            nvl_bases = nvl_peer_bases or self._shared_buffer(num_nvl_bytes, "num_nvl_bytes")
+            # On NVSHMEM the normal-mode buffer is followed by its landing area, for the ranks it reads with gets.
+            landing = layout.NORMAL_LANDING_BYTES if transport == "nvshmem" else 0
+            nvl_bases = nvl_peer_bases or self._shared_buffer(layout.normal_landing_offset(num_nvl_bytes) + landing
+                                                              if landing else num_nvl_bytes, "num_nvl_bytes")
             self._nvl_base = nvl_bases[rank]
             self._normal = CudaNormalMode(self._c, rank, num_ranks, nvl_bases, num_nvl_bytes, self._system_scope,
                                           timeout_s, self._device, emulated=nvl_peer_bases is not None,
-                                          max_sms=max(1, self._num_sms // self._gpu_share))
+                                          max_sms=max(1, self._num_sms // self._gpu_share), get_ranks=self._put_ranks,
+                                          landing=self._nvl_base + layout.normal_landing_offset(num_nvl_bytes)
+                                          if landing else 0)
 
     def _shared_buffer(self, num_bytes: int, name: str) -> list[int]:
         """A zeroed buffer of `num_bytes` on every rank (a collective), and each rank's address here: ours

@@ -1,9 +1,11 @@
 """The cuda backend's normal (high-throughput) mode: DeepEP's `dispatch` and `combine` over a second
-buffer per rank (`num_nvl_bytes`) that every peer maps through CUDA IPC (csrc/normal.cuh says how).
+buffer per rank (`num_nvl_bytes`) that every peer maps through CUDA IPC or NVSHMEM (csrc/normal.cuh says
+how).
 
 A call stages this rank's rows in its own buffer, exchanges flags with every peer and pulls the rows
-meant for it from the peers' buffers, in the order and with the arithmetic of the reference backend
-(reference_normal.py), so the results agree bit for bit. A combine's rows may be written where the
+meant for it from the peers' buffers (with NVSHMEM gets from a peer without a load/store path), in the
+order and with the arithmetic of the reference backend (reference_normal.py), so the results agree bit
+for bit. A combine's rows may be written where the
 combine stages them (`combine_buffer`), which saves that copy. A dispatch whose outputs are not sized by
 `num_worst_tokens` or a handle waits for the host once, for the number of rows it receives; the
 argument checks that need the device ride on that wait. Waits for peers are bounded by `timeout_s`;
@@ -55,11 +57,13 @@ class CudaNormalMode:
     """Normal-mode dispatch and combine of one rank, over its normal-mode buffer and its peers'."""
 
     def __init__(self, c: object, rank: int, num_ranks: int, bases: list[int], num_bytes: int,
-                 system_scope: bool, timeout_s: float, device: torch.device, *, emulated: bool, max_sms: int) -> None:
+                 system_scope: bool, timeout_s: float, device: torch.device, *, emulated: bool, max_sms: int,
+                 get_ranks: int = 0, landing: int = 0) -> None:
         """`emulated`: the ranks run in this process (their dispatches must not wait for the host);
-        `max_sms`: this rank's share of the GPU, the most SMs a call's kernels take whatever Config says."""
+        `max_sms`: this rank's share of the GPU, the most SMs a call's kernels take whatever Config says;
+        `get_ranks` (bit r): the ranks read with NVSHMEM gets, through the landing area at `landing`."""
         self._c, self.rank, self.num_ranks, self.timeout_s = c, rank, num_ranks, timeout_s
-        self._emulated, self._max_sms = emulated, max_sms
+        self._emulated, self._max_sms, self._get_ranks = emulated, max_sms, get_ranks
         self._base, self._num_bytes, self._device = bases[rank], num_bytes, device
         self._half = normal_half_bytes(num_bytes)
         expect(self._half > STAGE_HEADER_BYTES, "num_nvl_bytes", f"more than "
@@ -74,7 +78,8 @@ class CudaNormalMode:
             self._ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self._common = c.make_normal_common(c.NormalCommonArgs(
             rank=rank, num_ranks=num_ranks, system_scope=system_scope, peer_bases=bases, local_base=self._base,
-            half_bytes=self._half, host_error=device_flag, timeout_s=timeout_s, ticket=self._ticket.data_ptr()))
+            half_bytes=self._half, host_error=device_flag, timeout_s=timeout_s, ticket=self._ticket.data_ptr(),
+            get_ranks=get_ranks, landing=landing))
 
     def _stream(self) -> int:
         return torch._C._cuda_getCurrentRawStream(self._device.index)
@@ -121,6 +126,9 @@ class CudaNormalMode:
         k = 0 if topk_idx is None else topk_idx.shape[1]
         stride = row_stride(x_bytes, scale_bytes, 8 * k, 4 * k if topk_weights is not None else 0)
         self._check_capacity("dispatch", num_tokens, stride, r)
+        expect(not self._get_ranks or stride - row_stride(x_bytes, 0, 0, 0) <= layout.NORMAL_WARP_LANDING_BYTES,
+               "x", f"scales of at most {layout.NORMAL_WARP_LANDING_BYTES - 8 * k - 4 * k} bytes per token with ranks "
+               "read by NVSHMEM gets (a row's columns after its data are fetched in one piece)", f"{scale_bytes} bytes")
         cached = args.cached
         in_rank = _aligned(args.is_token_in_rank)
         rows_to_rank = in_rank.sum(dim=0, dtype=torch.int32)
