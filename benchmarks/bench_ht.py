@@ -4,7 +4,9 @@ EP = 1, vs the reference backend), for prefill-sized batches.
 EP = 1 is one Buffer; more ranks are emulated on one GPU (ep_layer.emulation), each rank's kernels on a
 stream of its own, side by side, each rank taking its share of the SMs (at most `--num-sms`, DeepEP's 20
 by default): a time covers the work of all ranks together. Each rank has T tokens (H = 7168, top-8 of
-E = 256 experts; bf16 rows, or e4m3 rows with float32 scales per 128 values).
+E = 256 experts; bf16 rows, or e4m3 rows with float32 scales per 128 values). `--transport nvshmem` puts the
+EP = 1 Buffer on NVSHMEM's heap, `nvshmem-gets` also reads its one rank with NVSHMEM gets (the path of a peer
+on another node).
 - `disp_us`: a dispatch sized by `num_worst_tokens` (no host wait), median of CUDA-graph replays;
 - `comb_us`: a combine of the received rows, median of CUDA-graph replays; `zc_us`: the same combine of
   rows already written where it stages them (Buffer.get_next_combine_buffer, as FusedMoE writes them);
@@ -22,6 +24,7 @@ the GPU when there is one).
     python benchmarks/bench_ht.py                            # EP = 1, 2, 4, 8 at 4096 tokens per rank
     python benchmarks/bench_ht.py --ep 1 --tokens 1024 8192 --num-sms 20 132
     python benchmarks/bench_ht.py --ep 2 4 8 --processes     # IPC processes
+    python benchmarks/bench_ht.py --ep 1 --transport nvshmem-gets  # EP = 1 on NVSHMEM, read by gets
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bench_ll import copy_bandwidth, print_table, time_graph
 from bench_ll_multigpu import eager_time, nvlink_bandwidth
 
 from ep_layer import Buffer
+from ep_layer.backends import nvshmem_heap
 from ep_layer.emulation import RankStreams, emulated_buffers
 from ep_layer.layout import normal_buffer_bytes, row_stride, stage_bytes
 
@@ -119,7 +123,9 @@ def measure(ep: int, tokens: int, args: argparse.Namespace, fp8: bool, sms: int,
     Buffer.set_num_sms(sms)
     size = nvl_bytes(tokens, h, k, ep)
     if ep == 1:
-        bufs = [Buffer(None, num_nvl_bytes=size, low_latency_mode=False, backend="cuda")]
+        transport = "nvshmem" if args.transport.startswith("nvshmem") else "ipc"
+        os.environ[nvshmem_heap.FORCE_PUTS] = "1" if args.transport == "nvshmem-gets" else "0"
+        bufs = [Buffer(None, num_nvl_bytes=size, low_latency_mode=False, backend="cuda", transport=transport)]
     else:
         bufs = emulated_buffers(ep, 0, gpu_share=ep, num_nvl_bytes=size)
     ranks = [Rank(b, r, tokens, h, e, k, fp8, ep * tokens) for r, b in enumerate(bufs)]
@@ -213,7 +219,12 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the reference backend's columns")
     parser.add_argument("--processes", action="store_true", help="EP > 1 as IPC processes instead of emulated")
     parser.add_argument("--port", type=int, default=29575, help="with --processes: the first rendezvous port")
+    parser.add_argument("--transport", choices=("ipc", "nvshmem", "nvshmem-gets"), default="ipc",
+                        help="the EP = 1 Buffer's memory: cudaMalloc (ipc) or NVSHMEM's symmetric heap, its rank "
+                             "read by loads and stores or (nvshmem-gets) by NVSHMEM gets")
     args = parser.parse_args()
+    if args.transport != "ipc" and (args.processes or args.ep != [1]):
+        parser.error("--transport: NVSHMEM is measured at --ep 1 only (one process)")
     if args.processes:
         main_processes(args)
         return

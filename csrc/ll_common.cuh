@@ -187,6 +187,22 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
+// The clock of a bounded wait: the nanoseconds its thread spent polling, leaving out any pause longer than
+// kWaitPauseNs between two of its reads, when the thread's context was switched out (the GPU time-slices between
+// processes, or tears a dead one down): a peer is timed only while the waiter could have seen it arrive, and a
+// waiter switched out past the deadline polls again before it gives up.
+constexpr unsigned long long kWaitPauseNs = 1000000;
+struct WaitClock {
+  unsigned long long last, spent = 0;
+  __device__ __forceinline__ WaitClock() : last(globaltimer()) {}
+  __device__ __forceinline__ bool expired(unsigned long long timeout_ns) {
+    const unsigned long long now = globaltimer(), step = now - last;
+    last = now;
+    if (step < kWaitPauseNs) spent += step;
+    return spent > timeout_ns;
+  }
+};
+
 __device__ __forceinline__ bool first_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
 
 // Called by one thread of every block of a launch that starts a call: this call's sequence number
@@ -393,8 +409,9 @@ __device__ __forceinline__ unsigned long long wait_for(const Common& c, const Wo
   unsigned long long waited = 0;
   if (static_cast<unsigned>(v) != seq) {
     const unsigned long long start = globaltimer();
+    WaitClock clock;
     while (static_cast<unsigned>(v = acquire ? ld_acquire(c, flag) : ld_relaxed(c, flag)) != seq) {
-      if (globaltimer() - start > c.timeout_ns || is_masked(c, peer)) {
+      if (clock.expired(c.timeout_ns) || is_masked(c, peer)) {
         waited = kNeverArrived;
         break;
       }

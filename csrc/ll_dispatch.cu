@@ -236,7 +236,7 @@ __device__ int wait_for_count(const Common& c, unsigned seq, const unsigned long
   if (static_cast<unsigned>(got) == seq) return static_cast<int>(got >> 32);
   if (is_masked(c, source)) return 0;
   const auto* hello = &reinterpret_cast<const Control*>(c.local_base)->hello[kDispatch][seq & 1u][source];
-  const unsigned long long begin = globaltimer();
+  WaitClock clock;
   while (static_cast<unsigned>(got = ld_relaxed(c, word)) != seq) {
     const unsigned long long h = ld_relaxed(c, hello);
     if (static_cast<unsigned>(h) == seq && static_cast<unsigned>(h >> 32) != c.spec_check) {
@@ -245,7 +245,7 @@ __device__ int wait_for_count(const Common& c, unsigned seq, const unsigned long
     }
     if (stop != nullptr && *stop) return -1;
     if (is_masked(c, source)) return 0;
-    if (globaltimer() - begin > c.timeout_ns) return peer_missed(c, kDispatch, source) ? 0 : -1;
+    if (clock.expired(c.timeout_ns)) return peer_missed(c, kDispatch, source) ? 0 : -1;
   }
   return static_cast<int>(got >> 32);
 }

@@ -76,10 +76,9 @@ __device__ void record_normal_error(const NormalCommon& c, int op, int code, uns
 
 // Polls rank src's ready flag in this rank's control block until it reaches `seq`; false after the timeout.
 __device__ bool wait_ready(const NormalCommon& c, const unsigned long long* flag, unsigned seq) {
-  if (static_cast<unsigned>(ld_acquire(c, flag)) == seq) return true;
-  const unsigned long long start = globaltimer();
+  WaitClock clock;
   while (static_cast<unsigned>(ld_acquire(c, flag)) != seq)
-    if (globaltimer() - start > c.timeout_ns) return false;
+    if (clock.expired(c.timeout_ns)) return false;
   return true;
 }
 
@@ -95,13 +94,11 @@ __device__ void wait_released(const NormalCommon& c, int h, int op) {
   if (threadIdx.x < c.num_ranks) {
     const unsigned long long* flag = &ctl->released[h][threadIdx.x];
     const auto released = [&] { return static_cast<int>(static_cast<unsigned>(ld_acquire(c, flag)) - last) >= 0; };
-    if (!released()) {
-      const unsigned long long start = globaltimer();
-      while (!released()) {
-        if (globaltimer() - start > c.timeout_ns) {
-          record_normal_error(c, op, kTimeout, 1u << threadIdx.x);
-          break;
-        }
+    WaitClock clock;
+    while (!released()) {
+      if (clock.expired(c.timeout_ns)) {
+        record_normal_error(c, op, kTimeout, 1u << threadIdx.x);
+        break;
       }
     }
   }

@@ -236,13 +236,10 @@ def _killed_process_rank(rank: int, world_size: int, seed: int, dead: int, force
 
 
 @needs_nvshmem
-def test_survivors_mask_a_killed_process(seed: int, forced_puts: bool, request: pytest.FixtureRequest) -> None:
+def test_survivors_mask_a_killed_process(seed: int, forced_puts: bool) -> None:
     """Rank masking: four PEs on one GPU, one killed between two rounds."""
     from test_rank_masking_cuda import survivors_mask_a_killed_process
 
-    if forced_puts:  # a known defect, open in issue 32: strict, so that a fix shows up as a failure to remove this
-        request.applymarker(pytest.mark.xfail(strict=True, reason="with puts, survivors lose a live rank's rows in "
-                                                                  "the round they find the dead one (H200, 4 PEs)"))
     survivors_mask_a_killed_process(seed, _killed_process_rank, forced_puts)
 
 
