@@ -456,6 +456,9 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& v) {
 
 // One warp per token of this rank: the float32 sum of the rows the ranks it went to send back, in
 // ascending rank, plus the biases, rounded once (the reference's order, so the results agree bit for bit).
+// kGets: some ranks are read with NVSHMEM gets (a kernel of its own, so that their registers cannot spill the
+// load/store path's row pointers).
+template <bool kGets>
 __device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
   const int lane = threadIdx.x % 32, r = c.num_ranks, me = c.rank, k = call.num_topk;
   const long long stride = row_stride(call.x_bytes, 0, 0, 0);
@@ -484,7 +487,7 @@ __device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
     // without get ranks the whole row is one piece.
     unsigned gets = 0;
 #pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) gets |= static_cast<unsigned>(src[d] != nullptr && by_get(c, d)) << d;
+    for (int d = 0; d < kMaxRanks; ++d) gets |= static_cast<unsigned>(kGets && src[d] != nullptr && by_get(c, d)) << d;
     const int piece_chunks = gets ? kPieceBytes / 16 : chunks;
     for (int p0 = 0; p0 < chunks; p0 += piece_chunks) {
       const int piece = min(piece_chunks, chunks - p0);
@@ -538,7 +541,7 @@ __device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
         if (!call.in_rank[static_cast<long long>(t) * r + d]) continue;
         const float* weight = weights_of[d] + static_cast<long long>(call.send_pos[static_cast<long long>(t) * r + d]) * k + lane;
 #ifdef EP_LAYER_NVSHMEM
-        if (by_get(c, d)) {
+        if (kGets && by_get(c, d)) {
           w += nvshmem_float_g(weight, d);
           continue;
         }
@@ -550,9 +553,10 @@ __device__ void reduce_rows(const NormalCommon& c, const NormalCall& call) {
   }
 }
 
+template <bool kGets>
 __global__ void __launch_bounds__(kWarps * 32) reduce_kernel(NormalCommon c, NormalCall call) {
   const unsigned seq = current_seq(c);
-  if (call.meta[0] != 0) reduce_rows(c, call);
+  if (call.meta[0] != 0) reduce_rows<kGets>(c, call);
   release_reads(c, 1, seq);
 }
 
@@ -567,7 +571,10 @@ int copy_blocks(long long work, int num_sms) {
 cudaError_t normal_load_kernels() {
   const void* kernels[] = {reinterpret_cast<const void*>(stage_kernel), reinterpret_cast<const void*>(exchange_kernel),
                            reinterpret_cast<const void*>(scan_kernel), reinterpret_cast<const void*>(gather_kernel),
-                           reinterpret_cast<const void*>(reduce_kernel),
+                           reinterpret_cast<const void*>(reduce_kernel<false>),
+#ifdef EP_LAYER_NVSHMEM
+                           reinterpret_cast<const void*>(reduce_kernel<true>),
+#endif
                            reinterpret_cast<const void*>(wait_combine_half_kernel)};
   for (const void* kernel : kernels) {
     cudaFuncAttributes attributes;
@@ -603,7 +610,14 @@ void normal_gather(const NormalCommon& c, const NormalCall& call, int num_sms, c
 }
 
 void normal_reduce(const NormalCommon& c, const NormalCall& call, int num_sms, cudaStream_t stream) {
-  reduce_kernel<<<copy_blocks(call.num_tokens, landing_sms(c, num_sms)), kWarps * 32, 0, stream>>>(c, call);
+  const int blocks = copy_blocks(call.num_tokens, landing_sms(c, num_sms));
+#ifdef EP_LAYER_NVSHMEM
+  if (c.get_ranks) {
+    reduce_kernel<true><<<blocks, kWarps * 32, 0, stream>>>(c, call);
+    return;
+  }
+#endif
+  reduce_kernel<false><<<blocks, kWarps * 32, 0, stream>>>(c, call);
 }
 
 }  // namespace ep
