@@ -351,15 +351,18 @@ __device__ __forceinline__ unsigned char* half_base(const Common& c, long long b
   return reinterpret_cast<unsigned char*>(base) + c.layout.control + (seq & 1u) * c.layout.half;
 }
 
-// The ranks reached through NVSHMEM puts (bits); none in the build without NVSHMEM (ep_layer._C), where the
-// put branches compile away.
-__device__ __forceinline__ unsigned put_mask(const Common& c) {
+// A mask of ranks reached through NVSHMEM as it is in the NVSHMEM build, and none in ep_layer._C, where the
+// NVSHMEM branches then compile away.
+__device__ __forceinline__ unsigned nvshmem_only(unsigned ranks) {
 #ifdef EP_LAYER_NVSHMEM
-  return c.put_ranks;
+  return ranks;
 #else
-  return 0u;
+  return ranks & 0u;
 #endif
 }
+
+// The ranks reached through NVSHMEM puts (bits).
+__device__ __forceinline__ unsigned put_mask(const Common& c) { return nvshmem_only(c.put_ranks); }
 
 __device__ __forceinline__ bool by_put(const Common& c, int r) { return (put_mask(c) >> r) & 1u; }
 

@@ -20,15 +20,8 @@ __device__ __forceinline__ unsigned char* half_of(const NormalCommon& c, long lo
   return reinterpret_cast<unsigned char*>(base) + kNormalControlBytes + half_index(op) * c.half_bytes;
 }
 
-// The ranks read with NVSHMEM gets (bits); none in the build without NVSHMEM (ep_layer._C), where the get
-// branches compile away.
-__device__ __forceinline__ unsigned get_mask(const NormalCommon& c) {
-#ifdef EP_LAYER_NVSHMEM
-  return c.get_ranks;
-#else
-  return 0u;
-#endif
-}
+// The ranks read with NVSHMEM gets (bits).
+__device__ __forceinline__ unsigned get_mask(const NormalCommon& c) { return nvshmem_only(c.get_ranks); }
 
 __device__ __forceinline__ bool by_get(const NormalCommon& c, int r) { return (get_mask(c) >> r) & 1u; }
 
