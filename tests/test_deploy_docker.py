@@ -1,7 +1,8 @@
-"""docker/: the Dockerfile's structure (CUDA 13 devel build stage with the kernels for sm_90a, runtime
-stage, the torch pin shared with scripts/bootstrap.sh, a non-root user, ep-serve as entry point, a
-HEALTHCHECK on /health) and hadolint; compose.yaml against the Compose spec and its paths. No Docker
-engine is needed (none is here); `docker compose config` runs too where a docker client with compose is."""
+"""docker/: the Dockerfile's structure (CUDA 13 devel build stage with the kernels for sm_90a and their
+NVSHMEM build, runtime stage with the verbs libraries NVSHMEM's RDMA opens, the torch pin shared with
+scripts/bootstrap.sh, a non-root user, ep-serve as entry point, a HEALTHCHECK on /health) and hadolint;
+compose.yaml against the Compose spec and its paths. No Docker engine is needed (none is here); `docker
+compose config` runs too where a docker client with compose is."""
 
 from __future__ import annotations
 
@@ -51,7 +52,13 @@ def bootstrap_torch_version() -> str:
     return re.search(r"^TORCH_VERSION=(\S+)$", (ROOT / "scripts" / "bootstrap.sh").read_text(), re.M).group(1)
 
 
-def test_build_stage_compiles_the_kernels_with_cuda_13_and_pinned_torch():
+def pyproject_list(key: str) -> list[str]:
+    """The strings of a one-line list in pyproject.toml (`requires = [...]`, an extra's `nvshmem = [...]`)."""
+    line = re.search(rf"^{key} = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    return re.findall(r'"([^"]+)"', line)
+
+
+def test_build_stage_compiles_the_kernels_with_cuda_13_and_pinned_torch(tmp_path):
     top, build, runtime = stages()
     cuda = arg_defaults(top)["CUDA_VERSION"]
     assert cuda.startswith("13."), cuda
@@ -64,13 +71,25 @@ def test_build_stage_compiles_the_kernels_with_cuda_13_and_pinned_torch():
     torch_installs = [r for r in runs if re.search(r"pip install[^&]*\btorch\b", r)]
     assert torch_installs and all('"torch==${TORCH_VERSION}"' in r for r in torch_installs), torch_installs
     (kernels,) = [r for r in runs if "EP_LAYER_NO_CUDA=0" in r]
-    # ep-layer's own install (`torch>=2.4`) resolves under the pin, so it cannot pull another torch.
-    assert 'echo "torch==${TORCH_VERSION}" > /tmp/constraints.txt' in kernels
-    assert "--constraint /tmp/constraints.txt ." in kernels
-    assert 'EP_LAYER_CUDA_ARCHS="${EP_LAYER_CUDA_ARCHS}"' in kernels and "find_spec('ep_layer._C')" in kernels
+    # ep-layer's own install (`torch>=2.4`) resolves under the pins, so it cannot pull another torch or
+    # NVSHMEM: the constraints line, run as the build runs it.
+    (write,) = [c for c in map(str.strip, kernels.split(" && ")) if c.endswith("> /tmp/constraints.txt")]
+    constraints = tmp_path / "constraints.txt"
+    subprocess.run(["bash", "-c", write.replace("/tmp/constraints.txt", str(constraints))], check=True, timeout=30,
+                   env={"TORCH_VERSION": args["TORCH_VERSION"], "NVSHMEM_VERSION": args["NVSHMEM_VERSION"]})
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["NVSHMEM_VERSION"]), args["NVSHMEM_VERSION"]
+    assert constraints.read_text().split() == [f"torch=={bootstrap_torch_version()}",
+                                               f"nvidia-nvshmem-cu13=={args['NVSHMEM_VERSION']}"]
+    assert '--constraint /tmp/constraints.txt ".[nvshmem]"' in kernels
+    assert 'EP_LAYER_CUDA_ARCHS="${EP_LAYER_CUDA_ARCHS}"' in kernels
+    # The check imports from the install: plain `python -c` would find the source tree in WORKDIR first.
+    assert "python -P -c" in kernels and "('ep_layer._C', 'ep_layer._C_nvshmem')" in kernels
+    # NVSHMEM is installed before the build, so that setup.py finds it and builds ep_layer._C_nvshmem too.
+    build_at = kernels.index("EP_LAYER_NO_CUDA=0")
+    for requirement in pyproject_list("nvshmem"):
+        assert 0 <= kernels.find(f'--constraint /tmp/constraints.txt "{requirement}"') < build_at, requirement
     assert "torch.version.cuda" in torch_installs[0]  # the build fails on a torch of another CUDA
-    build_requires = re.search(r"^requires = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)
-    for requirement in re.findall(r'"([^"]+)"', build_requires):
+    for requirement in pyproject_list("requires"):
         assert f'"{requirement}"' in kernels, f"{requirement}: pyproject's build requirement, not installed"
     copies = [a.split()[0] for k, a in build if k == "COPY"]
     assert {"csrc", "ep_layer", "serving", "pyproject.toml"} <= set(copies)
@@ -88,6 +107,11 @@ def test_runtime_stage_runs_ep_serve_as_a_user_with_a_health_check():
     (health,) = [a for k, a in runtime if k == "HEALTHCHECK"]
     assert f"http://127.0.0.1:{port}/health" in health and " CMD " in f" {health} "
     assert any(k == "COPY" and a.startswith("--from=build /opt/venv") for k, a in runtime)
+
+
+def test_runtime_stage_has_the_verbs_libraries_nvshmem_opens_for_rdma():
+    installs = [a.split() for k, a in stages()[-1] if k == "RUN" and "apt-get install" in a]
+    assert installs and {"libibverbs1", "ibverbs-providers"} <= set(installs[0])
 
 
 def test_dockerignore_lets_in_what_the_build_copies():
