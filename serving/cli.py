@@ -22,6 +22,7 @@ from .engine.engine_config import (
     LOAD_FORMATS,
     EngineConfig,
 )
+from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from .model_config import AUTO_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
@@ -117,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-seqs", type=int, default=None,
                    help="sequences that may wait per rank beyond --max-num-seqs running; past that, new requests "
                         "get 503 with Retry-After (default: 4 x --max-num-seqs)")
+    p.add_argument("--rank-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help="an engine rank that makes no progress for this long (stopped, hung, or waiting for a peer "
+                        "that is) makes /health and new requests answer 503 naming it, until it moves again")
     p.add_argument("--max-model-len", type=human_int, default=None,
                    help="most tokens (prompt + completion) per request, e.g. 4096 or 4k (default: the model's "
                         "max_position_embeddings)")
@@ -344,6 +348,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if not args.rank_stall_timeout > 0:
+        raise SystemExit(f"ep-serve: --rank-stall-timeout: expected > 0 seconds, got {args.rank_stall_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model is None:
         from .tiny_model import tiny_checkpoint
@@ -361,13 +367,14 @@ def main(argv: list[str] | None = None) -> None:
     serve(config, checkpoint, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
           uvicorn_log_level=args.uvicorn_log_level or args.log_level,
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
-          max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests)
+          max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
+          rank_stall_timeout_s=args.rank_stall_timeout)
 
 
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
           log_level: str = "info", uvicorn_log_level: str = "info",
           open_paths: frozenset[str] = frozenset({"/health", "/metrics"}), max_waiting_seqs: int | None = None,
-          log_requests: bool = False) -> None:
+          log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary)."""
     from .api.server import make_server_state, run_http
@@ -376,7 +383,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         log.info("%d independent data-parallel ranks (no --enable-expert-parallel: each holds all experts)",
                  config.data_parallel_size)
     try:
-        state = make_server_state(config, api_key, open_paths=open_paths, max_waiting_seqs=max_waiting_seqs)
+        state = make_server_state(config, api_key, open_paths=open_paths, max_waiting_seqs=max_waiting_seqs,
+                                  rank_stall_timeout_s=rank_stall_timeout_s)
     except (RuntimeError, TimeoutError, OSError, ValueError) as e:
         raise SystemExit(f"ep-serve: could not start: {e}") from None
     if log_requests:

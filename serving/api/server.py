@@ -33,8 +33,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ep_layer import __version__
 
 from ..engine.detokenizer import Codec, as_codec
-from ..engine.dp_coordinator import DPCoordinator, EngineDeadError
+from ..engine.dp_coordinator import DPCoordinator, EngineUnavailableError
 from ..engine.engine_config import EngineConfig
+from ..engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from ..engine.messages import RequestOutput, TokenLogprobs
 from ..engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams, check_prompt
 from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
@@ -104,11 +105,12 @@ class ServerState:
 
 
 def make_server_state(config: EngineConfig, api_key: str | None = None, start_timeout_s: float = 600.0, *,
-                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS,
-                      max_waiting_seqs: int | None = None) -> ServerState:
+                      open_paths: frozenset[str] = DEFAULT_OPEN_PATHS, max_waiting_seqs: int | None = None,
+                      rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> ServerState:
     """Load the tokenizer and the chat template (config.chat_template, else the tokenizer directory's
     own), start the engine ranks (waits until they have loaded the model). max_waiting_seqs: waiting
-    sequences per rank before new requests get a 503 (default WAITING_PER_RUNNING x max_num_seqs)."""
+    sequences per rank before new requests get a 503 (default WAITING_PER_RUNNING x max_num_seqs).
+    rank_stall_timeout_s: a rank without progress for this long makes the server answer 503."""
     if max_waiting_seqs is None:
         max_waiting_seqs = WAITING_PER_RUNNING * config.max_num_seqs
     if max_waiting_seqs < 0:
@@ -117,7 +119,7 @@ def make_server_state(config: EngineConfig, api_key: str | None = None, start_ti
     tokenizer = importlib.import_module(config.loader).load_tokenizer(config)
     codec = as_codec(tokenizer)
     metrics = ServingMetrics(config.served_model_name, config.data_parallel_size)
-    coordinator = DPCoordinator(config, metrics)
+    coordinator = DPCoordinator(config, metrics, rank_stall_timeout_s)
     info = coordinator.start(start_timeout_s)
     capacity = len(coordinator.load()) * (config.max_num_seqs + max_waiting_seqs)  # over the ranks served here
     return ServerState(coordinator, codec, metrics, config.served_model_name, config.model, info.max_model_len,
@@ -222,9 +224,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.coordinator.alive:
+        problem = state.coordinator.unavailable()
+        if problem is None:
             return Response(status_code=200)
-        return _error(503, f"engine is dead: {_public(state.coordinator.why_dead())}")
+        return _error(503, problem)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -346,9 +349,9 @@ class _CompletionCall:
             for i, (rid, p) in enumerate(zip(self.request_ids, params)):
                 prompt = prompts[i // self.body.n]
                 self.state.coordinator.submit(rid, prompt, p, self._sink(loop, i))
-        except EngineDeadError as e:
+        except EngineUnavailableError as e:
             self._abort_pending()
-            raise APIError(503, f"engine is dead: {_public(str(e))}") from None
+            raise APIError(503, _public(str(e))) from None
         if self.body.stream:
             return StreamingResponse(self._stream(), media_type="text/event-stream")
         return await self._complete()

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from .engine_config import EngineConfig
+from .heartbeat import DEFAULT_STALL_TIMEOUT_S, Heartbeats
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -46,6 +47,7 @@ from .sequence import FINISH_ABORT, SamplingParams
 OutputSink = Callable[[RequestOutput], None]
 log = logging.getLogger(__name__)
 _READ_POLL_S = 0.2
+_REAP_TIMEOUT_S = 5.0  # for a killed rank to be gone
 _HOST = "127.0.0.1"
 
 
@@ -59,8 +61,16 @@ class EngineObserver(Protocol):
     def on_stats(self, rank: int, stats: SchedulerStats) -> None: ...
 
 
-class EngineDeadError(RuntimeError):
+class EngineUnavailableError(RuntimeError):
+    """The engine takes no requests now (a 503)."""
+
+
+class EngineDeadError(EngineUnavailableError):
     """An engine rank died; the engine takes no more requests."""
+
+
+class EngineStalledError(EngineUnavailableError):
+    """Engine ranks make no progress; the engine takes requests again once they do."""
 
 
 @dataclasses.dataclass
@@ -70,14 +80,24 @@ class _InFlight:
 
 
 class DPCoordinator:
-    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+    """stall_timeout_s: a rank that has not passed its loop for this long (heartbeat.py) makes the engine
+    unavailable until it does (`unavailable`, EngineStalledError)."""
+
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+        if not stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s: expected > 0, got {stall_timeout_s}")
         self.config = config
         self.first_rank = config.local_ranks.start
         self.num_ranks = len(config.local_ranks)  # the ranks this process runs
         self.observer = observer
         self.info: ModelInfo | None = None
-        self.dead_reason: str | None = None
+        self.dead_reason: str | None = None  # why the engine died, with a rank's traceback (for the log)
+        self.dead_summary: str | None = None  # which rank and how, without exception text (for /health)
+        self.stalled_reason: str | None = None  # which ranks make no progress, while they do not
+        self.stall_timeout_s = stall_timeout_s
         self._ctx = mp.get_context("spawn")
+        self._heartbeats = Heartbeats(self._ctx, self.num_ranks)
         self._inboxes = [self._ctx.Queue() for _ in range(self.num_ranks)]
         self._outbox = self._ctx.Queue()
         self._procs: list[Any] = []
@@ -107,7 +127,8 @@ class DPCoordinator:
                      config.local_ranks.stop - 1, config.data_parallel_size, config.data_parallel_address,
                      config.dist_port)
         for i, rank in enumerate(config.local_ranks):
-            proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[i], self._outbox),
+            proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[i], self._outbox,
+                                                            self._heartbeats.beat(i)),
                                      name=f"ep-serve-rank{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
@@ -134,6 +155,7 @@ class DPCoordinator:
             self.shutdown()
             raise
         self.info = ready[self.first_rank]
+        self._heartbeats.restart(time.monotonic())
         self._reader = threading.Thread(target=self._read_loop, name="ep-serve-outputs", daemon=True)
         self._reader.start()
         return self.info
@@ -165,9 +187,13 @@ class DPCoordinator:
     def alive(self) -> bool:
         return self.dead_reason is None and all(p.is_alive() for p in self._procs)
 
-    def why_dead(self) -> str:
-        """Why the engine is not alive, also before the reader thread has noticed a rank's exit."""
-        return self.dead_reason or self._exited_reason() or "a rank exited"
+    def unavailable(self) -> str | None:
+        """Why the engine takes no requests now, naming the ranks but no exception text (what an
+        unauthenticated /health may show); None while it takes them. Sees a rank's exit also before the
+        reader thread has."""
+        if not self.alive:
+            return f"engine is dead: {self.dead_summary or self._exited_reason() or 'a rank exited'}"
+        return None if self.stalled_reason is None else f"engine is stalled: {self.stalled_reason}"
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> int:
@@ -175,7 +201,9 @@ class DPCoordinator:
         Returns the (global) rank."""
         with self._lock:
             if self.dead_reason is not None:
-                raise EngineDeadError(self.dead_reason)
+                raise EngineDeadError(f"engine is dead: {self.dead_reason}")
+            if self.stalled_reason is not None:
+                raise EngineStalledError(f"engine is stalled: {self.stalled_reason}")
             if request_id in self._inflight:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             rank = min(range(self.num_ranks), key=lambda r: (self._load[r], r))
@@ -242,7 +270,9 @@ class DPCoordinator:
             elif isinstance(msg, RankFailed):
                 # A rank whose collective broke because a peer died reports a library error about a
                 # closed connection; the peer that exited is the news.
-                self._mark_dead(self._exited_reason(but=msg.rank) or f"engine rank {msg.rank} failed:\n{msg.error}")
+                exited = self._exited_reason(but=msg.rank)
+                summary = exited or f"engine rank {msg.rank} failed"
+                self._mark_dead(exited or f"{summary}:\n{msg.error}", summary)
             self._check_ranks()
 
     def _deliver(self, msg: StepOutputs, now: float) -> None:
@@ -261,10 +291,27 @@ class DPCoordinator:
                 self._hand_out(entry, out, now)
 
     def _check_ranks(self) -> None:
+        """Note a rank that exited (the engine is dead; exited ranks are reaped, never left as zombies)
+        or one that makes no progress (the engine is unavailable while it does not)."""
+        reason = self._exited_reason()  # polls every rank process, which reaps those that exited
         if self._stopping.is_set() or self.dead_reason is not None:
             return
-        if (reason := self._exited_reason()) is not None:
-            self._mark_dead(reason)
+        if reason is not None:
+            self._mark_dead(reason, reason)
+            return
+        blamed, late_s = self._heartbeats.stalled(time.monotonic(), self.stall_timeout_s,
+                                                  [p.pid for p in self._procs])
+        stalled = None
+        if blamed:
+            stalled = (f"engine rank(s) {[self.first_rank + i for i in blamed]} (pid "
+                       f"{[self._procs[i].pid for i in blamed]}) made no progress for {late_s:.1f} s "
+                       f"(--rank-stall-timeout {self.stall_timeout_s:g} s)")
+        if (stalled is None) != (self.stalled_reason is None):
+            if stalled is not None:
+                log.error("%s: new requests get 503 until they do", stalled)
+            else:
+                log.warning("engine ranks make progress again: taking requests")
+        self.stalled_reason = stalled
 
     def _exited_reason(self, but: int | None = None) -> str | None:
         """Which local ranks' processes have exited, other than (global) rank `but`; None if none has."""
@@ -274,16 +321,19 @@ class DPCoordinator:
         return (f"engine rank(s) {[self.first_rank + i for i in dead]} exited (exit code "
                 f"{[self._procs[i].exitcode for i in dead]})")
 
-    def _mark_dead(self, reason: str) -> None:
+    def _mark_dead(self, reason: str, summary: str) -> None:
+        """reason: for the log and the requests' errors; summary: the same without exception text."""
         with self._lock:
             if self.dead_reason is not None:
                 return
-            self.dead_reason = reason
+            self.dead_reason, self.dead_summary = reason, summary
         if self.config.expert_parallel:
             # The others would wait for the dead rank in their next collective: stop them too.
-            for proc in self._procs:
-                if proc.is_alive():
-                    proc.kill()
+            killed = [proc for proc in self._procs if proc.is_alive()]
+            for proc in killed:
+                proc.kill()
+            for proc in killed:
+                proc.join(_REAP_TIMEOUT_S)
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:

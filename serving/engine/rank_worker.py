@@ -12,6 +12,8 @@ import os
 import queue
 import signal
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -23,6 +25,7 @@ from ep_layer.backends import resolve_backend
 
 from .engine import LLMEngine, eos_token_ids
 from .engine_config import EngineConfig
+from .heartbeat import RankBeat
 from .messages import (
     AbortRequest,
     AddRequest,
@@ -40,7 +43,8 @@ from .messages import (
 from .step_sync import StepSync
 
 IDLE_POLL_S = 0.05  # an idle expert-parallel rank joins the step agreement at least this often
-_PARENT_POLL_S = 1.0  # an idle lone rank checks this often that the server is still there
+LONE_IDLE_POLL_S = 1.0  # an idle rank without peers passes its loop at least this often (heartbeat.py)
+PARENT_POLL_S = 0.2  # how often a rank checks that the server process is still there
 _DIST_TIMEOUT = timedelta(minutes=30)
 
 
@@ -92,10 +96,11 @@ def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_mo
     return max(per_seq, min(budget // block_bytes, per_seq * config.max_num_seqs))
 
 
-def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue, beat: RankBeat) -> None:
     """Process entry point (spawned by serving.engine.dp_coordinator); `rank` is global."""
     # Ctrl-C reaches the whole process group: the server stops the ranks in step, not the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(rank)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(config.local_ranks)))
         device = resolve_device(config, rank - config.local_ranks.start)
@@ -123,7 +128,7 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
         info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
                          config.block_size, str(device))
         outbox.put(RankReady(rank, info))
-        RankLoop(rank, engine, StepSync(sync_group), inbox, outbox, config.expert_parallel).run()
+        RankLoop(rank, engine, StepSync(sync_group, beat), inbox, outbox, config.expert_parallel, beat).run()
     except BaseException:
         outbox.put(RankFailed(rank, traceback.format_exc()))
         _flush(outbox)
@@ -132,6 +137,21 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue)
     _flush(outbox)
     if dist.is_initialized():
         dist.destroy_process_group()  # all ranks agreed to stop: nothing is in flight
+
+
+def exit_with_parent(rank: int) -> None:
+    """Exit within PARENT_POLL_S of the server process going away, whatever this rank is doing (a step,
+    a collective, a write to a full pipe that nobody reads): a thread watches the parent and ends the
+    process at once, which frees its memory, the GPU's included."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        print(f"engine rank {rank}: the server process ({parent}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ep-serve-parent-watch", daemon=True).start()
 
 
 def _init_group(config: EngineConfig, rank: int,
@@ -165,17 +185,22 @@ def _flush(outbox: mp.Queue) -> None:
 
 
 class RankLoop:
+    """beat: where the loop's passes are seen by the server (None: nowhere)."""
+
     def __init__(self, rank: int, engine: LLMEngine, sync: StepSync, inbox: mp.Queue, outbox: mp.Queue,
-                 expert_parallel: bool) -> None:
+                 expert_parallel: bool, beat: RankBeat | None = None) -> None:
         self.rank, self.engine, self.sync = rank, engine, sync
         self.inbox, self.outbox = inbox, outbox
         self.expert_parallel = expert_parallel
+        self.beat = beat
         self._last_stats = SchedulerStats()
 
     def run(self) -> None:
         """Until the ranks agree to stop: apply the server's messages, step (LLMEngine.step, with the
         other ranks), send the outputs."""
         while True:
+            if self.beat is not None:
+                self.beat.passed()
             leaving = not self._handle(self._receive(block=self._idle()))
             outputs = self.engine.step(self.sync, leaving)
             if self.sync.plan.stop:
@@ -188,19 +213,12 @@ class RankLoop:
         return not self.sync.plan.step and not self.engine.has_work()
 
     def _receive(self, block: bool) -> list[Any]:
+        """The messages waiting in the inbox; when `block`, first wait for one, at most IDLE_POLL_S
+        (expert parallelism: the peers wait in the agreement) or LONE_IDLE_POLL_S."""
         messages: list[Any] = []
         if block:
-            timeout = IDLE_POLL_S if self.expert_parallel else _PARENT_POLL_S
-            while True:
-                try:
-                    messages.append(self.inbox.get(timeout=timeout))
-                    break
-                except queue.Empty:
-                    parent = mp.parent_process()
-                    if parent is not None and not parent.is_alive():
-                        return [Shutdown()]
-                    if self.expert_parallel:
-                        break
+            with contextlib.suppress(queue.Empty):
+                messages.append(self.inbox.get(timeout=IDLE_POLL_S if self.expert_parallel else LONE_IDLE_POLL_S))
         while True:
             try:
                 messages.append(self.inbox.get_nowait())

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .heartbeat import RankBeat
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -30,10 +32,11 @@ def plan_alone(num_seqs: int, decode_only: bool, stop: bool = False, num_tokens:
 
 class StepSync:
     """group: a CPU (gloo) group over the ranks, or None for a rank that steps alone. `plan` is the
-    latest agreement (before the first: nobody steps)."""
+    latest agreement (before the first: nobody steps). beat: where the server sees that this rank waits
+    for its peers in the agreement (None: nowhere)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None = None, beat: RankBeat | None = None) -> None:
+        self.group, self.beat = group, beat
         self.plan = plan_alone(0, True)
         self._buf = torch.zeros(5, dtype=torch.int64)
 
@@ -51,6 +54,10 @@ class StepSync:
         prefill = int(num_seqs > 0 and not decode_only)
         for i, value in enumerate((int(num_seqs > 0), num_seqs, prefill, int(stop), num_tokens)):
             self._buf[i] = value
+        if self.beat is not None:
+            self.beat.agreeing(True)
         dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        if self.beat is not None:
+            self.beat.agreeing(False)
         step, max_seqs, any_prefill, any_stop, max_tokens = self._buf.tolist()
         return StepPlan(bool(step) and not any_stop, max_seqs, not any_prefill, bool(any_stop), max_tokens)
