@@ -26,7 +26,7 @@ from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from .model_config import AUTO_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
-    from .engine.dp_coordinator import EngineObserver
+    from .engine.dp_coordinator import Counted, EngineObserver
     from .engine.messages import ModelInfo, RequestOutput, SchedulerStats
 
 DEFAULT_TINY_NAME = "ep-layer-tiny"
@@ -492,10 +492,10 @@ class RequestLog:
         self.inner = inner
         self._arrived: dict[str, float] = {}
 
-    def on_request(self, rank: int, request_id: str, now: float) -> None:
+    def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
         self._arrived[request_id] = now
         if self.inner is not None:
-            self.inner.on_request(rank, request_id, now)
+            self.inner.on_request(rank, request_id, now, counted)
 
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
         if self.inner is not None:

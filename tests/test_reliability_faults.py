@@ -205,6 +205,8 @@ def test_killed_rank_health_503_requests_fail_cleanly_and_sigterm_stops_the_tree
             check_envelope(c.post("/v1/completions", json={"prompt": "after", "max_tokens": 2}), 503)
             assert time.monotonic() - start < 1
             assert c.get("/metrics").status_code == 200  # the server itself lives on
+            # Both ranks gone, reaped by the server that lives on: no zombie left waiting for its shutdown.
+            wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in ranks), 5, "both ranks reaped")
             for text in (health.text, plain["resp"].text, str(events)):
                 no_traceback(text)
         print(f"rank killed: /health 503 after {health_s:.2f} s, requests in flight ended after "

@@ -344,6 +344,23 @@ def test_metrics_count_what_the_requests_did(client):
     assert total(after, "ep_layer:engine_steps_total", model_name=NAME) > 0
 
 
+def test_metrics_count_a_prompt_once_and_only_the_tokens_usage_reports(client):
+    """n choices share their prompt: its tokens count once, as usage.prompt_tokens does. An echo of the
+    prompt alone (max_tokens 0) reports no completion token, and the metrics count none either."""
+    before = scrape(client)
+    for body in ({"prompt": "three choices", "max_tokens": 4, "n": 3},
+                 {"prompt": ["just the prompt", "and another"], "max_tokens": 0, "echo": True}):
+        resp = complete(client, **body)
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        after = scrape(client)
+        delta = {name: total(after, name, model_name=NAME) - total(before, name, model_name=NAME)
+                 for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")}
+        assert delta == {"vllm:prompt_tokens_total": usage["prompt_tokens"],
+                         "vllm:generation_tokens_total": usage["completion_tokens"]}, (body, usage)
+        before = after
+
+
 def test_client_disconnect_aborts_the_request(client, server):
     before = scrape(client)
     body = {"model": NAME, "prompt": "a long one", "max_tokens": 200, "temperature": 0, "ignore_eos": True,

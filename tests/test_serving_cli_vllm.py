@@ -43,6 +43,7 @@ from serving.cli import (
     main,
     startup_summary,
 )
+from serving.engine.dp_coordinator import Counted
 from serving.engine.engine_config import GIB, EngineConfig
 from serving.engine.messages import ModelInfo, RequestOutput
 from serving.model_config import ConfigError, ModelConfig
@@ -295,7 +296,7 @@ def test_request_log_wraps_the_metrics(caplog):
     seen: list[str] = []
 
     class Metrics:
-        def on_request(self, rank, request_id, now):
+        def on_request(self, rank, request_id, now, counted):
             seen.append(f"request {request_id}")
 
         def on_output(self, rank, output, now):
@@ -306,7 +307,7 @@ def test_request_log_wraps_the_metrics(caplog):
 
     observer = RequestLog(Metrics())
     with caplog.at_level(logging.INFO, logger="ep-serve"):
-        observer.on_request(1, "cmpl-a-0", 10.0)
+        observer.on_request(1, "cmpl-a-0", 10.0, Counted())
         observer.on_output(1, RequestOutput("cmpl-a-0", [5], "x", 3, 1), 10.1)  # not finished: no line
         observer.on_stats(1, None)
         observer.on_output(1, RequestOutput("cmpl-a-0", [6], "y", 3, 2, finish_reason="length"), 10.5)

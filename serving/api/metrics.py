@@ -23,6 +23,7 @@ from prometheus_client.utils import floatToGoString
 
 from ep_layer.latency import OPS, LatencyHistogram
 
+from ..engine.dp_coordinator import Counted
 from ..engine.messages import EPStats, RequestOutput, SchedulerStats
 from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
@@ -40,6 +41,8 @@ _LABELS = ("model_name", "engine")
 @dataclass
 class _Timing:
     arrival: float
+    counted: Counted
+    started: bool = False  # an output with tokens has come
     last_token: float | None = None
 
 
@@ -89,9 +92,9 @@ class ServingMetrics:
         self._timing: dict[str, _Timing] = {}
 
     # ------------------------------------------------------------------ EngineObserver
-    def on_request(self, rank: int, request_id: str, now: float) -> None:
+    def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
         with self._lock:
-            self._timing[request_id] = _Timing(now)
+            self._timing[request_id] = _Timing(now, counted)
 
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
         labels = (self.model_name, str(rank))
@@ -104,10 +107,12 @@ class ServingMetrics:
         if output.queue_time is not None:
             self.queue_time.labels(*labels).observe(output.queue_time)
         n = len(output.new_token_ids)
-        if n:
-            if timing.last_token is None:
+        first, timing.started = n > 0 and not timing.started, timing.started or n > 0
+        if first and timing.counted.prompt:
+            self.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
+        if n and timing.counted.output:
+            if first:
                 self.ttft.labels(*labels).observe(now - timing.arrival)
-                self.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
             else:
                 self.itl.labels(*labels).observe(now - timing.last_token)
             timing.last_token = now

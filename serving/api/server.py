@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ep_layer import __version__
 
 from ..engine.detokenizer import Codec, as_codec
-from ..engine.dp_coordinator import DPCoordinator, EngineUnavailableError
+from ..engine.dp_coordinator import Counted, DPCoordinator, EngineUnavailableError
 from ..engine.engine_config import EngineConfig
 from ..engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from ..engine.messages import RequestOutput, TokenLogprobs
@@ -75,6 +75,7 @@ SHUTDOWN_GRACE_S = 10  # on SIGTERM/SIGINT: how long requests in flight may take
 SHUTTING_DOWN = "the server is shutting down"  # the 503 of requests still running when the grace is over
 SHUTDOWN_FLUSH_S = 5  # after the grace: for those 503s to be written, before uvicorn cancels what is left
 _DISCONNECT_POLL_S = 1.0
+_MAX_ECHOED_CHARS = 100  # of a request's value that an error message repeats
 _STATS_TIMEOUT_S = 5.0
 _TRACEBACK = "Traceback (most recent call last):"
 MIN_LOGPROB = -9999.0  # what a logprob of -inf is reported as (JSON has no -inf; vLLM's and OpenAI's floor)
@@ -165,6 +166,10 @@ class _Guard:
         state = self.state
         headers = dict(scope["headers"])
         if state.api_key is not None and scope["path"] not in state.open_paths:
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(given) > 1:
+                return await _error(400, f"Authorization: expected one Authorization header, got {len(given)}")(
+                    scope, receive, send)
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), state.api_key.encode()):
                 return await _error(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is "
@@ -297,6 +302,11 @@ class _CompletionCall:
     def max_tokens(self) -> int | None:
         return self.body.max_tokens
 
+    @property
+    def prompt_only(self) -> bool:
+        """Whether the choices are the prompt alone (the engine's one token is dropped)."""
+        return False
+
     def _refuse_unsupported(self) -> None:
         raise NotImplementedError
 
@@ -348,7 +358,8 @@ class _CompletionCall:
         try:
             for i, (rid, p) in enumerate(zip(self.request_ids, params)):
                 prompt = prompts[i // self.body.n]
-                self.state.coordinator.submit(rid, prompt, p, self._sink(loop, i))
+                counted = Counted(prompt=i % self.body.n == 0, output=not self.prompt_only)
+                self.state.coordinator.submit(rid, prompt, p, self._sink(loop, i), counted)
         except EngineUnavailableError as e:
             self._abort_pending()
             raise APIError(503, _public(str(e))) from None
@@ -750,7 +761,10 @@ class _ChatCompletionCall(_CompletionCall):
 # ---------------------------------------------------------------------------- shared by the endpoints
 def _check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in (state.served_model_name, state.model_path):
-        raise APIError(404, f"The model `{model}` does not exist.", "model")
+        shown = model
+        if len(model) > _MAX_ECHOED_CHARS:
+            shown = f"{model[:_MAX_ECHOED_CHARS]}... ({len(model)} characters)"
+        raise APIError(404, f"The model `{shown}` does not exist.", "model")
 
 
 def _refuse(checks: tuple[tuple[str, bool], ...]) -> None:
@@ -863,6 +877,8 @@ async def _json_object(raw: Request) -> dict[str, Any]:
         data = json.loads(await raw.body())
     except ValueError as e:
         raise APIError(400, f"invalid JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "invalid JSON body: nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(data).__name__}")
     return data

@@ -51,10 +51,20 @@ _REAP_TIMEOUT_S = 5.0  # for a killed rank to be gone
 _HOST = "127.0.0.1"
 
 
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """What an engine request counts for in the metrics: its prompt's tokens (not for the second and
+    later choices of one prompt, which share it) and its output's (not for an echo of the prompt alone,
+    whose one token the server drops)."""
+
+    prompt: bool = True
+    output: bool = True
+
+
 class EngineObserver(Protocol):
     """Sees what the ranks do (the metrics), from the reader thread."""
 
-    def on_request(self, rank: int, request_id: str, now: float) -> None: ...
+    def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None: ...
 
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None: ...
 
@@ -196,7 +206,8 @@ class DPCoordinator:
         return None if self.stalled_reason is None else f"engine is stalled: {self.stalled_reason}"
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink) -> int:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink,
+               counted: Counted = Counted()) -> int:
         """Send a request to the least-loaded local rank; `sink` gets its outputs (from the reader thread).
         Returns the (global) rank."""
         with self._lock:
@@ -210,7 +221,7 @@ class DPCoordinator:
             self._inflight[request_id] = _InFlight(rank, sink)
             self._load[rank] += 1
         if self.observer is not None:
-            self.observer.on_request(self.first_rank + rank, request_id, time.monotonic())
+            self.observer.on_request(self.first_rank + rank, request_id, time.monotonic(), counted)
         self._inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params))
         if self.config.expert_parallel:
             for other in range(self.num_ranks):
