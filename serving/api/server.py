@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,15 +34,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ep_layer import __version__
 
 from ..engine.detokenizer import Codec, as_codec
-from ..engine.dp_coordinator import Counted, DPCoordinator, EngineUnavailableError
+from ..engine.dp_coordinator import Counted, DPCoordinator, EngineUnavailableError, Submission
 from ..engine.engine_config import EngineConfig
 from ..engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from ..engine.messages import RequestOutput, TokenLogprobs
 from ..engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams, check_prompt
-from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from .chat_template import ChatTemplate, load_chat_template
 from .metrics import ServingMetrics
+from .prompts import (
+    check_token_ids,
+    conversation,
+    decode_all,
+    decode_text,
+    encode_chat,
+    encode_text,
+    longest_token_chars,
+    make_tokenize_pool,
+    token_strs,
+)
 from .protocol import (
-    CHAT_ROLES,
     AssistantMessage,
     ChatCompletionChoice,
     ChatCompletionLogProb,
@@ -51,7 +62,6 @@ from .protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,
@@ -87,7 +97,10 @@ class ServerState:
     """capacity: most sequences (prompts x n) in flight at once over all ranks, running and waiting;
     past it new requests get a 503 (None: no limit). open_paths: served without the API key.
     tokenizer: what the loader gave (codec wraps it), for /tokenize's and the chat's options (None: the
-    codec alone). shutdown_deadline: time.monotonic() by which requests in flight end, set on SIGTERM."""
+    codec alone). max_token_chars: the most characters one token covers (prompts.longest_token_chars;
+    None: unknown, texts are not refused by length before tokenizing). tokenize_pool: where long texts
+    are tokenized (prompts.py). shutdown_deadline: time.monotonic() by which requests in flight end,
+    set on SIGTERM."""
 
     coordinator: DPCoordinator
     codec: Codec
@@ -102,6 +115,8 @@ class ServerState:
     max_body_bytes: int = MAX_BODY_BYTES
     tokenizer: Any = None
     chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))
+    max_token_chars: int | None = None
+    tokenize_pool: ThreadPoolExecutor = field(default_factory=make_tokenize_pool)
     shutdown_deadline: float | None = None
 
 
@@ -125,7 +140,7 @@ def make_server_state(config: EngineConfig, api_key: str | None = None, start_ti
     capacity = len(coordinator.load()) * (config.max_num_seqs + max_waiting_seqs)  # over the ranks served here
     return ServerState(coordinator, codec, metrics, config.served_model_name, config.model, info.max_model_len,
                        info.vocab_size, api_key, frozenset(open_paths), capacity, tokenizer=tokenizer,
-                       chat_template=template)
+                       chat_template=template, max_token_chars=longest_token_chars(tokenizer))
 
 
 class APIError(Exception):
@@ -213,6 +228,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.param, exc.headers)
 
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        return _error(400, str(exc), exc.param)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation_errors(exc.errors())
@@ -265,22 +284,26 @@ def build_app(state: ServerState) -> FastAPI:
             _check_model(state, body.model)
             _refuse((("chat_template", body.chat_template is not None), ("tools", bool(body.tools)),
                      ("mm_processor_kwargs", bool(body.mm_processor_kwargs))))
-            chat = _conversation(body.messages)
-            ids = await asyncio.to_thread(_chat_prompt, state, chat, body.add_generation_prompt,
-                                          body.continue_final_message, body.chat_template_kwargs,
-                                          body.add_special_tokens)
+            ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
+                                    body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
+                                    state.max_model_len)
+            where = "messages"
         else:
             body = _parse(TokenizeCompletionRequest, data)
             _check_model(state, body.model)
-            ids = await asyncio.to_thread(_encode_prompt, state, body.prompt, body.add_special_tokens, "prompt")
-        strs = _token_strs(state, ids) if body.return_token_strs else None
+            where = "prompt"
+            ids = await encode_text(state, body.prompt, body.add_special_tokens, where, state.max_model_len)
+        if len(ids) > state.max_model_len:  # as vLLM's tokenization: an input no request could hold is refused
+            raise APIError(400, f"{where}: {len(ids)} tokens, more than this model's maximum context length "
+                                f"(max_model_len {state.max_model_len})", where)
+        strs = token_strs(state, ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         _check_model(state, body.model)
-        _check_token_ids(state, body.tokens)
-        return DetokenizeResponse(prompt=await asyncio.to_thread(_decode_all, state, body.tokens))
+        check_token_ids(state, body.tokens)
+        return DetokenizeResponse(prompt=await decode_text(state, body.tokens))
 
     return app
 
@@ -314,8 +337,8 @@ class _CompletionCall:
         """The prompts of the request, before tokenizing."""
         raise NotImplementedError
 
-    def _encode(self, item: Any, where: str) -> list[int]:
-        """One prompt's token ids (a 400 when it cannot be tokenized); runs in a worker thread."""
+    async def _encode(self, item: Any, where: str, room: int) -> list[int]:
+        """One prompt's token ids (a 400 when it cannot be tokenized, or cannot fit in `room` tokens)."""
         raise NotImplementedError
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
@@ -339,8 +362,9 @@ class _CompletionCall:
         self._refuse_unsupported()
         items = self._items()
         self._admit(len(items) * self.body.n)  # before the work of tokenizing
-        prompts = await asyncio.to_thread(self._tokenize, items)
-        params = [self._params(p, j) for p in prompts for j in range(self.body.n)]
+        base = self._params()  # the sampling fields' 400s, before the work of tokenizing too
+        prompts = await self._tokenize(items)
+        params = [self._choice_params(base, p, j) for p in prompts for j in range(self.body.n)]
         self.items, self.prompts = items, prompts
         self.prompt_tokens = sum(len(p) for p in prompts)
         count = len(params)
@@ -355,11 +379,12 @@ class _CompletionCall:
         self._next_poll = time.monotonic() + _DISCONNECT_POLL_S
         loop = asyncio.get_running_loop()
         self._admit(len(params))  # again: the load changed while tokenizing; no await from here to submit
+        n = self.body.n
+        submissions = [Submission(rid, prompts[i // n], p, self._sink(loop, i),
+                                  Counted(prompt=i % n == 0, output=not self.prompt_only))
+                       for i, (rid, p) in enumerate(zip(self.request_ids, params))]
         try:
-            for i, (rid, p) in enumerate(zip(self.request_ids, params)):
-                prompt = prompts[i // self.body.n]
-                counted = Counted(prompt=i % self.body.n == 0, output=not self.prompt_only)
-                self.state.coordinator.submit(rid, prompt, p, self._sink(loop, i), counted)
+            self.state.coordinator.submit(submissions)
         except EngineUnavailableError as e:
             self._abort_pending()
             raise APIError(503, _public(str(e))) from None
@@ -382,12 +407,16 @@ class _CompletionCall:
             raise APIError(503, f"the server is busy ({in_flight} sequences running or waiting, at most "
                                 f"{capacity}): retry later", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _tokenize(self, items: list[Any]) -> list[list[int]]:
+    async def _tokenize(self, items: list[Any]) -> list[list[int]]:
         """Each prompt's token ids, checked by sequence.check_prompt (the vocabulary, max_model_len)."""
         token_lists = []
+        room = self.state.max_model_len - (1 if self.max_tokens is None else self.max_tokens)
+        if room < 1:
+            raise APIError(400, f"max_tokens: {self.max_tokens} leaves no room for a prompt within this model's "
+                                f"maximum context length (max_model_len {self.state.max_model_len})", "max_tokens")
         for i, item in enumerate(items):
             where = self._where(i, len(items))
-            ids = self._encode(item, where)
+            ids = await self._encode(item, where, room)
             try:
                 check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.max_tokens, where)
             except BadRequest as e:
@@ -398,22 +427,26 @@ class _CompletionCall:
     def _where(self, index: int, count: int) -> str:
         return "prompt" if count == 1 else f"prompt[{index}]"
 
-    def _params(self, prompt: list[int], choice: int) -> SamplingParams:
-        """The engine's SamplingParams for one choice; a 400 for a value they refuse."""
+    def _choice_params(self, base: SamplingParams, prompt: list[int], choice: int) -> SamplingParams:
+        """`base` (from _params) for one choice of one prompt: max_tokens defaults to what the prompt
+        leaves of max_model_len, and choice i draws from seed + i."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.state.max_model_len - len(prompt)
+        return dataclasses.replace(base, max_tokens=max_tokens, seed=None if base.seed is None else base.seed + choice)
+
+    def _params(self) -> SamplingParams:
+        """The engine's SamplingParams of the request; a 400 for a value they refuse."""
         b = self.body
         stop_ids = tuple(b.stop_token_ids or ())
         bad = next((t for t in stop_ids if t >= self.state.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.state.vocab_size})",
                            "stop_token_ids")
-        max_tokens = self.max_tokens
         try:
             logprobs, prompt_logprobs = self._logprobs_params()
             return SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else self.state.max_model_len - len(prompt),
+                max_tokens=1 if self.max_tokens is None else self.max_tokens,
                 temperature=1.0 if b.temperature is None else b.temperature,
-                top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0,
-                seed=None if b.seed is None else b.seed + choice,
+                top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0, seed=b.seed,
                 stop=(b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ()), stop_token_ids=stop_ids,
                 ignore_eos=b.ignore_eos, min_p=0.0 if b.min_p is None else b.min_p,
                 presence_penalty=0.0 if b.presence_penalty is None else b.presence_penalty,
@@ -443,7 +476,7 @@ class _CompletionCall:
         """A token's text on its own (vLLM's decoded token: the tokenizer's decode of the one id)."""
         text = self._token_str_cache.get(token_id)
         if text is None:
-            text = self._token_str_cache[token_id] = _decode_all(self.state, [token_id])
+            text = self._token_str_cache[token_id] = decode_all(self.state, [token_id])
         return text
 
     # ------------------------------------------------------------------ outputs
@@ -593,12 +626,12 @@ class _TextCompletionCall(_CompletionCall):
             raise APIError(400, "prompt: expected at least one prompt", "prompt")
         return items
 
-    def _encode(self, item: Any, where: str) -> list[int]:
-        return _encode_prompt(self.state, item, True, where) if isinstance(item, str) else list(item)
+    async def _encode(self, item: Any, where: str, room: int) -> list[int]:
+        return await encode_text(self.state, item, True, where, room) if isinstance(item, str) else list(item)
 
     def _prompt_text(self, index: int) -> str:
         item = self.items[index // self.body.n]
-        return item if isinstance(item, str) else _decode_all(self.state, list(item))
+        return item if isinstance(item, str) else decode_all(self.state, list(item))
 
     def _echo(self, index: int) -> tuple[str, list[int], list[TokenLogprobs | None]]:
         """The prompt's text, token ids and logprobs (the first None) as a choice's echo."""
@@ -716,15 +749,15 @@ class _ChatCompletionCall(_CompletionCall):
             for t, e in zip(token_ids, entries)])
 
     def _items(self) -> list[Any]:
-        return [_conversation(self.body.messages)]
+        return [conversation(self.body.messages)]
 
     def _where(self, index: int, count: int) -> str:
         return "messages"
 
-    def _encode(self, item: Any, where: str) -> list[int]:
+    async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
-        return _chat_prompt(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                            b.chat_template_kwargs, False)
+        return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
+                                 b.chat_template_kwargs, False, room)
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
         want = bool(self.body.logprobs)
@@ -772,104 +805,6 @@ def _refuse(checks: tuple[tuple[str, bool], ...]) -> None:
     for name, bad in checks:
         if bad:
             raise APIError(400, f"{name}: not supported by this server (leave it at its default)", name)
-
-
-def _conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template sees them: role, content (a list of text parts joined by
-    newlines, as vLLM does for templates that take a string) and name when given. A 400 naming any
-    role or content part type that is not served."""
-    unsupported: dict[str, str] = {}  # part type -> where it first is
-    chat = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
-                                f"{m.role!r}", "messages")
-        texts = [m.content] if isinstance(m.content, str) else []
-        for j, part in enumerate([] if isinstance(m.content, str) else m.content):
-            if part.type != "text":
-                unsupported.setdefault(part.type, f"messages[{i}].content[{j}]")
-            elif part.text is None:
-                raise APIError(400, f"messages[{i}].content[{j}].text: expected a string", "messages")
-            else:
-                texts.append(part.text)
-        chat.append({"role": m.role, "content": "\n".join(texts), "name": m.name})
-    if unsupported:
-        names = ", ".join(repr(t) for t in unsupported)
-        raise APIError(400, f"{next(iter(unsupported.values()))}: content parts of type {names} are not supported "
-                            f"(only 'text')", "messages")
-    return chat
-
-
-def _chat_prompt(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
-                 continue_final_message: bool, variables: dict[str, Any] | None,
-                 add_special_tokens: bool) -> list[int]:
-    """The token ids of a chat: rendered by the chat template, then encoded (with the tokenizer's
-    special tokens on top of the template's only when add_special_tokens)."""
-    try:
-        text = state.chat_template.render(chat, add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message, variables=variables)
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), e.param) from None
-    return _encode_prompt(state, text, add_special_tokens, "messages")
-
-
-def _encode_prompt(state: ServerState, text: str, add_special_tokens: bool, where: str) -> list[int]:
-    """A text's token ids, with or without the tokenizer's special tokens (a codec that is not a
-    tokenizers or transformers tokenizer encodes as it does); a 400 for text it cannot take."""
-    tok = state.tokenizer
-    try:
-        if add_special_tokens or tok is None:
-            return state.codec.encode(text)
-        if _is_tokenizers(tok):
-            return list(tok.encode(text, add_special_tokens=False).ids)
-        if hasattr(tok, "convert_ids_to_tokens"):
-            return list(tok.encode(text, add_special_tokens=False))
-        return state.codec.encode(text)
-    except ValueError as e:  # text this tokenizer cannot take (UnicodeError is a ValueError too)
-        param = "messages" if where == "messages" else "prompt"
-        raise APIError(400, f"{where}: cannot be tokenized: {e}", param) from None
-
-
-def _check_token_ids(state: ServerState, ids: list[int]) -> None:
-    """400 for an id outside the model's vocabulary or one the tokenizer does not have."""
-    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
-    tok = state.tokenizer
-    if _is_tokenizers(tok):
-        missing = next((t for t in ids if tok.id_to_token(t) is None), None)
-    elif hasattr(tok, "convert_ids_to_tokens"):
-        missing = next((t for t in ids if t >= len(tok)), None)
-    else:
-        missing = None
-    if missing is not None:
-        raise APIError(400, f"tokens: token id {missing} is not in the tokenizer's vocabulary", "tokens")
-
-
-def _decode_all(state: ServerState, ids: list[int]) -> str:
-    """The text of token ids, special tokens included (vLLM's /detokenize)."""
-    tok = state.tokenizer
-    if _is_tokenizers(tok) or hasattr(tok, "convert_ids_to_tokens"):
-        return tok.decode(list(ids), skip_special_tokens=False)
-    return state.codec.decode(list(ids))
-
-
-def _token_strs(state: ServerState, ids: list[int]) -> list[str]:
-    """Each token id's string in the tokenizer's vocabulary (byte-level BPE's "Ġ" for a space included)."""
-    tok = state.tokenizer
-    if _is_tokenizers(tok):
-        return [tok.id_to_token(t) for t in ids]
-    if hasattr(tok, "convert_ids_to_tokens"):
-        return list(tok.convert_ids_to_tokens(ids))
-    return [state.codec.decode([t]) for t in ids]
-
-
-def _is_tokenizers(tok: Any) -> bool:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:  # pragma: no cover - tokenizers is a dependency
-        return False
-    return isinstance(tok, Tokenizer)
 
 
 async def _json_object(raw: Request) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from .heartbeat import DEFAULT_STALL_TIMEOUT_S, Heartbeats
 from .messages import (
     AbortRequest,
     AddRequest,
+    AddRequests,
     CollectStats,
     EPStats,
     ModelInfo,
@@ -59,6 +60,17 @@ class Counted:
 
     prompt: bool = True
     output: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """One engine request to submit: its outputs go to `sink`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: OutputSink
+    counted: Counted = Counted()
 
 
 class EngineObserver(Protocol):
@@ -206,28 +218,37 @@ class DPCoordinator:
         return None if self.stalled_reason is None else f"engine is stalled: {self.stalled_reason}"
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: OutputSink,
-               counted: Counted = Counted()) -> int:
-        """Send a request to the least-loaded local rank; `sink` gets its outputs (from the reader thread).
-        Returns the (global) rank."""
+    def submit(self, requests: list[Submission]) -> list[int]:
+        """Send requests (the choices of one API request) to the least-loaded local ranks, one message
+        per rank, so that what they share (a prompt, stop strings) travels and is kept once per rank;
+        each one's sink gets its outputs (from the reader thread). Returns their (global) ranks."""
+        by_rank: dict[int, list[AddRequest]] = {}
         with self._lock:
             if self.dead_reason is not None:
                 raise EngineDeadError(f"engine is dead: {self.dead_reason}")
             if self.stalled_reason is not None:
                 raise EngineStalledError(f"engine is stalled: {self.stalled_reason}")
-            if request_id in self._inflight:
-                raise ValueError(f"request_id: {request_id!r} is already in flight")
-            rank = min(range(self.num_ranks), key=lambda r: (self._load[r], r))
-            self._inflight[request_id] = _InFlight(rank, sink)
-            self._load[rank] += 1
+            taken = [r.request_id for r in requests if r.request_id in self._inflight]
+            if taken or len({r.request_id for r in requests}) < len(requests):
+                raise ValueError(f"request_id: {taken or [r.request_id for r in requests]} already in flight")
+            ranks = []
+            for r in requests:
+                rank = min(range(self.num_ranks), key=lambda i: (self._load[i], i))
+                self._inflight[r.request_id] = _InFlight(rank, r.sink)
+                self._load[rank] += 1
+                ranks.append(rank)
+                by_rank.setdefault(rank, []).append(AddRequest(r.request_id, r.prompt_token_ids, r.params))
         if self.observer is not None:
-            self.observer.on_request(self.first_rank + rank, request_id, time.monotonic(), counted)
-        self._inboxes[rank].put(AddRequest(request_id, list(prompt_token_ids), params))
+            now = time.monotonic()
+            for r, rank in zip(requests, ranks):
+                self.observer.on_request(self.first_rank + rank, r.request_id, now, r.counted)
+        for rank, adds in by_rank.items():
+            self._inboxes[rank].put(AddRequests(adds))
         if self.config.expert_parallel:
             for other in range(self.num_ranks):
-                if other != rank:
+                if other not in by_rank:
                     self._inboxes[other].put(Wake())
-        return self.first_rank + rank
+        return [self.first_rank + rank for rank in ranks]
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its blocks are freed); its final output comes with finish_reason "abort"."""

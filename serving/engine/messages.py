@@ -20,6 +20,14 @@ class AddRequest:
 
 
 @dataclass(frozen=True)
+class AddRequests:
+    """Requests for one rank, sent together: objects they share (a prompt's token list, stop strings)
+    are pickled once, and the rank keeps one copy of them."""
+
+    requests: list[AddRequest]
+
+
+@dataclass(frozen=True)
 class AbortRequest:
     request_id: str
 

@@ -28,7 +28,7 @@ from .engine_config import EngineConfig
 from .heartbeat import RankBeat
 from .messages import (
     AbortRequest,
-    AddRequest,
+    AddRequests,
     CollectStats,
     ModelInfo,
     RankFailed,
@@ -229,12 +229,13 @@ class RankLoop:
         """Apply the server's messages; False on shutdown."""
         outputs: list[RequestOutput] = []
         for msg in messages:
-            if isinstance(msg, AddRequest):
-                try:
-                    self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
-                except ValueError as e:
-                    outputs.append(RequestOutput(msg.request_id, [], "", len(msg.prompt_token_ids), 0,
-                                                 "abort", error=str(e)))
+            if isinstance(msg, AddRequests):
+                for add in msg.requests:
+                    try:
+                        self.engine.add_request(add.request_id, add.prompt_token_ids, add.params)
+                    except ValueError as e:
+                        outputs.append(RequestOutput(add.request_id, [], "", len(add.prompt_token_ids), 0,
+                                                     "abort", error=str(e)))
             elif isinstance(msg, AbortRequest):
                 out = self.engine.abort(msg.request_id)
                 if out is not None:

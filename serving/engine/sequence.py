@@ -16,6 +16,7 @@ FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 # float32 to inf, and the softmax of that is NaN.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # the most top logprobs a token may ask for (vLLM's default --max-logprobs)
+MAX_STOP_CHARS = 8192  # of all stop strings together: each is searched for after every token
 PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
@@ -77,6 +78,9 @@ class SamplingParams:
                 raise BadRequest(f"{name}: expected in [0, {MAX_LOGPROBS}], got {value}", name)
         if any(not s for s in self.stop):
             raise BadRequest("stop: expected non-empty strings", "stop")
+        if sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise BadRequest(f"stop: expected at most {MAX_STOP_CHARS} characters in all, got "
+                             f"{sum(map(len, self.stop))}", "stop")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,216 @@
+"""Prompts to token ids and back, for the HTTP server, with the work bounded before it is spent
+(docs/reliability.md):
+
+- A text longer than the room left in max_model_len could hold is refused before it is tokenized: no
+  token covers more characters than the tokenizer's longest vocabulary entry (`longest_token_chars`),
+  so a prompt of more than room x that x NORMALIZER_SLACK characters cannot fit (the slack covers
+  normalizers that merge characters, such as Unicode composition).
+- Texts of up to INLINE_CHARS characters are tokenized on the event loop (a millisecond or two); longer
+  ones, and chats whose messages are, on the server's pool of TOKENIZE_THREADS threads. The tokenizers
+  library releases the GIL in encode_batch, so the event loop keeps answering (/health among others)
+  while they run, and the memory a large text took is handed back to the operating system afterwards.
+- /tokenize, /detokenize and logprobs' token strings use the same helpers.
+
+Bad input raises BadRequest naming the request field, which the server answers with a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..engine.sequence import BadRequest
+from .chat_template import ChatTemplateError
+from .protocol import CHAT_ROLES, ChatMessage
+
+if TYPE_CHECKING:
+    from .server import ServerState
+
+INLINE_CHARS = 4096  # texts up to this long are tokenized on the event loop
+TOKENIZE_THREADS = 2  # the pool that tokenizes longer texts
+NORMALIZER_SLACK = 4  # characters a normalizer may merge into one (Unicode composition: at most 3 into 1)
+_T = TypeVar("_T")
+
+
+def make_tokenize_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ep-serve-tokenize")
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters of text one token covers: the longest entry of the vocabulary, added tokens
+    included (a byte-level entry has a character per byte, at least as many as the text it stands for);
+    None for a tokenizer without a vocabulary to read."""
+    vocab = None
+    if _is_tokenizers(tokenizer):
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    elif hasattr(tokenizer, "get_vocab"):
+        vocab = tokenizer.get_vocab()
+    return max(map(len, vocab), default=1) if vocab else None
+
+
+def check_size(state: ServerState, chars: int, room: int, where: str) -> None:
+    """BadRequest when `chars` characters of prompt text cannot fit in `room` tokens."""
+    if state.max_token_chars is None:
+        return
+    most = max(room, 0) * state.max_token_chars * NORMALIZER_SLACK
+    if chars > most:
+        raise BadRequest(f"{where}: {chars} characters cannot fit in the {max(room, 0)} tokens left of this model's "
+                         f"maximum context length (max_model_len {state.max_model_len}); at most {most} characters "
+                         f"are tokenized", _param(where))
+
+
+async def encode_text(state: ServerState, text: str, add_special_tokens: bool, where: str, room: int) -> list[int]:
+    """A text's token ids (with or without the tokenizer's special tokens), refused unread when it is
+    longer than `room` tokens could hold; long texts are tokenized off the event loop."""
+    check_size(state, len(text), room, where)
+    if len(text) <= INLINE_CHARS:
+        return _encode(state, text, add_special_tokens, where)
+    return await _off_the_loop(state, _encode, state, text, add_special_tokens, where)
+
+
+async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
+                      continue_final_message: bool, variables: Mapping[str, Any] | None, add_special_tokens: bool,
+                      room: int) -> list[int]:
+    """The token ids of a chat: rendered by the chat template, then encoded (with the tokenizer's
+    special tokens on top of the template's only when add_special_tokens); refused unrendered when its
+    messages are longer than `room` tokens could hold, and off the event loop when they are long."""
+    chars = sum(len(m["content"]) + len(m["name"] or "") for m in chat)
+    check_size(state, chars, room, "messages")
+    work = functools.partial(_render_and_encode, state, chat, add_generation_prompt, continue_final_message,
+                             variables, add_special_tokens)
+    return work() if chars <= INLINE_CHARS else await _off_the_loop(state, work)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them: role, content (a list of text parts joined by
+    newlines, as vLLM does for templates that take a string) and name when given. BadRequest naming
+    any role or content part type that is not served."""
+    unsupported: dict[str, str] = {}  # part type -> where it first is
+    chat = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise BadRequest(f"messages[{i}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
+                             f"{m.role!r}", "messages")
+        texts = [m.content] if isinstance(m.content, str) else []
+        for j, part in enumerate([] if isinstance(m.content, str) else m.content):
+            if part.type != "text":
+                unsupported.setdefault(part.type, f"messages[{i}].content[{j}]")
+            elif part.text is None:
+                raise BadRequest(f"messages[{i}].content[{j}].text: expected a string", "messages")
+            else:
+                texts.append(part.text)
+        chat.append({"role": m.role, "content": "\n".join(texts), "name": m.name})
+    if unsupported:
+        names = ", ".join(repr(t) for t in unsupported)
+        raise BadRequest(f"{next(iter(unsupported.values()))}: content parts of type {names} are not supported "
+                         f"(only 'text')", "messages")
+    return chat
+
+
+def check_token_ids(state: ServerState, ids: list[int]) -> None:
+    """BadRequest for an id outside the model's vocabulary or one the tokenizer does not have."""
+    bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
+    tok = state.tokenizer
+    if _is_tokenizers(tok):
+        missing = next((t for t in ids if tok.id_to_token(t) is None), None)
+    elif hasattr(tok, "convert_ids_to_tokens"):
+        missing = next((t for t in ids if t >= len(tok)), None)
+    else:
+        missing = None
+    if missing is not None:
+        raise BadRequest(f"tokens: token id {missing} is not in the tokenizer's vocabulary", "tokens")
+
+
+async def decode_text(state: ServerState, ids: list[int]) -> str:
+    """decode_all, off the event loop for long id lists."""
+    if len(ids) <= INLINE_CHARS:
+        return decode_all(state, ids)
+    return await _off_the_loop(state, decode_all, state, ids)
+
+
+def decode_all(state: ServerState, ids: list[int]) -> str:
+    """The text of token ids, special tokens included (vLLM's /detokenize)."""
+    tok = state.tokenizer
+    if _is_tokenizers(tok):
+        return tok.decode_batch([list(ids)], skip_special_tokens=False)[0]  # releases the GIL
+    if hasattr(tok, "convert_ids_to_tokens"):
+        return tok.decode(list(ids), skip_special_tokens=False)
+    return state.codec.decode(list(ids))
+
+
+def token_strs(state: ServerState, ids: list[int]) -> list[str]:
+    """Each token id's string in the tokenizer's vocabulary (byte-level BPE's "Ġ" for a space included)."""
+    tok = state.tokenizer
+    if _is_tokenizers(tok):
+        return [tok.id_to_token(t) for t in ids]
+    if hasattr(tok, "convert_ids_to_tokens"):
+        return list(tok.convert_ids_to_tokens(ids))
+    return [state.codec.decode([t]) for t in ids]
+
+
+def _render_and_encode(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
+                       continue_final_message: bool, variables: Mapping[str, Any] | None,
+                       add_special_tokens: bool) -> list[int]:
+    try:
+        text = state.chat_template.render(chat, add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, variables=variables)
+    except ChatTemplateError as e:
+        raise BadRequest(str(e), e.param or "messages") from None
+    return _encode(state, text, add_special_tokens, "messages")
+
+
+def _encode(state: ServerState, text: str, add_special_tokens: bool, where: str) -> list[int]:
+    """A text's token ids (a codec that is not a tokenizers or transformers tokenizer encodes as it
+    does, with its own special tokens); BadRequest for text the tokenizer cannot take."""
+    tok = state.tokenizer
+    try:
+        if _is_tokenizers(tok):
+            return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids  # releases the GIL
+        if hasattr(tok, "convert_ids_to_tokens"):
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        return state.codec.encode(text)
+    except ValueError as e:  # text this tokenizer cannot take (UnicodeError is a ValueError too)
+        raise BadRequest(f"{where}: cannot be tokenized: {e}", _param(where)) from None
+
+
+async def _off_the_loop(state: ServerState, fn: Callable[..., _T], *args: Any) -> _T:
+    """fn(*args) on the tokenizing pool; then the memory it freed goes back to the operating system."""
+    def run() -> _T:
+        try:
+            return fn(*args)
+        finally:
+            _release_free_memory()
+
+    return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, run)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim (None elsewhere): freed heap memory back to the operating system."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    return trim
+
+
+def _release_free_memory() -> None:
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _param(where: str) -> str:
+    return "messages" if where == "messages" else "prompt"
+
+
+def _is_tokenizers(tok: Any) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - tokenizers is a dependency
+        return False
+    return isinstance(tok, Tokenizer)
