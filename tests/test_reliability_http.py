@@ -31,7 +31,7 @@ from test_serving_api import NAME, check_envelope, fake_config, http_server, sse
 from serving.api.protocol import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from serving.api.server import ServerState, build_app, make_server_state
 from serving.engine.sampling import Sampler
-from serving.engine.sequence import SamplingParams
+from serving.engine.sequence import MAX_STOP_CHARS, SamplingParams
 
 MAX_MODEL_LEN = 256  # the fake model's
 CASES: Counter[str] = Counter()  # requests sent, by test (and status), for docs/reliability.md
@@ -219,6 +219,8 @@ def test_oversized_and_out_of_range_inputs_are_400(server, client):
         ({"prompt": "ab", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ({"prompt": [VOCAB]}, "prompt"), ({"prompt": [1 << 70]}, "prompt"), ({"prompt": [-1]}, "prompt"),
         ({"prompt": "ab", "stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"prompt": "ab", "stop": ["x" * (MAX_STOP_CHARS // 2), "y" * (MAX_STOP_CHARS // 2 + 1)]}, "stop"),
+        ({"prompt": "ab " * 100_000, "stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),  # before tokenizing
         ({"prompt": "ab", "stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
         ({"prompt": "ABC"}, "prompt"),  # text the (fake) tokenizer cannot encode
     ]
