@@ -13,6 +13,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .api.connections import (
+    DEFAULT_HEADER_READ_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    ConnectionLimits,
+)
 from .engine.engine_config import (
     DEEPEP_MODES,
     DEFAULT_LOADER,
@@ -121,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
                    help="an engine rank that makes no progress for this long (stopped, hung, or waiting for a peer "
                         "that is) makes /health and new requests answer 503 naming it, until it moves again")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open HTTP connections at most; one more gets a 503 and is closed at once")
+    p.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S, metavar="SECONDS",
+                   help="a request's headers must arrive within this long of its first byte (of the connection, "
+                        "for its first request), and each part of its body within this long of the last, else the "
+                        "connection is closed (a body: 408)")
+    p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S, metavar="SECONDS",
+                   help="a connection idle this long after a response is closed (uvicorn's --timeout-keep-alive)")
     p.add_argument("--max-model-len", type=human_int, default=None,
                    help="most tokens (prompt + completion) per request, e.g. 4096 or 4k (default: the model's "
                         "max_position_embeddings)")
@@ -304,6 +318,14 @@ def local_path(name: str, download_dir: str | None, flag: str) -> str:
     raise SystemExit(f"ep-serve: {flag} {name!r}: no such directory")
 
 
+def _flag_named(error: ValueError) -> str:
+    """A ConnectionLimits error with the command line's flag in place of the field's name."""
+    field, _, rest = str(error).partition(":")
+    flag = {"max_connections": "--max-connections", "header_read_timeout_s": "--header-read-timeout",
+            "keep_alive_timeout_s": "--keep-alive-timeout"}.get(field, field)
+    return f"{flag}:{rest}"
+
+
 def low_latency_tokens(args: argparse.Namespace) -> int:
     """The low-latency dispatch's T: --max-tokens-per-rank, else in low-latency mode the step budget
     (every step goes through that buffer), else 256."""
@@ -350,6 +372,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not args.rank_stall_timeout > 0:
         raise SystemExit(f"ep-serve: --rank-stall-timeout: expected > 0 seconds, got {args.rank_stall_timeout}")
+    try:
+        limits = ConnectionLimits(args.max_connections, args.header_read_timeout, args.keep_alive_timeout)
+    except ValueError as e:
+        raise SystemExit(f"ep-serve: {_flag_named(e)}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model is None:
         from .tiny_model import tiny_checkpoint
@@ -368,13 +394,14 @@ def main(argv: list[str] | None = None) -> None:
           uvicorn_log_level=args.uvicorn_log_level or args.log_level,
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
-          rank_stall_timeout_s=args.rank_stall_timeout)
+          rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits)
 
 
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
           log_level: str = "info", uvicorn_log_level: str = "info",
           open_paths: frozenset[str] = frozenset({"/health", "/metrics"}), max_waiting_seqs: int | None = None,
-          log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
+          log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+          connection_limits: ConnectionLimits | None = None) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary)."""
     from .api.server import make_server_state, run_http
@@ -387,6 +414,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
                                   rank_stall_timeout_s=rank_stall_timeout_s)
     except (RuntimeError, TimeoutError, OSError, ValueError) as e:
         raise SystemExit(f"ep-serve: could not start: {e}") from None
+    if connection_limits is not None:
+        state.connection_limits = connection_limits
     if log_requests:
         state.coordinator.observer = RequestLog(state.coordinator.observer)
     ready = _UvicornLogs(lambda url: startup_summary(config, checkpoint, state.coordinator.info, url),

@@ -40,6 +40,7 @@ from ..engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from ..engine.messages import RequestOutput, TokenLogprobs
 from ..engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams, check_prompt
 from .chat_template import ChatTemplate, load_chat_template
+from .connections import ConnectionLimits, raise_open_files_limit
 from .metrics import ServingMetrics
 from .prompts import (
     check_token_ids,
@@ -99,7 +100,8 @@ class ServerState:
     tokenizer: what the loader gave (codec wraps it), for /tokenize's and the chat's options (None: the
     codec alone). max_token_chars: the most characters one token covers (prompts.longest_token_chars;
     None: unknown, texts are not refused by length before tokenizing). tokenize_pool: where long texts
-    are tokenized (prompts.py). shutdown_deadline: time.monotonic() by which requests in flight end,
+    are tokenized (prompts.py). connection_limits: run_http's (connections.py), and the pace of a
+    body. shutdown_deadline: time.monotonic() by which requests in flight end,
     set on SIGTERM."""
 
     coordinator: DPCoordinator
@@ -117,6 +119,7 @@ class ServerState:
     chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))
     max_token_chars: int | None = None
     tokenize_pool: ThreadPoolExecutor = field(default_factory=make_tokenize_pool)
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     shutdown_deadline: float | None = None
 
 
@@ -168,9 +171,9 @@ def _public(reason: str) -> str:
 
 
 class _Guard:
-    """ASGI middleware in front of everything that reads a request: the API key (401), then the body
-    size (413 at once for a Content-Length over the limit; a chunked body is read up to the limit
-    and handed on)."""
+    """ASGI middleware in front of everything that reads a request: the API key (401), then the body:
+    413 at once for a Content-Length over the limit, else read here up to the limit (413 past it),
+    each part within the header-read timeout of the last (408 past it), and handed on."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -192,13 +195,15 @@ class _Guard:
         limit = state.max_body_bytes
         too_large = _error(413, f"request body: expected at most {limit} bytes")
         length = headers.get(b"content-length")
-        if length is not None:  # the HTTP parser holds the body to exactly this length
-            if int(length) > limit:
-                return await too_large(scope, receive, send)
-            return await self.app(scope, receive, send)
+        if length is not None and int(length) > limit:  # the HTTP parser holds the body to this length
+            return await too_large(scope, receive, send)
+        wait = state.connection_limits.header_read_timeout_s
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), wait)
+            except asyncio.TimeoutError:
+                return await _error(408, f"request body: nothing received for {wait:g} s")(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client went away
             chunks.append(message.get("body", b""))
@@ -878,10 +883,10 @@ def _refuse_unsupported(b: CompletionRequest) -> None:
 
 def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info",
              shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
-    """Serve build_app(state) until SIGTERM or SIGINT, then return: new connections stop at once,
-    requests in flight get shutdown_grace_s to finish; those still running then end with a 503
-    (SHUTTING_DOWN; a stream: an error event, then data: [DONE]), which aborts them in the engine.
-    The caller stops the engine ranks afterwards, and the process exits normally."""
+    """Serve build_app(state) under state.connection_limits until SIGTERM or SIGINT, then return: new
+    connections stop at once, requests in flight get shutdown_grace_s to finish; those still running
+    then end with a 503 (SHUTTING_DOWN; a stream: an error event, then data: [DONE]), which aborts
+    them in the engine. The caller stops the engine ranks afterwards, and the process exits normally."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -889,7 +894,10 @@ def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info
             state.shutdown_deadline = time.monotonic() + shutdown_grace_s  # read by the calls in flight
             await super().shutdown(sockets)
 
+    limits = state.connection_limits
+    raise_open_files_limit(limits)
     server = Server(uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
+                                   http=limits.protocol(), timeout_keep_alive=limits.keep_alive_timeout_s,
                                    timeout_graceful_shutdown=shutdown_grace_s + SHUTDOWN_FLUSH_S))
     if threading.current_thread() is not threading.main_thread():
         server.run()
