@@ -17,8 +17,8 @@ from test_serving_api import check_envelope, sse_events
 
 from serving.api.server import SHUTDOWN_FLUSH_S, SHUTDOWN_GRACE_S, SHUTTING_DOWN
 
-LONG = 1900  # tokens: the tiny model on a CPU makes ~50 a second, so these outlast the grace
-SHORT = 60
+LONG = 1900  # tokens: these outlast the grace on a CPU (checked against the rate measured below)
+RATE_WINDOW_S = 2.0  # how long the test watches a stream to learn how fast this machine makes tokens
 MESSAGES = [{"role": "user", "content": "Once upon a time there was a small model."}]
 
 
@@ -84,10 +84,16 @@ def test_sigterm_ends_streams_in_flight_with_an_error_event_then_done(tiny_cache
         ]
         for call in long_calls:
             assert call.first.wait(60) and call.error is None, call.error
-        short = Call(server.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": SHORT, "stream": True,
-                                                          **greedy})
+        # Tokens a stream gets per second here, with the others running: the short request must finish
+        # within the grace, the long ones must not.
+        before = len(long_calls[0].events)
+        time.sleep(RATE_WINDOW_S)
+        rate = (len(long_calls[0].events) - before) / RATE_WINDOW_S
+        assert rate * (SHUTDOWN_GRACE_S + SHUTDOWN_FLUSH_S) * 1.5 < LONG, f"{rate:.0f} tokens/s: LONG is too short"
+        short_tokens = max(2, int(rate * SHUTDOWN_GRACE_S / 4))
+        short = Call(server.url, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": short_tokens,
+                                                          "stream": True, **greedy})
         assert short.first.wait(60) and short.error is None, short.error
-        time.sleep(0.5)  # the plain chat is running too
         stopped = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         rc = server.proc.wait(SHUTDOWN_GRACE_S + SHUTDOWN_FLUSH_S + 60)
