@@ -112,23 +112,6 @@ __device__ __forceinline__ unsigned start_combine(const CombineCall& a, unsigned
   return seq;
 }
 
-template <bool kCopies>
-__global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
-    combine_send_kernel(const __grid_constant__ CombineCall a) {
-  const unsigned long long start = globaltimer();
-  __shared__ SendTiming timing;
-  __shared__ unsigned seq;
-  if (threadIdx.x == 0) seq = start_combine(a, start, false, timing);
-  __syncthreads();
-  if (first_block()) {
-    say_hello(a.c, kCombine, seq);
-    if (threadIdx.x == 0) *a.c.ticket = seq;
-  }
-  send_rows<kCopies>(a, seq, blockIdx.x, blockIdx.y, gridDim.y);
-  // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
-  if (threadIdx.x == 0) finish_send(a.c, kCombine, seq, timing);
-}
-
 // The receive half's work for one (token, channel chunk), after the block has checked the peers'
 // hellos; threads return here, so that all of them reach the caller's next barrier. With no tokens a
 // receive still runs one block that waits for the hellos and marks the receive span: the wait is what
@@ -194,27 +177,42 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq,
   reinterpret_cast<int4*>(a.out + static_cast<long long>(token) * c.hidden)[vec] = packed;
 }
 
-__global__ void __launch_bounds__(kRecvThreads) combine_recv_kernel(const __grid_constant__ CombineCall a) {
-  const unsigned long long start = globaltimer();
-  const unsigned seq = *a.c.ticket;  // written by the send kernel, which ran before this one
-  mark_recv_start(a.c, kCombine, seq, start);
-  if (check_hellos(a.c, kCombine, seq) && static_cast<int>(blockIdx.x) < a.num_tokens)
-    reduce_token(a, seq, blockIdx.x, blockIdx.y);
-  finish_recv(a.c, kCombine, seq);
-}
+enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
-// Both halves in one launch (no hook): the first `send_blocks` blocks send (as the send kernel's grid,
-// flattened), the rest reduce (token, chunk) items in turn. Senders never wait and come first in block
-// order, and the grid is capped at what the GPU holds at once, so every reducer's wait has its senders
-// running.
+// The one combine kernel, as DeepEP's (a profiler shows one combine kernel whichever way it is called):
+// - kSendPhase (hook mode's send launch): grid (local experts, blocks per expert), each block sends its
+//   share of an expert's rows;
+// - kRecvPhase (its hook): grid (tokens, channel chunks) of kRecvThreads, each block reduces one item;
+// - both (one launch, no hook): the first `send_blocks` blocks send (the send grid, flattened), the rest
+//   reduce (token, chunk) items in turn. Senders never wait and come first in block order, and the grid
+//   is capped at what the GPU holds at once, so every reducer's wait has its senders running.
 template <bool kCopies>
 __global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
-    combine_fused_kernel(const __grid_constant__ CombineCall a, int send_blocks) {
+    combine(const __grid_constant__ CombineCall a, int phases, int send_blocks) {
   const unsigned long long start = globaltimer();
   __shared__ SendTiming timing;
   __shared__ unsigned seq;
-  if (threadIdx.x == 0) seq = start_combine(a, start, true, timing);
+  if (phases == kRecvPhase) {
+    const unsigned ticket = *a.c.ticket;  // written by the send launch, which ran before this one
+    mark_recv_start(a.c, kCombine, ticket, start);
+    if (check_hellos(a.c, kCombine, ticket) && static_cast<int>(blockIdx.x) < a.num_tokens)
+      reduce_token(a, ticket, blockIdx.x, blockIdx.y);
+    finish_recv(a.c, kCombine, ticket);
+    return;
+  }
+  const bool fused = phases == (kSendPhase | kRecvPhase);
+  if (threadIdx.x == 0) seq = start_combine(a, start, fused, timing);
   __syncthreads();
+  if (!fused) {
+    if (first_block()) {
+      say_hello(a.c, kCombine, seq);
+      if (threadIdx.x == 0) *a.c.ticket = seq;
+    }
+    send_rows<kCopies>(a, seq, blockIdx.x, blockIdx.y, gridDim.y);
+    // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
+    if (threadIdx.x == 0) finish_send(a.c, kCombine, seq, timing);
+    return;
+  }
   const int block = blockIdx.x;
   if (block < send_blocks) {
     if (block == 0) say_hello(a.c, kCombine, seq);
@@ -242,9 +240,9 @@ bool copies_rows(const CombineCall& call) {
 void combine_send(const CombineCall& call, cudaStream_t stream) {
   const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
   if (!copies_rows(call))
-    combine_send_kernel<false><<<grid, kFlagThreads, 0, stream>>>(call);
+    combine<false><<<grid, kFlagThreads, 0, stream>>>(call, kSendPhase, 0);
   else
-    combine_send_kernel<true><<<grid, kSendThreads, 0, stream>>>(call);
+    combine<true><<<grid, kSendThreads, 0, stream>>>(call, kSendPhase, 0);
 }
 
 // The fused kernel's grid: the send kernel's blocks, then a reducer per (token, chunk) item, up to what
@@ -252,7 +250,7 @@ void combine_send(const CombineCall& call, cudaStream_t stream) {
 // tokens waits for the peers' hellos as the receive kernel does.
 void combine_fused(const CombineCall& call, cudaStream_t stream) {
   const bool copies = copies_rows(call);
-  const auto kernel = copies ? combine_fused_kernel<true> : combine_fused_kernel<false>;
+  const auto kernel = copies ? combine<true> : combine<false>;
   const int threads = copies ? kSendThreads : kFlagThreads;
   static thread_local int resident[2][64] = {};  // per variant and device: the occupancy query costs microseconds
   int device = 0;
@@ -268,17 +266,20 @@ void combine_fused(const CombineCall& call, cudaStream_t stream) {
   const int items = call.num_tokens * ((call.c.hidden / 8 + threads - 1) / threads);
   if (fits < send_blocks + 1)
     throw std::runtime_error("ep_layer._C: the GPU cannot hold the combine kernel's send blocks and a reducer");
-  kernel<<<send_blocks + std::max(1, std::min(items, fits - send_blocks)), threads, 0, stream>>>(call, send_blocks);
+  kernel<<<send_blocks + std::max(1, std::min(items, fits - send_blocks)), threads, 0, stream>>>(
+      call, kSendPhase | kRecvPhase, send_blocks);
 }
 
 cudaError_t set_combine_latency_bounds(const unsigned long long* ns, int n) {
   return set_latency_bounds_of_this_file(ns, n);
 }
 
+// The send launch's kernel (the same `kCopies`), as the hook's receive launch of it.
 void combine_recv(const CombineCall& call, cudaStream_t stream) {
   const dim3 grid = call.num_tokens == 0 ? dim3(1, 1)
                                          : dim3(call.num_tokens, (call.c.hidden / 8 + kRecvThreads - 1) / kRecvThreads);
-  combine_recv_kernel<<<grid, kRecvThreads, 0, stream>>>(call);
+  const auto kernel = copies_rows(call) ? combine<true> : combine<false>;
+  kernel<<<grid, kRecvThreads, 0, stream>>>(call, kRecvPhase, 0);
 }
 
 }  // namespace ep

@@ -696,28 +696,31 @@ __device__ void receive_tokens(const DispatchCall& a, unsigned seq, bool may_cla
   }
 }
 
-// kPhases = kSendPhase (hook mode's send kernel), kRecvPhase (its hook) or both (one kernel, no hook);
-// kPairs = pairs of 16-byte vectors of a bf16 row per thread of a token block (1, 2 or 4; at 4, H > 8192,
-// one block per SM keeps the registers from spilling).
-template <int kPhases, int kPairs>
-__global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch_kernel(const __grid_constant__ DispatchCall a) {
+// The one dispatch kernel: `phases` = kSendPhase (hook mode's send launch), kRecvPhase (its hook) or both
+// (one launch, no hook). One kernel for every phase, as DeepEP's, so that a profiler shows one dispatch
+// kernel whichever way it is called (DeepEP's own test counts them). kPairs = pairs of 16-byte vectors of
+// a bf16 row per thread of a token block (1, 2 or 4; at 4, H > 8192, one block per SM keeps the registers
+// from spilling).
+template <int kPairs>
+__global__ void __launch_bounds__(kThreads, kPairs == 4 ? 1 : 2) dispatch(const __grid_constant__ DispatchCall a,
+                                                                          int phases) {
   const unsigned long long start = globaltimer();
-  constexpr bool kFused = kPhases == (kSendPhase | kRecvPhase);
+  const bool fused = phases == (kSendPhase | kRecvPhase);
   __shared__ SendTiming timing;
   __shared__ unsigned seq;
-  if constexpr ((kPhases & kSendPhase) != 0) {
-    __shared__ int bins[kMaxExperts];  // tokens per expert
-    if (blockIdx.x == 0) publish_counts(a, start, kFused, timing, bins, seq);  // block 0 counts: it starts first
+  __shared__ int bins[kMaxExperts];  // tokens per expert (the send)
+  if ((phases & kSendPhase) != 0) {
+    if (blockIdx.x == 0) publish_counts(a, start, fused, timing, bins, seq);  // block 0 counts: it starts first
     else send_tokens<kPairs>(a, gridDim.x - 1, bins, seq);
   } else {
     if (threadIdx.x == 0) seq = *a.c.ticket;
     mark_recv_start(a.c, kDispatch, seq, start);
   }
   __syncthreads();
-  if constexpr ((kPhases & kRecvPhase) != 0) {
-    receive_tokens(a, seq, /*may_claim=*/!kFused);
+  if ((phases & kRecvPhase) != 0) {
+    receive_tokens(a, seq, /*may_claim=*/!fused);
     finish_recv(a.c, kDispatch, seq);  // has a barrier: the counting block may account below
-    if (kFused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
+    if (fused && first_block() && threadIdx.x == 0) account_previous_call(a.c, kDispatch, timing);
   } else if (threadIdx.x == 0) {
     finish_send(a.c, kDispatch, seq, timing);
   }
@@ -737,13 +740,12 @@ int receive_blocks(const DispatchCall& call, int sms) {
   return std::max(1, std::min(all_slots, std::max(expected, sms / call.c.gpu_share)));
 }
 
-// The kernel for these phases with the fewest row pairs per thread that hold a row.
-template <int kPhases>
+// The kernel with the fewest row pairs per thread that hold a row (every phase of a call launches it).
 auto kernel_for(const DispatchCall& call) {
   const int per_thread = (call.c.hidden / 16 + kThreads - 1) / kThreads;
-  return per_thread <= 1 ? dispatch_kernel<kPhases, 1>
-       : per_thread <= 2 ? dispatch_kernel<kPhases, 2>
-                         : dispatch_kernel<kPhases, 4>;  // H <= 16384
+  return per_thread <= 1 ? dispatch<1>
+       : per_thread <= 2 ? dispatch<2>
+                         : dispatch<4>;  // H <= 16384
 }
 
 // The current GPU's SMs, and the blocks of `kernel` that each holds at once (cached per device and kernel).
@@ -752,10 +754,10 @@ struct Occupancy {
   int resident() const { return sms * blocks_per_sm; }
 };
 
-Occupancy occupancy(void (*kernel)(DispatchCall)) {
+Occupancy occupancy(void (*kernel)(DispatchCall, int)) {
   struct Known {
     int device;
-    void (*kernel)(DispatchCall);
+    void (*kernel)(DispatchCall, int);
     Occupancy occupancy;
   };
   static thread_local std::vector<Known> known;  // the occupancy query costs microseconds
@@ -777,32 +779,32 @@ Occupancy occupancy(void (*kernel)(DispatchCall)) {
 // GPU share it); past that, blocks take several tokens each, which overlaps their chains of dependent
 // steps instead of running them in waves.
 void dispatch_send(const DispatchCall& call, cudaStream_t stream) {
-  const auto kernel = kernel_for<kSendPhase>(call);
+  const auto kernel = kernel_for(call);
   const int share_of_resident = occupancy(kernel).resident() / call.c.gpu_share;
   const int token_blocks = std::max(1, std::min(call.num_tokens, share_of_resident - 1));
-  kernel<<<token_blocks + 1, kThreads, 0, stream>>>(call);
+  kernel<<<token_blocks + 1, kThreads, 0, stream>>>(call, kSendPhase);
 }
 
 // Ranks on one GPU get their share of the blocks it holds at once: warps then take several slots each,
 // and every rank's receive runs in one wave (a block's poll of the counts is paid once, not per wave).
 void dispatch_recv(const DispatchCall& call, cudaStream_t stream) {
-  const auto kernel = dispatch_kernel<kRecvPhase, 1>;
+  const auto kernel = kernel_for(call);
   const Occupancy o = occupancy(kernel);
   const int share = call.c.gpu_share;
   int blocks = receive_blocks(call, o.sms);
   if (share > 1) blocks = std::max(1, std::min(blocks, o.resident() / share));
-  kernel<<<blocks, kThreads, 0, stream>>>(call);
+  kernel<<<blocks, kThreads, 0, stream>>>(call, kRecvPhase);
 }
 
 // Every block of the fused kernel must be resident at once (receivers wait for other blocks' sends),
 // so the grid is capped at what the GPU holds; blocks then take several tokens each.
 void dispatch_fused(const DispatchCall& call, cudaStream_t stream) {
-  const auto kernel = kernel_for<kSendPhase | kRecvPhase>(call);
+  const auto kernel = kernel_for(call);
   const Occupancy o = occupancy(kernel);
   const int resident = o.resident();
   if (resident < 2) throw std::runtime_error("ep_layer._C: the GPU cannot hold two blocks of the dispatch kernel");
   const int wanted = std::max(call.num_tokens + 1, receive_blocks(call, o.sms));
-  kernel<<<std::min(wanted, resident), kThreads, 0, stream>>>(call);
+  kernel<<<std::min(wanted, resident), kThreads, 0, stream>>>(call, kSendPhase | kRecvPhase);
 }
 
 cudaError_t set_dispatch_latency_bounds(const unsigned long long* ns, int n) {

@@ -113,7 +113,7 @@ class Buffer(NormalMode):
     at once, as SGLang's auto mode uses them, with both).
 
     `group` is the EP process group (None = a single rank). DeepEP's RDMA tuning arguments are accepted
-    and ignored. `enable_shrink` is DeepEP's rank
+    and ignored; `use_fabric=True` (fabric memory handles) is not supported. `enable_shrink` is DeepEP's rank
     masking (fault tolerance): a peer that misses a wait is masked instead of failing the call.
     `backend` is "auto" (our CUDA kernels where built and a GPU is present), "cuda" or "reference";
     `timeout_s` bounds every wait for a peer rank. `transport` is how the cuda backend shares the ranks'
@@ -127,11 +127,15 @@ class Buffer(NormalMode):
     def __init__(self, group: dist.ProcessGroup | None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: object = None, *,
-                 backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, transport: str = "auto") -> None:
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: object = None, *, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 transport: str = "auto") -> None:
         if comm is not None:
             raise NotImplementedError("comm: an MPI communicator is not supported; pass the torch.distributed "
                                       "group of the EP ranks as `group`")
+        if use_fabric:
+            raise NotImplementedError("use_fabric=True: buffers on fabric memory handles (multi-node NVLink) are "
+                                      "not supported; leave it False (CUDA IPC within a node, NVSHMEM across nodes)")
         expect(type(num_nvl_bytes) is int and num_nvl_bytes >= 0, "num_nvl_bytes", "a non-negative int",
                num_nvl_bytes)
         expect(type(num_rdma_bytes) is int and num_rdma_bytes >= 0, "num_rdma_bytes", "a non-negative int",

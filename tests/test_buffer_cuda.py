@@ -269,6 +269,44 @@ def test_emulated_send_blocks_with_many_tokens(mode: str, seed: int) -> None:
     check_round_trip(8, max_tokens, hidden, 32, 8, mode, True, seed)
 
 
+@pytest.mark.parametrize("hidden", [512, 7168, 16384])
+def test_a_profiler_sees_one_dispatch_and_one_combine_kernel(hidden: int, seed: int) -> None:
+    """As DeepEP's kernels, whichever way they are called: a plain call is one launch of its op's kernel,
+    a hooked call two launches (send, then the hook's receive) of that same kernel. DeepEP's own test
+    (tests/utils.py bench_kineto) wants exactly one profiler row naming each op, and `::dispatch` /
+    `::combine` in the traced names."""
+    rng = np.random.default_rng(seed)
+    max_tokens, num_experts, topk = 64, 32, 8
+    (buffer,) = emulated(1, max_tokens, hidden, num_experts)
+    xs, idxs = make_inputs(rng, 1, max_tokens, hidden, num_experts, topk)
+    weights = torch.rand(max_tokens, topk, device="cuda")
+    calls = 3
+
+    def pair(hook: bool) -> None:
+        recv_x, _, handle, _, recv_hook = buffer.low_latency_dispatch(xs[0], idxs[0], max_tokens, num_experts,
+                                                                      use_fp8=True, return_recv_hook=hook)
+        if hook:
+            recv_hook()
+        y = torch.ones(recv_x[0].shape, dtype=torch.bfloat16, device="cuda")
+        _, _, combine_hook = buffer.low_latency_combine(y, idxs[0], weights, handle, return_recv_hook=hook)
+        if hook:
+            combine_hook()
+
+    for hook in (False, True):
+        pair(hook)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                pair(hook)
+            torch.cuda.synchronize()
+        kernels = {e.key: e.count for e in prof.key_averages() if e.device_time_total > 0}
+        for op in ("dispatch", "combine"):
+            named = {name: count for name, count in kernels.items() if op in name}
+            assert len(named) == 1, (hook, named)
+            (name, count), = named.items()
+            assert f"::{op}" in name and count == calls * (2 if hook else 1), (hook, name, count)
+
+
 @pytest.mark.parametrize("max_tokens,hidden,num_experts,topk",
                          [(1, 512, 4, 2), (37, 7168, 288, 8), (1024, 128, 1024, 16), (8, 16384, 16, 16)])
 def test_dispatch_without_hook_runs_one_kernel(max_tokens: int, hidden: int, num_experts: int, topk: int,

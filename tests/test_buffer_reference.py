@@ -622,6 +622,11 @@ def rank_errors(rank: int, world: int, kind: str, seed: int) -> int:
     # refuses the low-latency calls.
     with raises(NotImplementedError, "comm"):
         Buffer(grp.buffer_group, low_latency_mode=True, comm=object())
+    with raises(NotImplementedError, "use_fabric"):
+        Buffer(grp.buffer_group, low_latency_mode=True, use_fabric=True)
+    # DeepEP's positional order: use_fabric between allow_mnnvl and explicitly_destroy.
+    positional = Buffer(grp.buffer_group, 0, 0, True, 24, True, False, False, True, False, backend="reference")
+    assert positional.explicitly_destroy and not positional.enable_shrink
     normal_only = Buffer(grp.buffer_group, num_nvl_bytes=1 << 20, low_latency_mode=False, backend="reference")
     with raises(RuntimeError, "low_latency_dispatch", "low_latency_mode=False"):
         normal_only.low_latency_dispatch(case.x, case.topk_idx, case.t, case.e)
