@@ -179,54 +179,53 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq,
 
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
-// The one combine kernel, as DeepEP's (a profiler shows one combine kernel whichever way it is called):
-// - kSendPhase (hook mode's send launch): grid (local experts, blocks per expert), each block sends its
-//   share of an expert's rows;
-// - kRecvPhase (its hook): grid (tokens, channel chunks) of kRecvThreads, each block reduces one item;
-// - both (one launch, no hook): the first `send_blocks` blocks send (the send grid, flattened), the rest
-//   reduce (token, chunk) items in turn. Senders never wait and come first in block order, and the grid
-//   is capped at what the GPU holds at once, so every reducer's wait has its senders running.
+// The one combine kernel, as DeepEP's (a profiler shows one combine kernel whichever way it is called), on
+// a 1-D grid: its first `send_blocks` blocks send (blocks_per_expert blocks per local expert, each its
+// share of the expert's rows), the rest reduce (token, channel chunk) items in turn. `phases`:
+// - kSendPhase (hook mode's send launch): every block sends;
+// - kRecvPhase (its hook): no block sends, a block of kRecvThreads per item;
+// - both (one launch, no hook): senders never wait and come first in block order, and the grid is capped
+//   at what the GPU holds at once, so every reducer's wait has its senders running.
+// The three share one code path, so that a launch runs no more code than a kernel per phase did.
 template <bool kCopies>
 __global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
     combine(const __grid_constant__ CombineCall a, int phases, int send_blocks) {
   const unsigned long long start = globaltimer();
+  const bool sends = (phases & kSendPhase) != 0;
+  const bool fused = phases == (kSendPhase | kRecvPhase);
   __shared__ SendTiming timing;
   __shared__ unsigned seq;
-  if (phases == kRecvPhase) {
-    const unsigned ticket = *a.c.ticket;  // written by the send launch, which ran before this one
-    mark_recv_start(a.c, kCombine, ticket, start);
-    if (check_hellos(a.c, kCombine, ticket) && static_cast<int>(blockIdx.x) < a.num_tokens)
-      reduce_token(a, ticket, blockIdx.x, blockIdx.y);
-    finish_recv(a.c, kCombine, ticket);
-    return;
-  }
-  const bool fused = phases == (kSendPhase | kRecvPhase);
-  if (threadIdx.x == 0) seq = start_combine(a, start, fused, timing);
+  // A hook's receive takes the sequence number its send launch left.
+  if (threadIdx.x == 0) seq = sends ? start_combine(a, start, fused, timing) : *a.c.ticket;
   __syncthreads();
-  if (!fused) {
-    if (first_block()) {
-      say_hello(a.c, kCombine, seq);
-      if (threadIdx.x == 0) *a.c.ticket = seq;
-    }
-    send_rows<kCopies>(a, seq, blockIdx.x, blockIdx.y, gridDim.y);
-    // Block (0, 0) settles the timing after its rows (its hello went out first thing, above).
-    if (threadIdx.x == 0) finish_send(a.c, kCombine, seq, timing);
-    return;
-  }
   const int block = blockIdx.x;
   if (block < send_blocks) {
-    if (block == 0) say_hello(a.c, kCombine, seq);
-    send_rows<kCopies>(a, seq, block / a.blocks_per_expert, block % a.blocks_per_expert, a.blocks_per_expert);
-    if (threadIdx.x == 0) red_max(&timing_record(a.c, kCombine, seq).recv_end, globaltimer());
-  } else if (check_hellos(a.c, kCombine, seq)) {
-    const int chunks = (a.c.hidden / 8 + blockDim.x - 1) / blockDim.x;
-    for (int item = block - send_blocks; item < a.num_tokens * chunks; item += gridDim.x - send_blocks) {
-      reduce_token(a, seq, item / chunks, item % chunks);
-      __syncthreads();  // the next item reuses the shared rows, weights and abort flag
+    if (block == 0) {
+      say_hello(a.c, kCombine, seq);
+      if (!fused && threadIdx.x == 0) *a.c.ticket = seq;
     }
-    finish_recv(a.c, kCombine, seq);
+    send_rows<kCopies>(a, seq, block / a.blocks_per_expert, block % a.blocks_per_expert, a.blocks_per_expert);
+    // A send launch's blocks settle its timing (block 0 after its rows: its hello went out first thing).
+    if (threadIdx.x == 0) {
+      if (fused)
+        red_max(&timing_record(a.c, kCombine, seq).recv_end, globaltimer());
+      else
+        finish_send(a.c, kCombine, seq, timing);
+    }
+  } else {
+    if (!sends) mark_recv_start(a.c, kCombine, seq, start);
+    if (check_hellos(a.c, kCombine, seq)) {
+      const int chunks = (a.c.hidden / 8 + blockDim.x - 1) / blockDim.x;
+      for (int item = block - send_blocks; item < a.num_tokens * chunks; item += gridDim.x - send_blocks) {
+        reduce_token(a, seq, item / chunks, item % chunks);
+        __syncthreads();  // the next item reuses the shared rows, weights and abort flag
+      }
+      finish_recv(a.c, kCombine, seq);
+    } else if (!sends) {
+      finish_recv(a.c, kCombine, seq);  // a hook's receive notes its end whatever its peers said
+    }
   }
-  if (block == 0 && threadIdx.x == 0) account_previous_call(a.c, kCombine, timing);
+  if (fused && block == 0 && threadIdx.x == 0) account_previous_call(a.c, kCombine, timing);
 }
 
 // Whether the send half moves rows (a warp each): to a peer that cannot read them where they lie, or by puts.
@@ -238,11 +237,11 @@ bool copies_rows(const CombineCall& call) {
 }  // namespace
 
 void combine_send(const CombineCall& call, cudaStream_t stream) {
-  const dim3 grid(call.c.num_experts / call.c.num_ranks, call.blocks_per_expert);
+  const int blocks = call.c.num_experts / call.c.num_ranks * call.blocks_per_expert;
   if (!copies_rows(call))
-    combine<false><<<grid, kFlagThreads, 0, stream>>>(call, kSendPhase, 0);
+    combine<false><<<blocks, kFlagThreads, 0, stream>>>(call, kSendPhase, blocks);
   else
-    combine<true><<<grid, kSendThreads, 0, stream>>>(call, kSendPhase, 0);
+    combine<true><<<blocks, kSendThreads, 0, stream>>>(call, kSendPhase, blocks);
 }
 
 // The fused kernel's grid: the send kernel's blocks, then a reducer per (token, chunk) item, up to what
@@ -276,10 +275,9 @@ cudaError_t set_combine_latency_bounds(const unsigned long long* ns, int n) {
 
 // The send launch's kernel (the same `kCopies`), as the hook's receive launch of it.
 void combine_recv(const CombineCall& call, cudaStream_t stream) {
-  const dim3 grid = call.num_tokens == 0 ? dim3(1, 1)
-                                         : dim3(call.num_tokens, (call.c.hidden / 8 + kRecvThreads - 1) / kRecvThreads);
+  const int items = call.num_tokens * ((call.c.hidden / 8 + kRecvThreads - 1) / kRecvThreads);
   const auto kernel = copies_rows(call) ? combine<true> : combine<false>;
-  kernel<<<grid, kRecvThreads, 0, stream>>>(call, kRecvPhase, 0);
+  kernel<<<std::max(1, items), kRecvThreads, 0, stream>>>(call, kRecvPhase, 0);
 }
 
 }  // namespace ep

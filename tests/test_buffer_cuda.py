@@ -279,7 +279,7 @@ def test_a_profiler_sees_one_dispatch_and_one_combine_kernel(hidden: int, seed: 
     max_tokens, num_experts, topk = 64, 32, 8
     (buffer,) = emulated(1, max_tokens, hidden, num_experts)
     xs, idxs = make_inputs(rng, 1, max_tokens, hidden, num_experts, topk)
-    weights = torch.rand(max_tokens, topk, device="cuda")
+    weights = torch.rand(xs[0].shape[0], topk, device="cuda")
     calls = 3
 
     def pair(hook: bool) -> None:
