@@ -428,6 +428,9 @@ PYBIND11_MODULE(EP_LAYER_MODULE, m) {
   m.attr("MAX_TOPK") = ep::kMaxTopk;
   m.attr("MAX_EXPERTS") = ep::kMaxExperts;
   m.attr("DISPATCH_HEADER_BYTES") = ep::kHeaderBytes;
+  m.attr("FP8_GROUP") = ep::kFp8Group;
+  m.attr("FP8_MAX") = ep::kFp8Max;
+  m.attr("AMAX_FLOOR") = ep::kAmaxFloor;
   m.attr("MAX_LATENCY_BOUNDS") = ep::kMaxLatencyBounds;
   m.attr("CUDA_ARCHS") = EP_STRINGIFY(__CUDA_ARCH_LIST__);  // e.g. "800,900": the GPU targets of this build
 }

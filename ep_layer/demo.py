@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ep_layer import Buffer
-from ep_layer.quant import FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
+from ep_layer.quant import AMAX_FLOOR, FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -145,7 +145,7 @@ def run_mode(buf: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights:
         expected = all_x[src_rank, src_token].float()
         if use_fp8:  # FP8 keeps 3 mantissa bits: error at most 1/16 of the group's largest value
             err = (inputs[local, :n] - expected).abs().view(n, -1, FP8_GROUP).amax(dim=2)
-            bound = expected.abs().view(n, -1, FP8_GROUP).amax(dim=2).clamp_min(1e-4) / 16
+            bound = expected.abs().view(n, -1, FP8_GROUP).amax(dim=2).clamp_min(AMAX_FLOOR) / 16
             if bool((err > bound * 1.001).any()):
                 failures.append(f"expert {expert}: FP8 rows are off by more than FP8 precision")
         elif not torch.equal(inputs[local, :n], expected):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import struct
 from pathlib import Path
 from types import ModuleType
 
-from . import kernel_args, layout
+from . import kernel_args, layout, quant
 
 NVSHMEM_INSTALL_HINT = "pip install 'ep-layer[nvshmem]' (nvshmem4py-cu13, with the nvidia-nvshmem-cu13 library)"
 
@@ -19,14 +20,26 @@ _SHARED_CONSTANTS = ("CONTROL_BYTES", "MAX_RANKS", "MAX_TOPK", "MAX_EXPERTS", "D
                      "NORMAL_CONTROL_BYTES", "STAGE_HEADER_BYTES", "NORMAL_LANDING_BYTES", "NORMAL_WARP_LANDING_BYTES")
 
 
+# The FP8 cast's rule (ep_layer.quant), which the kernels' dispatch applies too; compared in float32.
+_FP8_RULE = ("FP8_GROUP", "FP8_MAX", "AMAX_FLOOR")
+
+
 def _check_constants(module: ModuleType) -> None:
-    """Raise ImportError naming the first constant that `module` and ep_layer.layout disagree on: a
-    stale build of the kernels would otherwise read and write the buffer at the wrong offsets."""
-    for name in _SHARED_CONSTANTS:
-        built, expected = getattr(module, name, None), getattr(layout, name)
-        if built != expected:
-            raise ImportError(f"{module.__name__} was built with {name} = {built}, but ep_layer.layout has {name} = "
-                              f"{expected}: rebuild the CUDA kernels (`pip install -e .`)")
+    """Raise ImportError naming the first constant that `module` and ep_layer.layout (or ep_layer.quant)
+    disagree on: a stale build of the kernels would otherwise read and write the buffer at the wrong
+    offsets, or cast FP8 by another rule than every other backend."""
+    expected = [(name, getattr(layout, name), "ep_layer.layout") for name in _SHARED_CONSTANTS]
+    expected += [(name, _float32(getattr(quant, name)), "ep_layer.quant") for name in _FP8_RULE]
+    for name, value, home in expected:
+        built = getattr(module, name, None)
+        if (_float32(built) if isinstance(value, float) and built is not None else built) != value:
+            raise ImportError(f"{module.__name__} was built with {name} = {built}, but {home} has {name} = "
+                              f"{value}: rebuild the CUDA kernels (`pip install -e .`)")
+
+
+def _float32(value: float) -> float:
+    """value rounded to the nearest float32 (the kernels' constants are float32)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _check_pointer_orders(module: ModuleType) -> None:

@@ -3,6 +3,10 @@
 All arithmetic is IEEE float32 so that every backend (this file, the CUDA kernels) produces the
 same bytes: amax = max(max|x|, 1e-4); scale = amax / 448 (or its power-of-two ceiling);
 data = e4m3(x / scale), rounded to nearest even and saturated at +-448.
+
+The rule's constants below are its one home: the Triton cast (kernels/fp8_cast.py) and the tests'
+oracle import them, and the CUDA kernels' own (csrc/ll_common.cuh) are checked against them when
+ep_layer._C loads (native.py).
 """
 
 from __future__ import annotations

@@ -2,17 +2,19 @@
 
 Nothing here calls torch: bf16 inputs arrive as their raw uint16 bit patterns, all arithmetic is
 numpy float32 (IEEE, correctly rounded) or exact float64, and the e4m3 encoder is written out by
-hand from the 256 float8_e4m3fn codes.
+hand from the 256 float8_e4m3fn codes. The rule's constants are ep_layer.quant's, their one home.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-GROUP = 128
-PACK = 4
-FP8_MAX = 448.0
-AMAX_FLOOR = np.float32(1e-4)
+from ep_layer import quant
+
+GROUP = quant.FP8_GROUP
+PACK = quant.UE8M0_PACK
+FP8_MAX = quant.FP8_MAX
+AMAX_FLOOR = np.float32(quant.AMAX_FLOOR)
 
 
 def _e4m3fn_table() -> np.ndarray:

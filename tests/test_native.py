@@ -1,22 +1,25 @@
-"""ep_layer.native: a build of the kernels whose shared constants differ from ep_layer.layout's is
-refused when it loads, naming the constant, and so is one whose launchers take their pointers in
-another order than ep_layer.kernel_args names them."""
+"""ep_layer.native: a build of the kernels whose shared constants differ from ep_layer.layout's (or whose
+FP8 rule differs from ep_layer.quant's) is refused when it loads, naming the constant, and so is one
+whose launchers take their pointers in another order than ep_layer.kernel_args names them."""
 
 from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 
-from ep_layer import kernel_args, layout, native
+from ep_layer import kernel_args, layout, native, quant
 
 
-def built_module(**overrides: int | None) -> types.ModuleType:
-    """A stand-in for ep_layer._C exporting the shared constants as layout has them, but for `overrides`
-    (None: not exported, as by a build from before the constant existed)."""
+def built_module(**overrides: float | None) -> types.ModuleType:
+    """A stand-in for ep_layer._C exporting the shared constants as layout has them and the FP8 rule's as
+    the kernels' float32 constants hold quant's, but for `overrides` (None: not exported, as by a build
+    from before the constant existed)."""
     module = types.ModuleType("ep_layer._C")
-    for name in native._SHARED_CONSTANTS:
-        value = overrides.get(name, getattr(layout, name))
+    for name in native._SHARED_CONSTANTS + native._FP8_RULE:
+        home = layout if name in native._SHARED_CONSTANTS else quant
+        value = overrides.get(name, float(np.float32(getattr(home, name))) if home is quant else getattr(home, name))
         if value is not None:
             setattr(module, name, value)
     return module
@@ -31,6 +34,15 @@ def test_matching_constants_load() -> None:
 def test_a_differing_constant_is_refused_by_name(name: str, built: str) -> None:
     value = None if built == "missing" else getattr(layout, name) + 1
     with pytest.raises(ImportError, match=f"{name} = {value}, but ep_layer.layout has {name} = "):
+        native._check_constants(built_module(**{name: value}))
+
+
+@pytest.mark.parametrize("name", native._FP8_RULE)
+def test_a_kernel_build_with_another_fp8_rule_is_refused_by_name(name: str) -> None:
+    """The FP8 cast's constants (ep_layer.quant, their one home) against the kernels' float32 ones: one
+    float32 ulp off is refused."""
+    value = float(np.nextafter(np.float32(getattr(quant, name)), np.float32(np.inf)))
+    with pytest.raises(ImportError, match=f"{name} = .*, but ep_layer.quant has {name} = "):
         native._check_constants(built_module(**{name: value}))
 
 

@@ -1,14 +1,14 @@
 """The per-token-per-128 FP8 cast of activations in one Triton launch (GPU only): the expert MLP's
 intermediate (the rows each expert received) and the dense FP8 linear's input. Bit-exact with the
-design's rule (ep_layer.quant, docs/design.md section 2): IEEE float32 divisions, scales
-max(amax, 1e-4) / 448, e4m3 saturated at +-448.
+design's rule (ep_layer.quant, docs/design.md section 2, with quant's constants): IEEE float32
+divisions, scales max(amax, AMAX_FLOOR) / FP8_MAX, e4m3 saturated at +-FP8_MAX.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..quant import FP8_GROUP
+from ..quant import AMAX_FLOOR, FP8_GROUP, FP8_MAX
 from .triton_support import sm_count, tl, triton
 
 CAST_ROWS = 32  # rows per item of the cast
@@ -34,9 +34,10 @@ if triton is not None:
 
     @triton.jit
     def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, E, M, I, GROUPS, E_PAD: tl.constexpr,
-                          BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, ALL_ROWS: tl.constexpr):
-        """FP8 cast of x [E, M, I] by [BLOCK_ROWS, 128] tiles (the design's rule, IEEE float32 divisions):
-        scale = max(amax, 1e-4) / 448 per row and group, q = e4m3(x / scale), saturated. A fixed grid
+                          BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, ALL_ROWS: tl.constexpr,
+                          FLOOR: tl.constexpr, LARGEST: tl.constexpr):
+        """FP8 cast of x [E, M, I] by [BLOCK_ROWS, GROUP] tiles (the design's rule, IEEE float32 divisions):
+        scale = max(amax, FLOOR) / LARGEST per row and group, q = e4m3(x / scale), saturated. A fixed grid
         shares out the (row tile, group) items of the received rows only, numbered expert by expert (as
         the masked GEMM's), so no program exists for rows that were not received. ALL_ROWS: all M rows of
         every expert (count_ptr unused)."""
@@ -54,9 +55,9 @@ if triton is not None:
             cols = group * GROUP + tl.arange(0, GROUP)
             offs = expert * M * I + rows[:, None] * I + cols[None, :]
             x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
-            scale = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            q = tl.clamp(_divide(x, scale[:, None]), -448.0, 448.0)
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
+            scale = tl.div_rn(amax, tl.full(amax.shape, LARGEST, tl.float32))
+            q = tl.clamp(_divide(x, scale[:, None]), -LARGEST, LARGEST)
             tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
             tl.store(s_ptr + expert * M * GROUPS + rows * GROUPS + group, scale, mask=ok)
 
@@ -71,5 +72,5 @@ def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor | None) -> tuple[
     programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * triton.cdiv(m, CAST_ROWS) * groups)
     _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=triton.next_power_of_2(e),
                                            BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP, ALL_ROWS=recv_count is None,
-                                           num_warps=NUM_WARPS)
+                                           FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX, num_warps=NUM_WARPS)
     return q, s
