@@ -75,6 +75,10 @@ class ServingMetrics:
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          _LABELS, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", _LABELS, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", _LABELS, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                (*_LABELS, "finished_reason"), registry=r)
         self.rejected = Counter("ep_layer:requests_rejected", "Requests refused with a 503 because the engine "
