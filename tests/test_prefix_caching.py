@@ -639,31 +639,44 @@ def tiny_engine(path: str, device: str, caching: bool, use_cuda_graphs: bool = F
                      async_scheduling=async_scheduling, enable_prefix_caching=caching)
 
 
-def shared_prefix_requests(engine: LLMEngine) -> dict[str, tuple[list[int], list[list[float]]]]:
-    """Four requests over one 45-token prefix: one alone first, then three together (tails of 1, 3 and 6
-    tokens, so that one computes a single prompt token: a decode-shaped first step), greedy with the top 3
-    logprobs of each token; each one's tokens and those logprobs."""
+def shared_prefix_requests(engine: LLMEngine) -> tuple[dict[str, tuple[list[int], list[list[float]]]], list[bool]]:
+    """Four requests over one 44-token prefix (11 blocks of 4): one first, then one whose tail is a single
+    token, alone (with caching its first step computes that token only: a decode-shaped step), then two
+    together (tails of 3 and 6 tokens); greedy with the top 3 logprobs of each token. Each one's tokens
+    and those logprobs, and for each step that computed the one-token request's prompt, whether it ran
+    as a decode step (a graph replay where graphs are captured)."""
     gen = torch.Generator().manual_seed(5)
-    prefix = torch.randint(3, 500, (45,), generator=gen).tolist()
+    prefix = torch.randint(3, 500, (44,), generator=gen).tolist()
     tails = {"first": [7, 8], "one": [11], "three": [12, 13, 14], "six": [15, 16, 17, 18, 19, 20]}
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    one_prompt_steps: list[bool] = []
+    execute = engine.runner.execute
+
+    def spy(batch, graph_size=None, pending_tokens=None, moe_mode="low_latency"):
+        if any(s.request_id == "one" and s.num_computed_tokens < s.num_prompt_tokens for s in batch.seqs):
+            replayed = graph_size is not None or not engine.runner.captured_sizes
+            one_prompt_steps.append(batch.is_decode_only and replayed)
+        return execute(batch, graph_size, pending_tokens, moe_mode)
+
+    engine.runner.execute = spy
     got: dict[str, tuple[list[int], list[list[float]]]] = {}
-    for group in (["first"], ["one", "three", "six"]):
+    for group in (["first"], ["one"], ["three", "six"]):
         outs = drive(engine, [Arrival(0, rid, prefix + tails[rid], params) for rid in group])
         for rid, o in outs.items():
             got[rid] = tokens(o), [[lp for _, lp in entry.top] for out in o for entry in out.logprobs or ()]
-    return got
+    return got, one_prompt_steps
 
 
 def test_tiny_model_attends_over_a_cached_prefix(tiny_path: str):
     """The MLA attention of prompts that start after 44 cached tokens (paged KV written by another
-    request) gives the tokens, and within batching's noise the logprobs, of prompts computed in full."""
+    request; one of them in a decode-shaped step) gives the tokens, and within batching's noise the
+    logprobs, of prompts computed in full."""
     runs = {}
     for caching in (False, True):
         engine = tiny_engine(tiny_path, "cpu", caching)
-        runs[caching] = shared_prefix_requests(engine)
-        hits = engine.scheduler_stats().prefix_cache_hits
-        assert hits == (3 * 44 if caching else 0)
+        runs[caching], one_prompt_steps = shared_prefix_requests(engine)
+        assert (one_prompt_steps == [True]) if caching else not any(one_prompt_steps)
+        assert engine.scheduler_stats().prefix_cache_hits == (3 * 44 if caching else 0)
     for rid, (want_tokens, want_logprobs) in runs[False].items():
         got_tokens, got_logprobs = runs[True][rid]
         assert got_tokens == want_tokens, rid
@@ -677,9 +690,9 @@ def test_tiny_model_attends_over_a_cached_prefix(tiny_path: str):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_prefix_caching_with_decode_cuda_graphs_on_gpu(tiny_path: str, async_scheduling: bool):
-    """On the GPU with decode CUDA graphs (replayed for the decodes and for the request whose first step
-    is one prompt token behind 44 cached ones): the tokens of an engine without caching, logprobs within
-    the graphs' tolerance (tests/test_serving_graphs.py), and the hits."""
+    """On the GPU with decode CUDA graphs (replayed for the decodes, and for the first step of the request
+    whose prompt is one token past 44 cached ones): the tokens of an engine without caching, logprobs
+    within the graphs' tolerance (tests/test_serving_graphs.py), and the hits."""
     from ep_layer import native
 
     if not native.available():
@@ -689,16 +702,8 @@ def test_prefix_caching_with_decode_cuda_graphs_on_gpu(tiny_path: str, async_sch
         engine = tiny_engine(tiny_path, "cuda", caching, use_cuda_graphs=True, backend="cuda",
                              async_scheduling=async_scheduling)
         assert engine.runner.captured_sizes, engine.runner.eager_reason
-        replays = {"n": 0}
-        replay = engine.runner._replay
-
-        def counted(*args, replay=replay, replays=replays):
-            replays["n"] += 1
-            return replay(*args)
-
-        engine.runner._replay = counted
-        runs[caching] = shared_prefix_requests(engine)
-        assert replays["n"] > 0
+        runs[caching], one_prompt_steps = shared_prefix_requests(engine)
+        assert (one_prompt_steps == [True]) if caching else not any(one_prompt_steps)  # with caching: a replay
         assert engine.scheduler_stats().prefix_cache_hits == (3 * 44 if caching else 0)
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         del engine
