@@ -1,7 +1,8 @@
 """Serving benchmark: a concurrency sweep of streaming completions against an ep-serve server.
 
 For each concurrency level it keeps that many requests in flight (each generating exactly
---max-tokens tokens: ignore_eos) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
+--max-tokens tokens: ignore_eos; each prompt starting with a word of its own, so that the prefix cache
+serves none of them) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
 floor of one decode step: the weight bytes one rank reads per step (its attention, dense layers, shared
 experts and lm_head, plus its experts that the step's tokens activate; tensor sizes from config.json,
 as the checkpoint stores them) over the HBM bandwidth.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -113,12 +115,16 @@ async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> S
 
 
 async def sweep_level(url: str, api: str, model: str, concurrency: int, requests: int, prompt_len: int,
-                      max_tokens: int, logprobs: int | None) -> tuple[list[Sample], float]:
+                      max_tokens: int, logprobs: int | None, salt: str) -> tuple[list[Sample], float]:
+    """The samples of `requests` requests, `concurrency` at a time, and the seconds they took. Each prompt
+    starts with a word of its own (`salt` and its index), so that no prompt shares a first KV block with
+    another, this run's or an earlier one's, and the prefix cache serves none of them."""
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(i: int) -> Sample:
         async with gate:
-            prompt = " ".join(f"w{(i * 7 + j) % 97}" for j in range(prompt_len))
+            unique = hashlib.sha256(f"{salt}-{i}".encode()).hexdigest()[:8]  # differs within the first few tokens
+            prompt = " ".join([f"q{unique}", *(f"w{(i * 7 + j) % 97}" for j in range(prompt_len - 1))])
             return await one_request(client, *request_body(api, model, prompt, max_tokens, logprobs))
 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
@@ -276,6 +282,7 @@ def main() -> None:
         print(f"# model {model} ({model_dir}), {ranks} rank(s), prompt {args.prompt_len} words, "
               f"{args.max_tokens} tokens per request, HBM {args.hbm_bytes_per_s / 1e12:.1f} TB/s", flush=True)
         variants = [None] if args.logprobs is None else [None, args.logprobs]
+        run_id = os.urandom(4).hex()
         rows = []
         for concurrency in args.concurrency:
             requests = args.requests or max(8, 4 * concurrency)
@@ -283,8 +290,9 @@ def main() -> None:
             floor_us = decode_step_bytes(model_dir, per_rank, ranks) / args.hbm_bytes_per_s * 1e6 \
                 if model_dir.is_dir() else float("nan")
             for logprobs in variants:
+                salt = f"{run_id}x{concurrency}x{logprobs}"
                 samples, elapsed = asyncio.run(sweep_level(url, args.api, model, concurrency, requests,
-                                                           args.prompt_len, args.max_tokens, logprobs))
+                                                           args.prompt_len, args.max_tokens, logprobs, salt))
                 ttft = [s.ttft * 1e3 for s in samples]
                 tpot = [s.tpot * 1e3 for s in samples]
                 tokens = sum(s.tokens for s in samples)
