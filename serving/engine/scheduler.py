@@ -86,13 +86,14 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            hits = bm.lookup(seq)
-            cached = len(hits or ()) * bm.block_size
+            hits = bm.lookup(seq)  # None: it does not read the cache (off, or it wants prompt logprobs)
+            found = hits or []
+            cached = len(found) * bm.block_size
             n = min(seq.num_tokens - cached, budget)
-            if not bm.can_admit(seq, hits or [], cached + n):
+            if not bm.can_admit(seq, found, cached + n):
                 break
             self.waiting.popleft()
-            bm.admit(seq, hits or [], cached + n)
+            bm.admit(seq, found, cached + n)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
