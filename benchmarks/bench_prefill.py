@@ -27,11 +27,12 @@ BLOCK_SIZE = 16
 
 def engine_for(model: torch.nn.Module, tokenizer: object, device: str, mode: str, max_tokens_per_rank: int,
                budget: int, max_model_len: int) -> LLMEngine:
-    """One sequence at a time; steps of `budget` prompt tokens (normal mode) or of the low-latency T."""
+    """One sequence at a time; steps of `budget` prompt tokens (normal mode) or of the low-latency T. No
+    prefix caching: every repeat of the prompt computes all of it."""
     return LLMEngine(model, tokenizer, num_blocks=-(-max_model_len // BLOCK_SIZE), block_size=BLOCK_SIZE,
                      max_model_len=max_model_len, max_num_seqs=1, max_tokens_per_rank=max_tokens_per_rank,
                      device=torch.device(device), token_budget=budget if mode == "normal" else max_tokens_per_rank,
-                     deepep_mode=mode)
+                     deepep_mode=mode, enable_prefix_caching=False)
 
 
 def time_to_first_token(engine: LLMEngine, prompt: list[int], tag: str) -> tuple[float, int]:

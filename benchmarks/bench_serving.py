@@ -1,7 +1,8 @@
 """Serving benchmark: a concurrency sweep of streaming completions against an ep-serve server.
 
 For each concurrency level it keeps that many requests in flight (each generating exactly
---max-tokens tokens: ignore_eos) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
+--max-tokens tokens: ignore_eos; each prompt starting with a word of its own, so that the prefix cache
+serves none of them) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
 floor of one decode step: the weight bytes one rank reads per step (its attention, dense layers, shared
 experts and lm_head, plus its experts that the step's tokens activate; tensor sizes from config.json,
 as the checkpoint stores them) over the HBM bandwidth.
@@ -9,6 +10,12 @@ as the checkpoint stores them) over the HBM bandwidth.
 `--api chat` sends the prompts as one user message to /v1/chat/completions. `--logprobs N` runs every
 level twice, side by side: without logprobs, then with the top N of each token (completions'
 `logprobs=N`, chat's `logprobs` + `top_logprobs=N`), and prints what the logprobs cost in TPOT.
+
+`--shared-prefix N` measures prefix caching instead of the sweep: in each of --requests rounds, a request
+whose prompt is a fresh N-token prefix and a short tail (cold: nothing cached), then one with the same
+prefix and another tail (warm: the prefix's blocks are cached), one at a time, after a warm-up round;
+it prints both TTFTs' medians, their ratio (the target is at most 0.25 for N = 1000) and the server's
+prefix cache hits.
 
     python benchmarks/bench_serving.py                                  # launches ep-serve (tiny model, EP=2, CPU)
     python benchmarks/bench_serving.py --launch "/ckpt --enable-expert-parallel --data-parallel-size 8"
@@ -19,14 +26,18 @@ A DeepSeek-V3-shaped model on one GPU (V3's widths at 4 layers, random FP8 weigh
     python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
     python benchmarks/bench_serving.py --launch "/tmp/v3-4l --load-format dummy --max-model-len 1024"
     python benchmarks/bench_serving.py --launch "..." --api chat --logprobs 5 --concurrency 1 64
+    python benchmarks/bench_serving.py --launch "/tmp/v3-4l --load-format dummy --max-model-len 2048" \
+        --shared-prefix 1000 --requests 8
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -104,18 +115,79 @@ async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> S
 
 
 async def sweep_level(url: str, api: str, model: str, concurrency: int, requests: int, prompt_len: int,
-                      max_tokens: int, logprobs: int | None) -> tuple[list[Sample], float]:
+                      max_tokens: int, logprobs: int | None, salt: str) -> tuple[list[Sample], float]:
+    """The samples of `requests` requests, `concurrency` at a time, and the seconds they took. Each prompt
+    starts with a word of its own (`salt` and its index), so that no prompt shares a first KV block with
+    another, this run's or an earlier one's, and the prefix cache serves none of them."""
     gate = asyncio.Semaphore(concurrency)
 
     async def limited(i: int) -> Sample:
         async with gate:
-            prompt = " ".join(f"w{(i * 7 + j) % 97}" for j in range(prompt_len))
+            unique = hashlib.sha256(f"{salt}-{i}".encode()).hexdigest()[:8]  # differs within the first few tokens
+            prompt = " ".join([f"q{unique}", *(f"w{(i * 7 + j) % 97}" for j in range(prompt_len - 1))])
             return await one_request(client, *request_body(api, model, prompt, max_tokens, logprobs))
 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
         start = time.perf_counter()
         samples = await asyncio.gather(*(limited(i) for i in range(requests)))
         return list(samples), time.perf_counter() - start
+
+
+async def random_token_ids(client: httpx.AsyncClient, model: str, count: int, rng: random.Random) -> list[int]:
+    """`count` token ids of random words (through the server's /tokenize, which takes at most max_model_len
+    tokens at once: the words are sized from a first sample)."""
+    async def tokenize(words: int) -> list[int]:
+        text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(words))
+        resp = await client.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+        if resp.status_code != 200:
+            raise RuntimeError(f"/tokenize: HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()["tokens"]
+
+    per_word = len(await tokenize(64)) / 64
+    ids: list[int] = []
+    while len(ids) < count:
+        ids += await tokenize(max(1, round((count - len(ids)) / per_word)) + 4)
+    return ids[:count]
+
+
+async def shared_prefix_ttft(url: str, model: str, prefix_len: int, rounds: int,
+                             max_tokens: int) -> list[tuple[float, float]]:
+    """(cold TTFT, warm TTFT) of each round: a fresh prefix_len-token prefix and a 16-token tail, then the
+    same prefix with another tail, one request at a time (token-id prompts to /v1/completions, so the
+    prefix is exactly prefix_len tokens). The prefixes come from random words, new in every run."""
+    rng = random.Random(os.urandom(8))
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0)) as client:
+        for _ in range(rounds):
+            prefix = await random_token_ids(client, model, prefix_len, rng)
+            samples = []
+            for _tail in range(2):
+                tail = await random_token_ids(client, model, 16, rng)
+                endpoint, body = request_body("completions", model, "", max_tokens, None)
+                samples.append(await one_request(client, endpoint, {**body, "prompt": prefix + tail}))
+            out.append((samples[0].ttft, samples[1].ttft))
+    return out
+
+
+def prefix_hits(url: str) -> float:
+    """The server's vllm:prefix_cache_hits_total, summed over its ranks."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total{"))
+
+
+def run_shared_prefix(url: str, model: str, prefix_len: int, rounds: int, max_tokens: int) -> None:
+    hits = prefix_hits(url)
+    warmup, *pairs = asyncio.run(shared_prefix_ttft(url, model, prefix_len, rounds + 1, max_tokens))
+    hits = (prefix_hits(url) - hits) / (rounds + 1)
+    print(f"warm-up round (not counted): cold TTFT {warmup[0] * 1e3:.2f} ms, warm TTFT {warmup[1] * 1e3:.2f} ms")
+    for i, (cold, warm) in enumerate(pairs):
+        print(f"round {i}: cold TTFT {cold * 1e3:.2f} ms, warm TTFT {warm * 1e3:.2f} ms", flush=True)
+    cold = percentile([c for c, _ in pairs], 50)
+    warm = percentile([w for _, w in pairs], 50)
+    print(f"\nshared prefix of {prefix_len} tokens, {rounds} rounds: TTFT p50 cold {cold * 1e3:.2f} ms, warm "
+          f"{warm * 1e3:.2f} ms, warm/cold {warm / cold:.3f} (target <= 0.25); prefix cache hits {hits:.0f} "
+          f"tokens a round")
 
 
 def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> float:
@@ -179,12 +251,17 @@ def main() -> None:
                         help="the endpoint: /v1/completions, or /v1/chat/completions with one user message")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="run each level without and then with the top-N logprobs of every token (0-20)")
+    parser.add_argument("--shared-prefix", type=int, default=None, metavar="N",
+                        help="instead of the sweep: the TTFT of a request sharing an N-token prefix with the one "
+                             "before it against the cold TTFT of that one, over --requests rounds (default 8)")
     parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
     parser.add_argument("--metrics-out", type=Path, default=None,
                         help="save the server's /metrics text here after the sweep")
     args = parser.parse_args()
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         parser.error(f"--logprobs: expected 0..20 (OpenAI's bound), got {args.logprobs}")
+    if args.shared_prefix is not None and (args.shared_prefix < 1 or args.api != "completions"):
+        parser.error("--shared-prefix: expected N >= 1, with --api completions (its prompts are token ids)")
 
     server = None
     log = tempfile.TemporaryFile()  # noqa: SIM115 (open for the server's lifetime, closed in finally)
@@ -196,12 +273,16 @@ def main() -> None:
         wait_healthy(url, server, log)
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         model = args.model or models[0]["id"]
+        if args.shared_prefix is not None:
+            run_shared_prefix(url, model, args.shared_prefix, args.requests or 8, args.max_tokens)
+            return
         model_dir = args.model_dir or Path(models[0]["root"])
         ranks = args.ranks or (int(shlex.split(args.launch)[shlex.split(args.launch).index("--data-parallel-size") + 1])
                                if server is not None and "--data-parallel-size" in args.launch else 1)
         print(f"# model {model} ({model_dir}), {ranks} rank(s), prompt {args.prompt_len} words, "
               f"{args.max_tokens} tokens per request, HBM {args.hbm_bytes_per_s / 1e12:.1f} TB/s", flush=True)
         variants = [None] if args.logprobs is None else [None, args.logprobs]
+        run_id = os.urandom(4).hex()
         rows = []
         for concurrency in args.concurrency:
             requests = args.requests or max(8, 4 * concurrency)
@@ -209,8 +290,9 @@ def main() -> None:
             floor_us = decode_step_bytes(model_dir, per_rank, ranks) / args.hbm_bytes_per_s * 1e6 \
                 if model_dir.is_dir() else float("nan")
             for logprobs in variants:
+                salt = f"{run_id}x{concurrency}x{logprobs}"
                 samples, elapsed = asyncio.run(sweep_level(url, args.api, model, concurrency, requests,
-                                                           args.prompt_len, args.max_tokens, logprobs))
+                                                           args.prompt_len, args.max_tokens, logprobs, salt))
                 ttft = [s.ttft * 1e3 for s in samples]
                 tpot = [s.tpot * 1e3 for s in samples]
                 tokens = sum(s.tokens for s in samples)

@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-num-batched-tokens with --deepep-mode low_latency, else 256)")
     _add_parallel_args(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching: full KV blocks stay cached under a hash of their tokens and "
+                        "everything before them, and a request starts after the longest cached prefix of its "
+                        "prompt, per rank (requests with prompt_logprobs compute their whole prompt); default on, "
+                        "as in vLLM; --no-enable-prefix-caching: every prompt is computed in full")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks per rank (default: from --gpu-memory-utilization on GPU, 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -364,8 +369,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, ep_transport=args.ep_transport, device=args.device, seed=args.seed,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, chat_template=args.chat_template,
-        **_rank_placement(args))
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching, chat_template=args.chat_template, **_rank_placement(args))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -500,9 +505,10 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
         dispatch = (f", dispatch auto: low-latency up to {config.max_tokens_per_rank} tokens a rank, normal mode "
                     f"above (up to {config.token_budget} a step)")
     weights = ", FP8 block weights" if checkpoint.fp8 else ""
+    caching = "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)"
     return (f"ep-serve ready at {url}: model {config.served_model_name} ({config.model}), dtype {config.dtype}"
             f"{weights}, {ranks}, {buffer}{dispatch}, {graphs}, on {info.device}; KV cache {info.num_kv_blocks} "
-            f"blocks of {info.block_size} tokens a rank, max_model_len {info.max_model_len}")
+            f"blocks of {info.block_size} tokens a rank, prefix caching {caching}, max_model_len {info.max_model_len}")
 
 
 def buffer_transport(config: EngineConfig) -> str:

@@ -63,10 +63,14 @@ def text(outs: list[RequestOutput]) -> str:
 
 
 def check_blocks(engine: LLMEngine) -> None:
-    """Every running sequence holds exactly the blocks its computed tokens need; the rest are free."""
+    """Every running sequence holds exactly the blocks its computed tokens need, each block counted once
+    per holder (the prefix cache shares blocks); the rest are free."""
     bm = engine.block_manager
-    held = [b for s in engine.scheduler.running for b in s.block_table]
-    assert len(held) == len(set(held))
+    held: dict[int, int] = {}
+    for seq in engine.scheduler.running:
+        for b in seq.block_table:
+            held[b] = held.get(b, 0) + 1
+    assert all(bm.ref_count(b) == n for b, n in held.items())
     for seq in engine.scheduler.running:
         assert len(seq.block_table) == math.ceil(seq.num_computed_tokens / bm.block_size)
     for seq in engine.scheduler.waiting:

@@ -8,7 +8,9 @@ the cuda backend) and only read here.
 
 The vllm: metrics are fed by `ServingMetrics` as the coordinator's observer (from its reader thread):
 TTFT, inter-token latency and end-to-end latency are measured in the server process from request
-arrival to the arrival of each output; queue time is the engine's (arrival to first scheduled)."""
+arrival to the arrival of each output; queue time is the engine's (arrival to first scheduled). The
+prefix cache counters are the ranks' own (serving.engine.block_manager.PrefixCacheStats), which come
+cumulative with each rank's scheduler state and are added here as they grow."""
 
 from __future__ import annotations
 
@@ -73,6 +75,10 @@ class ServingMetrics:
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          _LABELS, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", _LABELS, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", _LABELS, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                (*_LABELS, "finished_reason"), registry=r)
         self.rejected = Counter("ep_layer:requests_rejected", "Requests refused with a 503 because the engine "
@@ -84,12 +90,14 @@ class ServingMetrics:
         for rank in range(num_ranks):
             labels = (model_name, str(rank))
             for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting,
-                           self.kv_usage, self.prompt_tokens, self.generation_tokens):
+                           self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
+                           self.prefix_hits):
                 metric.labels(*labels)
             for reason in FINISH_REASONS:
                 self.success.labels(*labels, reason)
         self._lock = threading.Lock()
         self._timing: dict[str, _Timing] = {}
+        self._prefix_seen: dict[int, tuple[int, int]] = {}  # rank -> (queries, hits) counted so far
 
     # ------------------------------------------------------------------ EngineObserver
     def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
@@ -129,6 +137,10 @@ class ServingMetrics:
         self.running.labels(*labels).set(stats.num_running)
         self.waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
+        queries, hits = self._prefix_seen.get(rank, (0, 0))
+        self.prefix_queries.labels(*labels).inc(stats.prefix_cache_queries - queries)
+        self.prefix_hits.labels(*labels).inc(stats.prefix_cache_hits - hits)
+        self._prefix_seen[rank] = (stats.prefix_cache_queries, stats.prefix_cache_hits)
 
     # ------------------------------------------------------------------ exposition
     def render(self, ep_stats: list[EPStats]) -> bytes:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI): /v1/completions and /v1/chat/completions (+ SSE
-streaming), vLLM's /tokenize and /detokenize, /v1/models, /health, /version, /metrics. It validates and
+streaming), vLLM's /tokenize and /detokenize, /v1/models, /health, /version, /metrics, and in vLLM's
+development mode (VLLM_SERVER_DEV_MODE=1) POST /reset_prefix_cache. It validates and
 tokenizes requests (chats through the model's chat template), hands them to the engine ranks through
 the DPCoordinator and turns the ranks' outputs into responses. Bad input is a 400 in vLLM's error
 envelope, an unknown model a 404, a body over the size limit a 413; only a full engine (503 with
@@ -15,11 +16,12 @@ import hmac
 import importlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -102,7 +104,8 @@ class ServerState:
     None: unknown, texts are not refused by length before tokenizing). tokenize_pool: where long texts
     are tokenized (prompts.py). connection_limits: run_http's (connections.py), and the pace of a
     body. shutdown_deadline: time.monotonic() by which requests in flight end,
-    set on SIGTERM."""
+    set on SIGTERM. dev_mode: serve vLLM's development endpoints (POST /reset_prefix_cache), as vLLM
+    does with VLLM_SERVER_DEV_MODE=1 (the default here reads that variable)."""
 
     coordinator: DPCoordinator
     codec: Codec
@@ -121,6 +124,16 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(default_factory=make_tokenize_pool)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     shutdown_deadline: float | None = None
+    dev_mode: bool = field(default_factory=lambda: dev_mode_from_env(os.environ))
+
+
+def dev_mode_from_env(env: Mapping[str, str]) -> bool:
+    """vLLM's VLLM_SERVER_DEV_MODE: an integer, on where it is not 0 (unset: off)."""
+    value = env.get("VLLM_SERVER_DEV_MODE", "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"VLLM_SERVER_DEV_MODE: expected an integer (0 or 1), got {value!r}") from None
 
 
 def make_server_state(config: EngineConfig, api_key: str | None = None, start_timeout_s: float = 600.0, *,
@@ -303,6 +316,23 @@ def build_app(state: ServerState) -> FastAPI:
                                 f"(max_model_len {state.max_model_len})", where)
         strs = token_strs(state, ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+    if state.dev_mode:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
+            """vLLM's development endpoint: every local rank forgets its prefix cache between steps, where
+            no request holds blocks (vLLM's rule; a rank with requests running keeps its cache, which the
+            log says). 200 with no body either way, as vLLM answers."""
+            _refuse((("reset_running_requests", reset_running_requests), ("reset_external", reset_external)))
+            log.info("Resetting prefix cache...")
+            done = await asyncio.to_thread(state.coordinator.reset_prefix_cache, _STATS_TIMEOUT_S)
+            kept = [rank for rank, ok in done.items() if not ok]
+            if not done:
+                log.warning("prefix cache reset: the engine ranks did not all answer within %g s", _STATS_TIMEOUT_S)
+            elif kept:
+                log.warning("prefix cache not reset on rank(s) %s: requests there hold KV blocks (reset when idle)",
+                            kept)
+            return Response(status_code=200)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -33,9 +33,11 @@ from .messages import (
     CollectStats,
     EPStats,
     ModelInfo,
+    PrefixCacheReset,
     RankFailed,
     RankReady,
     RequestOutput,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     StatsReply,
@@ -127,7 +129,7 @@ class DPCoordinator:
         self._lock = threading.Lock()
         self._inflight: dict[str, _InFlight] = {}
         self._load = [0] * self.num_ranks
-        self._replies: dict[int, list[EPStats]] = {}
+        self._replies: dict[int, list[Any]] = {}  # token -> the ranks' answers to one question (_ask_every_rank)
         self._replies_cv = threading.Condition(self._lock)
         self._tokens = itertools.count(1)
         self._reader: threading.Thread | None = None
@@ -265,13 +267,25 @@ class DPCoordinator:
     def collect_stats(self, timeout_s: float = 5.0) -> list[EPStats]:
         """Every local rank's device counters (read by the ranks between steps), by rank; [] if they
         do not answer within the timeout."""
+        replies: list[StatsReply] = self._ask_every_rank(CollectStats, timeout_s)
+        return sorted((r.stats for r in replies), key=lambda s: s.rank)
+
+    def reset_prefix_cache(self, timeout_s: float = 5.0) -> dict[int, bool]:
+        """Ask every local rank to forget its prefix cache between steps (LLMEngine.reset_prefix_cache);
+        whether each (global) rank did, or {} if they do not all answer within the timeout."""
+        replies: list[PrefixCacheReset] = self._ask_every_rank(ResetPrefixCache, timeout_s)
+        return {r.rank: r.done for r in sorted(replies, key=lambda r: r.rank)}
+
+    def _ask_every_rank(self, question: Callable[[int], Any], timeout_s: float) -> list[Any]:
+        """Send question(token) to every local rank and wait for their answers carrying that token (the
+        reader thread collects them); [] if the engine is dead or not all answer within the timeout."""
         if not self.alive:
             return []
         token = next(self._tokens)
         with self._lock:
             self._replies[token] = []
         for inbox in self._inboxes:
-            inbox.put(CollectStats(token))
+            inbox.put(question(token))
         deadline = time.monotonic() + timeout_s
         with self._replies_cv:
             while len(self._replies[token]) < self.num_ranks:
@@ -279,7 +293,7 @@ class DPCoordinator:
                 if left <= 0 or not self._replies_cv.wait(left):
                     break
             replies = self._replies.pop(token)
-        return sorted(replies, key=lambda s: s.rank) if len(replies) == self.num_ranks else []
+        return replies if len(replies) == self.num_ranks else []
 
     # ------------------------------------------------------------------ reader thread
     def _read_loop(self) -> None:
@@ -294,10 +308,10 @@ class DPCoordinator:
             now = time.monotonic()
             if isinstance(msg, StepOutputs):
                 self._deliver(msg, now)
-            elif isinstance(msg, StatsReply):
+            elif isinstance(msg, (StatsReply, PrefixCacheReset)):
                 with self._replies_cv:
                     if msg.token in self._replies:
-                        self._replies[msg.token].append(msg.stats)
+                        self._replies[msg.token].append(msg)
                         self._replies_cv.notify_all()
             elif isinstance(msg, RankFailed):
                 # A rank whose collective broke because a peer died reports a library error about a

@@ -66,13 +66,14 @@ class PendingStep:
 
 
 class LLMEngine:
-    """async_scheduling: see the module docstring."""
+    """async_scheduling: see the module docstring. enable_prefix_caching: sequences start after the
+    longest prefix of theirs that earlier ones left in the KV cache (block_manager.py)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, num_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_tokens_per_rank: int, device: torch.device,
                  seed: int = 0, rank: int = 0, num_ranks: int = 1, use_cuda_graphs: bool = False,
                  async_scheduling: bool = False, token_budget: int | None = None,
-                 deepep_mode: str = "low_latency") -> None:
+                 deepep_mode: str = "low_latency", enable_prefix_caching: bool = True) -> None:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = eos_token_ids(cfg)
@@ -82,7 +83,7 @@ class LLMEngine:
                              f"sequence of max_model_len={max_model_len} tokens")
         self.codec: Codec = as_codec(tokenizer)
         self.device, self.rank, self.num_ranks = device, rank, num_ranks
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_tokens_per_rank, self.deepep_mode = max_tokens_per_rank, deepep_mode
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, token_budget or max_tokens_per_rank,
                                    max_model_len)
@@ -231,8 +232,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def scheduler_stats(self) -> SchedulerStats:
-        s = self.scheduler
-        return SchedulerStats(len(s.running), len(s.waiting), self.block_manager.usage, s.num_preemptions)
+        s, bm = self.scheduler, self.block_manager
+        return SchedulerStats(len(s.running), len(s.waiting), bm.usage, s.num_preemptions, bm.stats.queries,
+                              bm.stats.hits)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached blocks (BlockManager.reset): only while no sequence holds blocks, else False."""
+        return self.block_manager.reset()
 
     def ep_stats(self) -> EPStats:
         """Cumulative device counters (a device sync: call at scrape time only) and step timings."""

@@ -61,6 +61,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no decode CUDA graphs (see serving.engine.model_runner)
     async_scheduling: bool = True  # launch a step before reading the last one's tokens (serving.engine.engine)
+    enable_prefix_caching: bool = True  # start sequences after their cached prefix (serving.engine.block_manager)
     dist_port: int = 0  # rendezvous port of the rank group (0: the process that runs rank 0 binds a free one)
     data_parallel_size_local: int | None = None  # ranks this process runs (None: all from the start rank on)
     data_parallel_start_rank: int = 0  # global rank of this process's first rank

@@ -45,6 +45,13 @@ class CollectStats:
 
 
 @dataclass(frozen=True)
+class ResetPrefixCache:
+    """Asks a rank to forget its prefix cache between steps (LLMEngine.reset_prefix_cache)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -112,10 +119,15 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class SchedulerStats:
+    """A rank's scheduler state; prefix_cache_queries / prefix_cache_hits: cumulative tokens of new
+    requests looked up in the prefix cache and found there (block_manager.PrefixCacheStats)."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,3 +157,12 @@ class EPStats:
 class StatsReply:
     token: int
     stats: EPStats
+
+
+@dataclass(frozen=True)
+class PrefixCacheReset:
+    """A rank's answer to ResetPrefixCache: done, or not (sequences still hold blocks)."""
+
+    token: int
+    rank: int
+    done: bool

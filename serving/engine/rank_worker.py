@@ -31,9 +31,11 @@ from .messages import (
     AddRequests,
     CollectStats,
     ModelInfo,
+    PrefixCacheReset,
     RankFailed,
     RankReady,
     RequestOutput,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     StatsReply,
@@ -119,7 +121,8 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
                            max_tokens_per_rank=config.max_tokens_per_rank, device=device, seed=config.seed + rank,
                            rank=rank, num_ranks=config.data_parallel_size,
                            use_cuda_graphs=not config.enforce_eager, async_scheduling=config.async_scheduling,
-                           token_budget=config.token_budget, deepep_mode=config.deepep_mode)
+                           token_budget=config.token_budget, deepep_mode=config.deepep_mode,
+                           enable_prefix_caching=config.enable_prefix_caching)
         if rank == 0 and engine.runner.captured_sizes:
             print(f"Captured decode CUDA graphs for batch sizes {engine.runner.captured_sizes} in "
                   f"{engine.runner.capture_seconds:.1f} s", file=sys.stderr, flush=True)
@@ -226,7 +229,7 @@ class RankLoop:
                 return messages
 
     def _handle(self, messages: list[Any]) -> bool:
-        """Apply the server's messages; False on shutdown."""
+        """Apply the server's messages (between steps); False on shutdown."""
         outputs: list[RequestOutput] = []
         for msg in messages:
             if isinstance(msg, AddRequests):
@@ -242,6 +245,8 @@ class RankLoop:
                     outputs.append(out)
             elif isinstance(msg, CollectStats):
                 self.outbox.put(StatsReply(msg.token, self.engine.ep_stats()))
+            elif isinstance(msg, ResetPrefixCache):
+                self.outbox.put(PrefixCacheReset(msg.token, self.rank, self.engine.reset_prefix_cache()))
             elif isinstance(msg, Shutdown):
                 return False
             elif not isinstance(msg, Wake):

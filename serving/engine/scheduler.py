@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill: each step takes up to `token_budget` tokens (the MoE
 layer's T), running sequences first (one decode token each, or the next chunk of their prompt), then
-waiting ones. When the KV cache runs out, the newest running sequence is preempted and recomputed
-later. A running sequence whose pending tokens (async scheduling) will finish it is left out."""
+waiting ones, each starting after the longest prefix the prefix cache holds for it (block_manager.py).
+When the KV cache runs out, the newest running sequence is preempted and recomputed later (its blocks
+stay in the prefix cache until they are reused). A running sequence whose pending tokens (async
+scheduling) will finish it is left out."""
 
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ class Scheduler:
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.token_budget
+        bm = self.block_manager
+        if bm.enable_caching:
+            for seq in self.running:  # what the last steps computed becomes a hit for the sequences admitted now
+                bm.cache_blocks(seq)
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -80,14 +86,19 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_grow(seq, seq.num_computed_tokens + n):
+            hits = bm.lookup(seq)  # None: it does not read the cache (off, or it wants prompt logprobs)
+            found = hits or []
+            cached = len(found) * bm.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not bm.can_admit(seq, found, cached + n):
                 break
             self.waiting.popleft()
-            self.block_manager.grow(seq, seq.num_computed_tokens + n)
+            bm.admit(seq, found, cached + n)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                if hits is not None:
+                    bm.stats.record(seq.num_tokens, cached)
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)

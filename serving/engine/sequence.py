@@ -130,9 +130,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request. Its tokens are prompt + output + `num_pending`; the first `num_computed_tokens` of
     them have their KV in the cache (blocks in `block_table`). After a preemption, everything is
-    recomputed. With async scheduling a sampled token stays on the device until the engine's next step
-    has been launched: it is pending (counted, not yet in output_token_ids; the latest is row
-    `pending_row` of that step's sampled tokens), and the next step reads it there.
+    recomputed, less what the prefix cache still holds (block_manager.py): the first `num_cached_blocks`
+    blocks of its table are registered there, and `block_hashes` are the chained hashes of its full
+    blocks of known tokens (kept across preemptions: its tokens do not change). With async scheduling a
+    sampled token stays on the device until the engine's next step has been launched: it is pending
+    (counted, not yet in output_token_ids; the latest is row `pending_row` of that step's sampled
+    tokens), and the next step reads it there.
 
     With penalties, `counts_row` is its row of the engine's token counts on the device (-1 before its
     first sample). With prompt_logprobs, the logprobs of prompt tokens 1 .. num_prompt_logprobs have
@@ -148,6 +151,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
