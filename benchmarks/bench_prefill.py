@@ -19,7 +19,7 @@ import torch
 
 from serving.engine.engine import LLMEngine
 from serving.engine.sequence import SamplingParams
-from serving.loader import load_model, load_tokenizer
+from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 from serving.tiny_model import tiny_checkpoint
 
 BLOCK_SIZE = 16
@@ -61,9 +61,9 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.model or tiny_checkpoint()
     longest = max(args.prompts)
-    model = load_model(path, max_tokens_per_rank=args.max_tokens_per_rank, device=device, progress=False,
+    model = load_checkpoint(path, max_tokens_per_rank=args.max_tokens_per_rank, device=device, progress=False,
                        load_format=args.load_format, normal_mode=True).eval()
-    tokenizer = load_tokenizer(path)
+    tokenizer = read_tokenizer(path)
     vocab = int(model.config.vocab_size)
     print(f"# {path} ({args.load_format}) on {device}; low-latency T = {args.max_tokens_per_rank}; "
           f"medians of {args.repeats} after a warm-up", flush=True)

@@ -50,7 +50,7 @@ from typing import IO
 
 import httpx
 
-from serving.loader import load_config
+from serving.loading.checkpoint import load_config
 from serving.random_weights import stored_bytes
 
 H200_HBM_BYTES_PER_S = 4.8e12  # datasheet; bench_ll.py measures the copy rate of the card at hand

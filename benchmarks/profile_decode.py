@@ -21,7 +21,7 @@ from bench_serving import H200_HBM_BYTES_PER_S, decode_step_bytes
 
 from serving.engine.engine import LLMEngine
 from serving.engine.sequence import SamplingParams
-from serving.loader import load_model, load_tokenizer
+from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 from serving.tiny_model import tiny_checkpoint
 
 PROMPT_LEN = 16
@@ -29,9 +29,9 @@ TOKENS_PER_STEP = 256  # ep-serve's default --max-tokens-per-rank
 
 
 def build_engine(path: str, load_format: str, device: str, max_num_seqs: int, max_model_len: int) -> LLMEngine:
-    model = load_model(path, max_tokens_per_rank=TOKENS_PER_STEP, device=device, progress=False,
+    model = load_checkpoint(path, max_tokens_per_rank=TOKENS_PER_STEP, device=device, progress=False,
                        load_format=load_format).eval()
-    return LLMEngine(model, load_tokenizer(path), num_blocks=max_num_seqs * -(-max_model_len // 16), block_size=16,
+    return LLMEngine(model, read_tokenizer(path), num_blocks=max_num_seqs * -(-max_model_len // 16), block_size=16,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens_per_rank=TOKENS_PER_STEP,
                      device=torch.device(device), use_cuda_graphs=device == "cuda")
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ep_layer.block_fp8 import block_dequant
 from serving.forward_batch import ForwardBatch
-from serving.loader import checkpoint_tensor_files, load_model
+from serving.loading.checkpoint import checkpoint_tensor_files, load_checkpoint
 from serving.models import DeepseekV3ForCausalLM
 from serving.tiny_model import save_sharded
 
@@ -207,7 +207,7 @@ def ep_rank(rank: int, world: int, paths: dict[str, str], scripts: list[list[Ste
     loads: dict[str, list[int]] = {}
     try:
         for kind, path in paths.items():
-            model = load_model(path, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=32,
+            model = load_checkpoint(path, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=32,
                                dtype=dtype, progress=False)
             mine = range(len(scripts)) if world == 1 else [rank]
             for s in mine:

@@ -630,11 +630,11 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def tiny_engine(path: str, device: str, caching: bool, use_cuda_graphs: bool = False, backend: str = "reference",
                 async_scheduling: bool = False) -> LLMEngine:
-    from serving.loader import load_model, load_tokenizer
+    from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 
-    model = load_model(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
+    model = load_checkpoint(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
                        progress=False)
-    return LLMEngine(model, load_tokenizer(path), num_blocks=96, block_size=4, max_model_len=128, max_num_seqs=8,
+    return LLMEngine(model, read_tokenizer(path), num_blocks=96, block_size=4, max_model_len=128, max_num_seqs=8,
                      max_tokens_per_rank=32, device=torch.device(device), use_cuda_graphs=use_cuda_graphs,
                      async_scheduling=async_scheduling, enable_prefix_caching=caching)
 

@@ -45,7 +45,7 @@ from serving.engine.sampling import (
 )
 from serving.engine.scheduler import ScheduledBatch
 from serving.engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams
-from serving.loader import load_model, load_tokenizer
+from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 from serving.tiny_model import write_tiny_checkpoint
 
 BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -365,15 +365,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def tiny_engine(path: str, async_scheduling: bool, budget: int = 8) -> LLMEngine:
-    model = load_model(path, backend="reference", max_tokens_per_rank=budget, dtype=torch.float32, device="cpu",
+    model = load_checkpoint(path, backend="reference", max_tokens_per_rank=budget, dtype=torch.float32, device="cpu",
                        progress=False)
-    return LLMEngine(model, load_tokenizer(path), num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
+    return LLMEngine(model, read_tokenizer(path), num_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8,
                      max_tokens_per_rank=budget, device=torch.device("cpu"), async_scheduling=async_scheduling)
 
 
 def whole_sequence_logits(path: str, token_ids: list[int]) -> torch.Tensor:
     """float32 logits at every position of `token_ids`, from one prefill of a fresh model."""
-    model = load_model(path, backend="reference", max_tokens_per_rank=64, dtype=torch.float32, device="cpu",
+    model = load_checkpoint(path, backend="reference", max_tokens_per_rank=64, dtype=torch.float32, device="cpu",
                        progress=False)
     with torch.inference_mode():
         rows = PagedRunner(model, {0: token_ids}).run([[(0, len(token_ids))]], all_logits=True)

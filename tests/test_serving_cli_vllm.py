@@ -339,7 +339,7 @@ def test_startup_summary_states_the_layout():
 
 # ---------------------------------------------------------------------------- what the ranks load
 def test_the_default_loader_builds_the_model_in_config_dtype(tmp_path):
-    from serving.engine.loading import load_model
+    from serving.loading import load_model
     from serving.tiny_model import tiny_checkpoint
 
     cfg = EngineConfig(model=tiny_checkpoint(str(tmp_path)), dtype="float32")
@@ -348,7 +348,7 @@ def test_the_default_loader_builds_the_model_in_config_dtype(tmp_path):
 
 
 def test_the_default_loader_reads_config_tokenizer(tmp_path):
-    from serving.engine.loading import load_tokenizer
+    from serving.loading import load_tokenizer
     from serving.tiny_model import tiny_checkpoint
 
     weights_only = tmp_path / "no-tokenizer"

@@ -12,7 +12,7 @@ from serving.engine.engine import LLMEngine
 from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, graph_sizes, why_eager
 from serving.engine.scheduler import ScheduledBatch
 from serving.engine.sequence import SamplingParams
-from serving.loader import load_model, load_tokenizer
+from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 from serving.models import mla_decode_triton
 from serving.tiny_model import write_tiny_checkpoint
 
@@ -27,9 +27,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def make_engine(path: str, device: str, use_cuda_graphs: bool, backend: str, max_num_seqs: int = 8,
                 async_scheduling: bool = False) -> LLMEngine:
-    model = load_model(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
+    model = load_checkpoint(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
                        progress=False)
-    return LLMEngine(model, load_tokenizer(path), num_blocks=64, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+    return LLMEngine(model, read_tokenizer(path), num_blocks=64, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=32, device=torch.device(device),
                      use_cuda_graphs=use_cuda_graphs, async_scheduling=async_scheduling)
 

@@ -54,7 +54,7 @@ from serving_model_helpers import (
 )
 
 from serving.forward_batch import ForwardBatch
-from serving.loader import CheckpointError, load_model, load_tensors, load_tokenizer
+from serving.loading.checkpoint import CheckpointError, load_checkpoint, load_tensors, read_tokenizer
 from serving.model_config import ConfigError, ModelConfig
 from serving.models.rotary import RotaryEmbedding, inv_freq_and_attention_factor, softmax_scale
 from serving.tiny_model import TINY_CONFIG, V3_CONFIG, main, write_tiny_checkpoint
@@ -89,7 +89,7 @@ def hf_model(path: str) -> torch.nn.Module:
 
 
 def ours(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return load_model(path, backend="reference", max_tokens_per_rank=64, dtype=dtype, progress=False)
+    return load_checkpoint(path, backend="reference", max_tokens_per_rank=64, dtype=dtype, progress=False)
 
 
 class FusedMoEForTransformers(torch.nn.Module):
@@ -462,7 +462,7 @@ def test_loader_file_errors(checkpoints: dict[str, str], tmp_path) -> None:
         ours(str(path))
     os.remove(path / "tokenizer.json")
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: no such file"):
-        load_tokenizer(path)
+        read_tokenizer(path)
     with pytest.raises(ConfigError, match="no such file"):
         ours(str(tmp_path / "nowhere"))
 
@@ -500,7 +500,7 @@ def test_tiny_checkpoint_is_deterministic(checkpoints: dict[str, str], tmp_path,
 
 
 def test_tiny_tokenizer(checkpoints: dict[str, str]) -> None:
-    tokenizer = load_tokenizer(checkpoints["bf16"])
+    tokenizer = read_tokenizer(checkpoints["bf16"])
     config = ModelConfig.from_file(checkpoints["bf16"])
     assert tokenizer.get_vocab_size() == config.vocab_size == 512
     assert tokenizer.id_to_token(config.bos_token_id) == "<｜begin▁of▁sentence｜>"  # noqa: RUF001
@@ -530,9 +530,9 @@ def test_dummy_load_format(checkpoints: dict[str, str], kind: str) -> None:
     """Random weights of the checkpoint's shapes and dtypes, the same for the same seed, unlike the
     checkpoint's; the model runs."""
     path = checkpoints[kind]
-    dummy = load_model(path, backend="reference", max_tokens_per_rank=64, progress=False, load_format="dummy")
-    again = load_model(path, backend="reference", max_tokens_per_rank=64, progress=False, load_format="dummy")
-    real = load_model(path, backend="reference", max_tokens_per_rank=64, progress=False)
+    dummy = load_checkpoint(path, backend="reference", max_tokens_per_rank=64, progress=False, load_format="dummy")
+    again = load_checkpoint(path, backend="reference", max_tokens_per_rank=64, progress=False, load_format="dummy")
+    real = load_checkpoint(path, backend="reference", max_tokens_per_rank=64, progress=False)
     got, same, want = dummy.state_dict(), again.state_dict(), real.state_dict()
     assert got.keys() == want.keys()
     for name, tensor in want.items():
@@ -544,7 +544,7 @@ def test_dummy_load_format(checkpoints: dict[str, str], kind: str) -> None:
     logits = PagedRunner(dummy, {0: list(range(2, 12))}).run([[(0, 10)]])
     assert all(torch.isfinite(v).all() for v in logits.values())
     with pytest.raises(ValueError, match="load_format"):
-        load_model(path, load_format="npz")
+        load_checkpoint(path, load_format="npz")
 
 
 def test_v3_shaped_directory(tmp_path) -> None:
@@ -554,7 +554,7 @@ def test_v3_shaped_directory(tmp_path) -> None:
     config = ModelConfig.from_dict(json.loads((tmp_path / "v3" / "config.json").read_text()))
     assert (config.num_hidden_layers, config.first_k_dense_replace, config.hidden_size) == (4, 1, 7168)
     assert config.fp8 and config.n_routed_experts == 256
-    assert load_tokenizer(path).encode("hello").ids
+    assert read_tokenizer(path).encode("hello").ids
     with pytest.raises(ValueError, match="num_layers"):
         write_v3_shaped(tmp_path / "v3-1", 1)
 
@@ -572,9 +572,9 @@ def normal_mode_rank(rank: int, world: int, path: str, dtype: torch.dtype) -> di
     from serving.engine.engine import LLMEngine
     from serving.engine.sequence import SamplingParams
 
-    model = load_model(path, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=24, dtype=dtype,
+    model = load_checkpoint(path, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=24, dtype=dtype,
                        progress=False, normal_mode=True)
-    engine = LLMEngine(model, load_tokenizer(path), num_blocks=64, block_size=16, max_model_len=128,
+    engine = LLMEngine(model, read_tokenizer(path), num_blocks=64, block_size=16, max_model_len=128,
                        max_num_seqs=4, max_tokens_per_rank=24, device=torch.device("cpu"), token_budget=64,
                        deepep_mode="auto")
     gen = torch.Generator().manual_seed(SEED + rank)

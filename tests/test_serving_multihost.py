@@ -259,13 +259,13 @@ def test_host_count_errors(argv: list[str], message: str):
 
 
 def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """serving.engine.loading makes the model's one Buffer through ep_layer.moe.make_buffer, with
+    """serving.loading makes the model's one Buffer through ep_layer.moe.make_buffer, with
     --ep-transport, sized for normal mode exactly when --deepep-mode may use it."""
     import torch
 
     import ep_layer.moe.layer
     from ep_layer import Buffer
-    from serving.engine import loading
+    from serving import loading
     from serving.engine.engine_config import EngineConfig
     from serving.model_config import ModelConfig
     from serving.tiny_model import tiny_checkpoint

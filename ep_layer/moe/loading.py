@@ -58,7 +58,7 @@ def load_moe_weights(weights: Iterable[tuple[str, torch.Tensor]], targets: LoadT
             raise ValueError(f"load_weights: {name} given twice")
         seen.add(name)
         if destination is not None:
-            _copy_checked(name, tensor, destination)
+            copy_checked(f"load_weights: {name}", tensor, destination)
     missing = sorted(targets.expected_names() - seen)
     if missing:
         shown = ", ".join(missing[:_MISSING_SHOWN]) + (", ..." if len(missing) > _MISSING_SHOWN else "")
@@ -118,17 +118,20 @@ def _check_kind(name: str, kind: str, store: ExpertWeights) -> None:
                          "and this layer was built with quant='bf16' (use quant='fp8-block')")
 
 
-def _copy_checked(name: str, tensor: torch.Tensor, destination: torch.Tensor) -> None:
+def copy_checked(name: str, tensor: torch.Tensor, destination: torch.Tensor, *,
+                 error: type[ValueError] = ValueError, fp8_because: str = "quant='fp8-block'",
+                 fp8_needs: str = "an FP8 checkpoint needs quant='fp8-block'") -> None:
+    """destination.copy_(tensor) after checking that it is a tensor of the destination's shape and kind
+    (FP8 into FP8 storage, a float into float storage); otherwise `error` naming the tensor, with why
+    the storage is FP8 (`fp8_because`) or what an FP8 tensor needs (`fp8_needs`)."""
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"load_weights: {name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        raise error(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != tuple(destination.shape):
-        raise ValueError(f"load_weights: {name}: expected shape {list(destination.shape)}, "
-                         f"got {list(tensor.shape)}")
+        raise error(f"{name}: expected shape {list(destination.shape)}, got {list(tensor.shape)}")
     want = destination.dtype
     if want == torch.float8_e4m3fn and tensor.dtype != want:
-        raise ValueError(f"load_weights: {name}: expected dtype torch.float8_e4m3fn (quant='fp8-block'), "
-                         f"got {tensor.dtype}")
+        raise error(f"{name}: expected dtype torch.float8_e4m3fn ({fp8_because}), got {tensor.dtype}")
     if want != torch.float8_e4m3fn and (not tensor.is_floating_point() or tensor.dtype in _FP8_DTYPES):
-        hint = " (an FP8 checkpoint needs quant='fp8-block')" if tensor.dtype in _FP8_DTYPES else ""
-        raise ValueError(f"load_weights: {name}: expected a bf16, fp16 or fp32 tensor, got {tensor.dtype}{hint}")
+        hint = f" ({fp8_needs})" if tensor.dtype in _FP8_DTYPES else ""
+        raise error(f"{name}: expected a bf16, fp16 or fp32 tensor, got {tensor.dtype}{hint}")
     destination.copy_(tensor)

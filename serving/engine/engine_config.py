@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
 
-DEFAULT_LOADER = "serving.engine.loading"
+DEFAULT_LOADER = "serving.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
 EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, named here without importing torch
 DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
@@ -22,7 +22,7 @@ GIB = 1 << 30
 class EngineConfig:
     """model: checkpoint directory. loader: a module with load_model(config, group, device) -> (model,
     tokenizer), run in each rank, and load_tokenizer(config), run in the server (default:
-    serving.engine.loading). max_tokens_per_rank: the low-latency dispatch's T (tokens per rank).
+    serving.loading). max_tokens_per_rank: the low-latency dispatch's T (tokens per rank).
     deepep_mode: which Buffer calls the MoE layers use (SGLang's --deepep-mode): "low_latency" for every
     step, "normal" for every step, "auto" normal mode for steps where some rank holds more than
     max_tokens_per_rank tokens and low-latency for the others. max_num_batched_tokens: the tokens a rank
@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str = AUTO_DTYPE  # activations and unquantised weights: "auto" (ModelConfig.serving_dtype) or a name
     quantization: str | None = None  # None: as config.json says; else checked against it (resolved)
     loader: str = DEFAULT_LOADER
-    load_format: str = "auto"  # "auto": the checkpoint's safetensors; "dummy": random weights (serving.loader)
+    load_format: str = "auto"  # "auto": the safetensors; "dummy": random weights (serving.loading.checkpoint)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK

@@ -70,11 +70,6 @@ def ep_backend_for(config: EngineConfig, device: torch.device) -> str:
                            num_ranks=config.data_parallel_size)
 
 
-def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
-    """The configured loader's (model, tokenizer) for this rank."""
-    return importlib.import_module(config.loader).load_model(config, group, device)
-
-
 def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_model_len: int) -> int:
     """config.num_kv_blocks, else what memory allows: on GPU vLLM's gpu_memory_utilization share of the
     whole GPU (split between the ranks that share it) less what this rank holds already, and no more
@@ -109,7 +104,7 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
         config = dataclasses.replace(config, ep_backend=ep_backend_for(config, device))
         group, sync_group = _init_group(config, rank, device)
-        model, tokenizer = load_model(config, group, device)
+        model, tokenizer = importlib.import_module(config.loader).load_model(config, group, device)
         max_positions = int(model.config.max_position_embeddings)
         max_model_len = config.max_model_len or max_positions
         if max_model_len > max_positions:

@@ -93,7 +93,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     with `backend` ("auto" | "cuda" | "reference"). max_tokens_per_rank: the most tokens a low-latency
     step may hold (every rank dispatches with this T); normal_mode: the Buffer serves normal-mode steps
     too (ForwardBatch.moe_mode "normal", of any size). dtype: activations and unquantised weights; FP8
-    checkpoints keep e4m3 weights with their block scales. Weights start at zero: serving.loader loads
+    checkpoints keep e4m3 weights with their block scales. Weights start at zero: serving.loading.checkpoint loads
     them (load_tensors by checkpoint name, load_weights from a checkpoint directory).
     """
 

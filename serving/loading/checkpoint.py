@@ -26,25 +26,25 @@ import torch
 import torch.distributed as dist
 
 from ep_layer import Buffer
+from ep_layer.moe.loading import copy_checked
 
-from .engine.engine_config import LOAD_FORMATS
-from .model_config import ModelConfig
-from .models import DeepseekV3ForCausalLM
-from .random_weights import random_weights
+from ..engine.engine_config import LOAD_FORMATS
+from ..model_config import ModelConfig
+from ..models import DeepseekV3ForCausalLM
+from ..random_weights import random_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 DUMMY_SEED = 0
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.")
 _MOE_PREFIX = "mlp."
 _MISSING_SHOWN = 8  # missing tensors listed in an error
 _PROGRESS_EVERY_S = 0.5
 
-__all__ = ["CheckpointError", "checkpoint_tensor_files", "load_config", "load_model", "load_tensors", "load_tokenizer",
-           "load_weights", "needs_tensor"]
+__all__ = ["CheckpointError", "checkpoint_tensor_files", "load_checkpoint", "load_config", "load_tensors",
+           "load_weights", "needs_tensor", "read_tokenizer"]
 
 
 class CheckpointError(ValueError):
@@ -57,7 +57,7 @@ def load_config(path: str | os.PathLike[str]) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+def read_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The `tokenizers.Tokenizer` saved as tokenizer.json in a checkpoint directory."""
     from tokenizers import Tokenizer
 
@@ -70,7 +70,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"{file}: not a tokenizers tokenizer.json ({e})") from None
 
 
-def load_model(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = None,
+def load_checkpoint(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = None,
                group: dist.ProcessGroup | None = None, backend: str = "auto", max_tokens_per_rank: int = 128,
                device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
                expert_kernels: str = "auto", progress: bool = True,
@@ -150,7 +150,9 @@ def load_tensors(model: DeepseekV3ForCausalLM, tensors: Iterable[tuple[str, torc
         target = direct.pop(name, None)
         if target is None:
             raise CheckpointError(f"unexpected tensor {name}" + _unexpected_hint(name, model.config))
-        _copy_checked(name, tensor, target)
+        copy_checked(name, tensor, target, error=CheckpointError,
+                     fp8_because="config.json has an FP8 quantization_config",
+                     fp8_needs="an FP8 checkpoint: config.json needs its quantization_config")
     for layer, moe_tensors in pending.items():
         _load_moe(model, layer, moe_tensors)  # raises: some of the layer's tensors are missing
     if direct:
@@ -242,23 +244,6 @@ def _unexpected_hint(name: str, config: ModelConfig) -> str:
         return (f" (layer {match[1]}: the config has num_hidden_layers={config.num_hidden_layers} and "
                 f"num_nextn_predict_layers={config.num_nextn_predict_layers})")
     return ""
-
-
-def _copy_checked(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
-    """target.copy_(tensor) after checking shape and kind (FP8 into FP8 storage, float into float)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise CheckpointError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    if tuple(tensor.shape) != tuple(target.shape):
-        raise CheckpointError(f"{name}: expected shape {list(target.shape)}, got {list(tensor.shape)}")
-    if target.dtype == torch.float8_e4m3fn:
-        if tensor.dtype != torch.float8_e4m3fn:
-            raise CheckpointError(f"{name}: expected dtype torch.float8_e4m3fn (config.json has an FP8 "
-                                  f"quantization_config), got {tensor.dtype}")
-    elif not tensor.is_floating_point() or tensor.dtype in _FP8_DTYPES:
-        hint = (" (an FP8 checkpoint: config.json needs its quantization_config)" if tensor.dtype in _FP8_DTYPES
-                else "")
-        raise CheckpointError(f"{name}: expected a bf16, fp16 or fp32 tensor, got {tensor.dtype}{hint}")
-    target.copy_(tensor)
 
 
 # ---------------------------------------------------------------------------- progress

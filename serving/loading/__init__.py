@@ -1,6 +1,7 @@
-"""The default model loader of the engine ranks (EngineConfig.loader names a module with these two
-functions): the checkpoint directory EngineConfig.model through serving.loader, its MoE layers over one
-Buffer with the configured backend and transport."""
+"""Loading, in one package: `checkpoint` reads an HF DeepSeek-V3 checkpoint directory into the model
+(weights, config, tokenizer); this module is the engine ranks' default loader (EngineConfig.loader
+names a module with these two functions: load_model and load_tokenizer), which loads EngineConfig.model
+with its MoE layers over one Buffer of the configured backend and transport."""
 
 from __future__ import annotations
 
@@ -12,22 +13,21 @@ import torch.distributed as dist
 from ep_layer import Buffer
 from ep_layer.moe import make_buffer
 
+from ..engine.engine_config import EngineConfig
+from ..engine.rank_worker import ep_backend_for
 from ..model_config import ModelConfig
-from .engine_config import EngineConfig
-from .rank_worker import ep_backend_for
+from .checkpoint import load_checkpoint, load_config, read_tokenizer
 
 
 def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: torch.device) -> tuple[Any, Any]:
     """(DeepseekV3ForCausalLM with this rank's experts, its tokenizer)."""
-    from .. import loader
-
     rank = dist.get_rank(group) if group is not None else 0
-    checkpoint = loader.load_config(config.model)
+    checkpoint = load_config(config.model)
     dtype = getattr(torch, checkpoint.serving_dtype(config.dtype))
-    model = loader.load_model(config.model, ep_buffer=make_ep_buffer(config, checkpoint, group, device),
-                              max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
-                              load_format=config.load_format, dtype=dtype,
-                              normal_mode=config.deepep_mode != "low_latency")
+    model = load_checkpoint(config.model, ep_buffer=make_ep_buffer(config, checkpoint, group, device),
+                            max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
+                            load_format=config.load_format, dtype=dtype,
+                            normal_mode=config.deepep_mode != "low_latency")
     return model.eval(), load_tokenizer(config)
 
 
@@ -43,6 +43,4 @@ def make_ep_buffer(config: EngineConfig, checkpoint: ModelConfig, group: dist.Pr
 
 def load_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer (--tokenizer, else the model's directory)."""
-    from .. import loader
-
-    return loader.load_tokenizer(config.tokenizer or config.model)
+    return read_tokenizer(config.tokenizer or config.model)
