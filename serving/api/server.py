@@ -294,6 +294,8 @@ class _CompletionCall:
     def max_tokens(self) -> int | None:
         return self.body.max_tokens
 
+    max_tokens_param = "max_tokens"  # the field max_tokens comes from, for a 400 that names it
+
     def _refuse_unsupported(self) -> None:
         raise NotImplementedError
 
@@ -375,7 +377,8 @@ class _CompletionCall:
             where = self._where(i, len(items))
             ids = self._encode(item, where)
             try:
-                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.max_tokens, where)
+                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.max_tokens, where,
+                             self.max_tokens_param)
             except BadRequest as e:
                 raise APIError(400, str(e), e.param) from None
             token_lists.append(ids)
@@ -472,7 +475,7 @@ class _CompletionCall:
             self.pending.discard(self.request_ids[index])
         if out.error is not None:
             dead = not self.state.coordinator.alive
-            raise APIError(503 if dead else 400, _public(out.error))
+            raise APIError(503 if dead else 500 if out.internal_error else 400, _public(out.error))
 
     def _usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
@@ -667,6 +670,10 @@ class _ChatCompletionCall(_CompletionCall):
     def max_tokens(self) -> int | None:
         b = self.body
         return b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:  # type: ignore[override]
+        return "max_tokens" if self.body.max_completion_tokens is None else "max_completion_tokens"
 
     def _refuse_unsupported(self) -> None:
         b = self.body
