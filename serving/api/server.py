@@ -294,7 +294,10 @@ class _CompletionCall:
     def max_tokens(self) -> int | None:
         return self.body.max_tokens
 
-    max_tokens_param = "max_tokens"  # the field max_tokens comes from, for a 400 that names it
+    @property
+    def max_tokens_param(self) -> str:
+        """The request field max_tokens comes from (a 400 names it)."""
+        return "max_tokens"
 
     def _refuse_unsupported(self) -> None:
         raise NotImplementedError
@@ -672,7 +675,7 @@ class _ChatCompletionCall(_CompletionCall):
         return b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
 
     @property
-    def max_tokens_param(self) -> str:  # type: ignore[override]
+    def max_tokens_param(self) -> str:
         return "max_tokens" if self.body.max_completion_tokens is None else "max_completion_tokens"
 
     def _refuse_unsupported(self) -> None:
