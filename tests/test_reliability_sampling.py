@@ -461,6 +461,7 @@ def test_a_request_the_engine_fails_on_is_a_500_and_the_others_are_served(number
 # ---------------------------------------------------------------------------- HTTP: the tiny model, at the extremes
 TINY = "tiny-sampling"
 CONCURRENT = 4  # requests in flight at once
+SAMPLED_ONLY = ("top_p", "top_k", "min_p")  # fields that greedy requests do not use
 COMPLETION = {"model": TINY, "prompt": "Hello there", "max_tokens": 2}
 CHAT = {"model": TINY, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2}
 HTTP_FLOATS = [0.0, -0.0, 5e-324, 1e-38, 0.5, 1, 2.0, 2.5, 1e308, -5e-324, -1, -2.5, math.nan, math.inf, -math.inf,
@@ -546,10 +547,15 @@ def test_every_numeric_field_at_the_extremes_is_a_200_or_a_400_naming_it(tiny_se
         prompt = {k: v for k, v in base.items() if k in ("model", "prompt", "messages")}
         room = state.max_model_len - httpx.post(f"{url}/tokenize", json=prompt).json()["count"]
         for field in names:
-            for value in HTTP_FLOATS if field in FLOAT_RANGES else HTTP_INTS:
-                # Fields the sampler reads: greedy and sampled; the others: either.
-                both = (field in FLOAT_RANGES and field != "temperature") or field == "top_k"
-                for temperature in (0.0, 1.0) if both else (rng.choice((0.0, 1.0)),):
+            values = HTTP_FLOATS if field in FLOAT_RANGES else HTTP_INTS
+            if field.startswith("max_"):  # a valid one is that many tokens: the small ones are enough
+                values = [v for v in values if not 2 < abs(v) < 1 << 62]
+            for value in values:
+                # Greedy and sampled where the field acts on both (penalties), sampled where it acts on
+                # sampling alone, either for the others.
+                temperatures = (0.0, 1.0) if field.endswith("_penalty") else (1.0,) if field in SAMPLED_ONLY \
+                    else (rng.choice((0.0, 1.0)),)
+                for temperature in temperatures:
                     body = {**base, "temperature": temperature, "seed": rng.randrange(1 << 32),
                             "stream": rng.random() < 0.5}
                     if rng.random() < 0.5:
