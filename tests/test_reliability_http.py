@@ -6,9 +6,8 @@ front of an engine rank running the fake model (tests/serving_fakes.py):
   oversized prompt; raw bodies (random bytes, broken or deeply nested JSON, any content type); every
   route with any method. Only 2xx and 4xx answers, errors in the envelope, never a traceback;
 - bounds: body size (413, at once), prompt and max_tokens length, prompts x n, stop lists;
-- the API key on every route but the exempt ones, and internal errors that name no internals;
-- the sampler with any sampling parameters the API accepts (a regression: temperature 1e-300 made NaN
-  probabilities, and the exception took the engine rank down).
+- the API key on every route but the exempt ones, and internal errors that name no internals.
+The sampler's own fuzzing, and every numeric field at the extremes, are in test_reliability_sampling.py.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving_fakes import VOCAB
@@ -30,8 +28,7 @@ from test_serving_api import NAME, check_envelope, fake_config, http_server, sse
 
 from serving.api.protocol import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from serving.api.server import ServerState, build_app, make_server_state
-from serving.engine.sampling import Sampler
-from serving.engine.sequence import MAX_STOP_CHARS, SamplingParams
+from serving.engine.sequence import MAX_STOP_CHARS
 
 MAX_MODEL_LEN = 256  # the fake model's
 CASES: Counter[str] = Counter()  # requests sent, by test (and status), for docs/reliability.md
@@ -321,6 +318,31 @@ def test_a_long_model_name_is_not_echoed_whole(client):
         assert len(resp.content) < 1000 and f"({len(name)} characters)" in err["message"], (path, err["message"][:300])
 
 
+def test_a_stream_that_fails_in_the_server_ends_with_an_error_event_then_done(server):
+    """A bug of the server's while it writes a stream (here: its tokenizer raising on a logprob's token
+    string) ends that stream as the protocol says, an error event naming only the exception type and
+    then [DONE], and the next request is served."""
+    state = server[1]
+
+    class DecodeRaises:
+        def encode(self, text: str) -> list[int]:
+            return state.codec.encode(text)
+
+        def decode(self, ids: list[int]) -> str:
+            raise RuntimeError("secret detail at /srv/model/tokenizer.json")
+
+    broken = dataclasses.replace(state, codec=DecodeRaises(), tokenizer=None)
+    with http_server(broken) as url, httpx.Client(base_url=url, timeout=30) as c:
+        CASES["stream failing in the server"] += 1
+        body = {"prompt": "ab", "max_tokens": 4, "temperature": 0, "logprobs": 1, "stream": True}
+        resp = c.post("/v1/completions", json=body)
+        events = sse_events(resp.text.splitlines())
+        assert resp.status_code == 200 and events[-1] == "[DONE]", events[-3:]
+        assert events[-2]["error"]["code"] == 500 and "RuntimeError" in events[-2]["error"]["message"], events[-2]
+        assert "secret" not in resp.text and "Traceback" not in resp.text
+        assert c.post("/v1/completions", json={**body, "logprobs": None}).status_code == 200
+
+
 def test_internal_errors_name_no_internals(server):
     class Broken:
         def encode(self, text: str) -> list[int]:
@@ -336,15 +358,3 @@ def test_internal_errors_name_no_internals(server):
         assert err["type"] == "InternalServerError" and "RuntimeError" in err["message"]
         assert "secret" not in resp.text and "Traceback" not in resp.text and "/srv" not in resp.text
 
-
-# ---------------------------------------------------------------------------- the sampler
-@settings(max_examples=300, **FUZZ)
-@given(params=st.builds(SamplingParams, temperature=st.floats(0, 1e308) | st.sampled_from([5e-324, 1e-300, 1e-5]),
-                        top_p=st.floats(5e-324, 1.0, exclude_min=False), top_k=st.integers(-1, VOCAB + 5) | HUGE,
-                        seed=st.none() | st.integers(-(1 << 63), (1 << 64) - 1)),
-       scale=st.sampled_from([1.0, 1e-3, 1e3, 1e30]), seed=st.integers(0, 1 << 30))
-def test_the_sampler_takes_any_parameters_the_api_accepts(params, scale, seed):
-    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(seed)) * scale
-    gen = None if params.seed is None else torch.Generator().manual_seed(params.seed & ((1 << 63) - 1))
-    tokens = Sampler("cpu").sample(logits, [params, SamplingParams(temperature=0.0)], [gen, None]).tolist()
-    assert all(0 <= t < VOCAB for t in tokens) and tokens[1] == int(logits[1].argmax())

@@ -4,8 +4,9 @@ development mode (VLLM_SERVER_DEV_MODE=1) POST /reset_prefix_cache. It validates
 tokenizes requests (chats through the model's chat template), hands them to the engine ranks through
 the DPCoordinator and turns the ranks' outputs into responses. Bad input is a 400 in vLLM's error
 envelope, an unknown model a 404, a body over the size limit a 413; only a full engine (503 with
-Retry-After: running and waiting sequences at their limits), a dead one (503) or a bug (500) is a 5xx.
-Error bodies never carry a traceback: those go to the server log."""
+Retry-After: running and waiting sequences at their limits), a dead or stalled one (503), a request the
+engine failed on alone (500 naming it) or a bug (500) is a 5xx; a stream that fails ends with an error
+event, then [DONE]. Error bodies never carry a traceback: those go to the server log."""
 
 from __future__ import annotations
 
@@ -171,6 +172,11 @@ def _error(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
+def _internal_error(exc: Exception) -> str:
+    """What a client is told of a bug: the exception's type only (the traceback goes to the log)."""
+    return f"internal error ({type(exc).__name__}); see the server log"
+
+
 @functools.lru_cache(maxsize=64)
 def _public(reason: str) -> str:
     """An engine error as a client sees it: a rank's traceback goes to the server log (once per
@@ -260,9 +266,9 @@ def build_app(state: ServerState) -> FastAPI:
         return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
         # Starlette logs the traceback after this handler; the client gets the exception's type only.
-        return _error(500, f"internal error ({type(exc).__name__}); see the server log")
+        return _error(500, _internal_error(exc))
 
     @app.get("/health")
     async def health() -> Response:
@@ -365,6 +371,11 @@ class _CompletionCall:
         """Whether the choices are the prompt alone (the engine's one token is dropped)."""
         return False
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The request field max_tokens comes from (a 400 names it)."""
+        return "max_tokens"
+
     def _refuse_unsupported(self) -> None:
         raise NotImplementedError
 
@@ -447,13 +458,15 @@ class _CompletionCall:
         token_lists = []
         room = self.state.max_model_len - (1 if self.max_tokens is None else self.max_tokens)
         if room < 1:
-            raise APIError(400, f"max_tokens: {self.max_tokens} leaves no room for a prompt within this model's "
-                                f"maximum context length (max_model_len {self.state.max_model_len})", "max_tokens")
+            raise APIError(400, f"{self.max_tokens_param}: {self.max_tokens} leaves no room for a prompt within this "
+                                f"model's maximum context length (max_model_len {self.state.max_model_len})",
+                           self.max_tokens_param)
         for i, item in enumerate(items):
             where = self._where(i, len(items))
             ids = await self._encode(item, where, room)
             try:
-                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.max_tokens, where)
+                check_prompt(ids, self.state.vocab_size, self.state.max_model_len, self.max_tokens, where,
+                             self.max_tokens_param)
             except BadRequest as e:
                 raise APIError(400, str(e), e.param) from None
             token_lists.append(ids)
@@ -554,7 +567,7 @@ class _CompletionCall:
             self.pending.discard(self.request_ids[index])
         if out.error is not None:
             dead = not self.state.coordinator.alive
-            raise APIError(503 if dead else 400, _public(out.error))
+            raise APIError(503 if dead else 500 if out.internal_error else 400, _public(out.error))
 
     def _usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
@@ -595,14 +608,19 @@ class _CompletionCall:
                     out = self._transform(out)
                     self._account(index, out)
                     self._collect(index, out)
+                    # A chunk per step that made tokens, even when they add no text yet (an incomplete
+                    # UTF-8 sequence), as vLLM does: clients time tokens by chunks.
+                    chunk = self._chunk(index, out) if out.new_text or out.new_token_ids or out.finished else None
                 except APIError as e:
                     yield _sse(error_body(e.status, e.message))
                     break
+                except Exception as e:  # a bug of this server's: the stream still ends in the protocol's way
+                    log.exception("request %s: its stream failed", self.id)
+                    yield _sse(error_body(500, _internal_error(e)))
+                    break
                 completion_tokens += len(out.new_token_ids)
-                # A chunk per step that made tokens, even when they add no text yet (an incomplete
-                # UTF-8 sequence), as vLLM does: clients time tokens by chunks.
-                if out.new_text or out.new_token_ids or out.finished:
-                    yield _sse(self._chunk(index, out))
+                if chunk is not None:
+                    yield _sse(chunk)
             else:
                 options = self.body.stream_options
                 if options is not None and options.include_usage:
@@ -749,6 +767,10 @@ class _ChatCompletionCall(_CompletionCall):
     def max_tokens(self) -> int | None:
         b = self.body
         return b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens" if self.body.max_completion_tokens is None else "max_completion_tokens"
 
     def _refuse_unsupported(self) -> None:
         b = self.body

@@ -172,7 +172,10 @@ class BlockManager:
     # ------------------------------------------------------------------ freeing
     def free(self, seq: Sequence) -> None:
         """Let go of all of `seq`'s blocks (a finished, aborted or preempted sequence), caching its full
-        computed blocks first; blocks nobody else holds join the free queue."""
+        computed blocks first; blocks nobody else holds join the free queue. A sequence already let go of
+        (a request that failed after its release) holds nothing: nothing happens."""
+        if not seq.block_table:
+            return
         self.cache_blocks(seq)
         for block in reversed(seq.block_table):
             self._refs[block] -= 1

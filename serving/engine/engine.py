@@ -15,11 +15,17 @@ tokens among them) would wait for it. Outputs are the same as without it.
 
 Logprobs (sampled tokens' and prompt tokens') travel with the sampled tokens: computed on the device,
 copied to the host with them (HostCopy) and read when they are read; a request's prompt logprobs go out
-with its first token. Penalties read token counts kept on the device (sampling.TokenCounts)."""
+with its first token. Penalties read token counts kept on the device (sampling.TokenCounts).
+
+Faults stay with their request: where a request's own host work raises (its token counts, logprobs,
+detokenizing, stop checks), that request ends with an error (RequestOutput.internal_error; the
+traceback goes to the log) and the engine serves the others. Work on the whole batch (the model, the
+sampler, the copies) is not guarded: its failure is a bug that ends the rank."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -45,6 +51,8 @@ from .sequence import (
     check_prompt,
 )
 from .step_sync import StepPlan, StepSync, plan_alone
+
+log = logging.getLogger(__name__)
 
 
 def eos_token_ids(config: Any) -> frozenset[int]:
@@ -119,7 +127,10 @@ class LLMEngine:
             return None
         seq.finish(FINISH_ABORT)
         self._release(seq)
-        return self._output(seq, [])
+        try:
+            return self._output(seq, [])
+        except Exception as e:  # its text's last decode
+            return self._fail(seq, e)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._pending is not None
@@ -152,7 +163,7 @@ class LLMEngine:
             last = [ends[i] - 1 for i in done]  # each sequence's last logits row gives its next token
             if last != list(range(logits.shape[0])):
                 logits = logits[to_device(last, torch.int64, logits.device)]
-            step = self._sample(seqs, logits)
+            step = self._sample(seqs, logits, outputs)
             if self.async_scheduling:
                 self._pending = step
             else:
@@ -245,17 +256,25 @@ class LLMEngine:
         return read_ep_stats(self.model, self.rank, self.num_ranks, dict(self._steps), dict(self._step_seconds))
 
     # ------------------------------------------------------------------ helpers
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> PendingStep:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[RequestOutput]) -> PendingStep:
         """Sample the sequences' next tokens from their logits rows (penalized ones with their token
         counts, which then count the new tokens), leave them on the device as the sequences' pending
-        tokens and start their copy to the host, with their logprobs."""
-        penalized = [i for i, seq in enumerate(seqs) if seq.params.penalized]
+        tokens and start their copy to the host, with their logprobs. A sequence whose token counts
+        cannot be set up fails alone (its output joins `outputs`); its token is sampled without
+        penalties and dropped."""
+        penalized = []
+        for i, seq in enumerate(seqs):
+            if not seq.params.penalized:
+                continue
+            if seq.counts_row < 0:
+                try:
+                    seq.counts_row = self.token_counts.assign(seq.prompt_token_ids, seq.output_token_ids)
+                except Exception as e:
+                    outputs.append(self._fail(seq, e))
+                    continue
+            penalized.append(i)
         history = None
         if penalized:
-            for i in penalized:
-                seq = seqs[i]
-                if seq.counts_row < 0:
-                    seq.counts_row = self.token_counts.assign(seq.prompt_token_ids, seq.output_token_ids)
             history = self.token_counts.history(penalized, [seqs[i].counts_row for i in penalized])
         out: SamplerOutput = self.sampler.run(logits, [s.params for s in seqs], [s.generator for s in seqs], history)
         if history is not None:
@@ -296,16 +315,33 @@ class LLMEngine:
 
     def _receive(self, pending: PendingStep) -> list[RequestOutput]:
         """Wait for a pending step's tokens (and logprobs) and append them; a sequence that finished (or
-        was aborted) since then drops its token."""
+        was aborted) since then drops its token. One whose logprobs, text or stop checks raise fails alone."""
         host = pending.copy.get()
         ids, values = (host[1].tolist(), host[2].tolist()) if len(host) > 1 else ([], [])
         outputs = []
         for seq, token, row in zip(pending.seqs, host[0].tolist(), pending.logprob_rows):
             seq.num_pending -= 1
-            if not seq.finished:
+            if seq.finished:
+                continue
+            try:
                 logprobs = _logprobs(ids[row], values[row], seq.params.logprobs) if row >= 0 else None
                 outputs.append(self._append(seq, token, logprobs))
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
         return outputs
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a request whose own host work raised `error` (a bug, or a tokenizer that cannot decode its
+        tokens) instead of the rank and everyone on it: the traceback goes to the log, its blocks and
+        token counts are freed, and its last output says so (internal_error; only the exception's type,
+        as the server's 500s)."""
+        log.error("request %s failed; it ends, the engine goes on", seq.request_id, exc_info=error)
+        seq.finish(FINISH_ABORT)
+        self.requests.pop(seq.request_id, None)
+        self._release(seq)
+        return RequestOutput(seq.request_id, [], "", seq.num_prompt_tokens, len(seq.output_token_ids), FINISH_ABORT,
+                             error=f"request {seq.request_id}: internal error ({type(error).__name__}); see the "
+                                   "server log", internal_error=True)
 
     def _release(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks and token counts."""

@@ -108,7 +108,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     queue_time: float | None = None  # seconds from arrival to first scheduled; on the first output only
-    error: str | None = None  # why the engine refused the request (finish_reason "abort")
+    error: str | None = None  # why the engine refused the request or failed on it (finish_reason "abort")
+    internal_error: bool = False  # error is the engine's own failure on this request (a bug), not bad input
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 

@@ -2,10 +2,27 @@
 frequency, presence), then greedy argmax at temperature 0, else temperature, min_p, top-k, top-p and a
 draw from the request's own seeded generator (or the engine's). Logprobs are vLLM's default
 ("raw_logprobs"): log_softmax of the logits as the model gave them, before penalties and filters.
-Nothing here waits for the GPU: tokens and logprobs stay on the device until the caller reads them."""
+Nothing here waits for the GPU: tokens and logprobs stay on the device until the caller reads them.
+
+Robust by construction, since one request's numbers must not hurt the others (on a GPU an invalid
+distribution is a device-side assert that ends the process, so catching exceptions cannot do): for any
+values SamplingParams accepts and any logits, ±inf and NaN included, every row gets a token id in the
+vocabulary and torch.multinomial only sees rows that are finite, non-negative and of positive sum. Per row:
+- NaN (from the model) excludes its token;
+- a factor beyond float32's range (a repetition_penalty or temperature like 1e-320 or 1e308) counts as
+  float32's nearest positive value, so that it is neither 0 nor inf (0 x inf would be NaN);
+- +inf (from the model, or a logit that overflows when penalized or divided by the temperature) makes its
+  token one of the row's only candidates, tied as the likeliest: greedy takes the first, sampling draws
+  among them as among equal logits (uniformly, unless top_p keeps fewer);
+- a row left without a candidate (nothing but -inf and NaN) takes the fallback token: the argmax of the
+  model's raw logits, NaN excluded (token 0 where every raw logit is NaN or -inf);
+- a NaN logprob (a row with NaN or +inf logits) reads -inf.
+A row in which no value and no factor leaves float32's finite range is computed exactly as without these
+rules, bit for bit; the rules are device ops on every row, never a branch on device values."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,12 +71,16 @@ class TokenCounts:
         if not self._free:
             self._grow()
         row = self._free.pop()
-        self.prompt[row].zero_()
-        self.prompt[row].index_fill_(0, to_device(list(prompt_token_ids), torch.int64, self.device), True)
-        self.output[row].zero_()
-        if output_token_ids:
-            ids = to_device(list(output_token_ids), torch.int64, self.device)
-            self.output[row].index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32, device=self.device))
+        try:
+            self.prompt[row].zero_()
+            self.prompt[row].index_fill_(0, to_device(list(prompt_token_ids), torch.int64, self.device), True)
+            self.output[row].zero_()
+            if output_token_ids:
+                ids = to_device(list(output_token_ids), torch.int64, self.device)
+                self.output[row].index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32, device=self.device))
+        except BaseException:
+            self._free.append(row)  # the request fails alone (LLMEngine._sample); the row stays in the pool
+            raise
         return row
 
     def release(self, row: int) -> None:
@@ -116,12 +137,16 @@ class Sampler:
         if logits.shape[0] != len(params):
             raise ValueError(f"logits: expected {len(params)} rows (one per sequence), got {logits.shape[0]}")
         logits = logits.float()
-        processed = apply_penalties(logits, history, params) if history is not None else logits
-        tokens = torch.argmax(processed, dim=-1)
+        fallback = _likeliest(logits)  # the token of a row left without a candidate (module docstring)
+        if history is None:
+            processed, tokens = logits, fallback.clone()
+        else:
+            processed = apply_penalties(logits, history, params)
+            tokens = _likeliest(processed, fallback)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = to_device(sampled, torch.int64, logits.device)
-            probs = sampling_probs(processed[rows], [params[i] for i in sampled])
+            probs = sampling_probs(processed[rows], [params[i] for i in sampled], fallback[rows])
             for j, i in enumerate(sampled):
                 gen = generators[i] if generators[i] is not None else self.default_generator
                 tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
@@ -147,7 +172,7 @@ def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: list[Sa
     output token)."""
     rows = [params[i] for i in history.rows]
     column = dict(dtype=logits.dtype, device=logits.device)
-    repetition = to_device([p.repetition_penalty for p in rows], **column).unsqueeze(1)
+    repetition = _factor_column([p.repetition_penalty for p in rows], logits)
     frequency = to_device([p.frequency_penalty for p in rows], **column).unsqueeze(1)
     presence = to_device([p.presence_penalty for p in rows], **column).unsqueeze(1)
     x = logits.index_select(0, history.index)
@@ -159,11 +184,18 @@ def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: list[Sa
     return logits.index_copy(0, history.index, x)
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams],
+                   fallback: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution a sampled row draws from: softmax of logits / temperature, restricted to the
-    tokens at least min_p times as likely as the likeliest, then to the top-k, then to the top-p set."""
-    temps = to_device([p.temperature for p in params], logits.dtype, logits.device)
-    logits = logits / temps.unsqueeze(1)
+    tokens at least min_p times as likely as the likeliest, then to the top-k, then to the top-p set.
+    NaN excludes a token; where tokens are +inf after the temperature, the row is uniform over them; a
+    row without a candidate is one-hot on its `fallback` token (int64 [rows]; None: `_likeliest(logits)`).
+    Every row is finite, non-negative and of positive sum."""
+    if fallback is None:
+        fallback = _likeliest(logits)
+    logits = _nan_excluded(logits / _factor_column([p.temperature for p in params], logits))
+    top = logits == math.inf
+    logits = logits.masked_fill(top.any(dim=-1, keepdim=True), -math.inf).masked_fill_(top, 0.0)
     if any(p.min_p > 0.0 for p in params):
         min_ps = to_device([p.min_p for p in params], logits.dtype, logits.device)
         probs = logits.softmax(dim=-1)
@@ -183,14 +215,42 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_ps.unsqueeze(1)
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    # A row with no candidate (all -inf) gets 0 at its fallback token; the others write back what they hold.
+    pick = fallback.unsqueeze(1)
+    empty = logits.amax(dim=-1, keepdim=True) == -math.inf
+    logits.scatter_(1, pick, logits.gather(1, pick).masked_fill(empty, 0.0))
     return logits.softmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int64, logprobs float32), each [rows, 1 + k]: column 0 the given token's, then the k most
-    likely tokens' (torch.topk's order), of log_softmax(logits) (vLLM's gather_logprobs)."""
-    logprobs = logits.float().log_softmax(dim=-1)
+    likely tokens' (torch.topk's order), of log_softmax(logits) (vLLM's gather_logprobs), NaN read as
+    -inf (no probability; JSON has no NaN, and torch.topk would rank NaN first)."""
+    logprobs = _nan_excluded(logits.float().log_softmax(dim=-1))
     top = logprobs.topk(k, dim=-1)
     token_ids = token_ids.unsqueeze(1)
     return (torch.cat([token_ids, top.indices], dim=1),
             torch.cat([logprobs.gather(1, token_ids), top.values], dim=1))
+
+
+def _nan_excluded(x: torch.Tensor) -> torch.Tensor:
+    """x with NaN as -inf (a new tensor): an excluded token."""
+    return torch.nan_to_num(x, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+
+
+def _likeliest(logits: torch.Tensor, fallback: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's greedy token, int64 [rows]: the first index of its largest value, NaN excluded (+inf is
+    the largest). A row of nothing but -inf and NaN takes `fallback`'s token (None: token 0, argmax's)."""
+    x = _nan_excluded(logits)
+    best = x.argmax(dim=-1)
+    if fallback is None:
+        return best
+    return torch.where(x.gather(1, best.unsqueeze(1)).squeeze(1) == -math.inf, fallback, best)
+
+
+def _factor_column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """Positive factors (temperatures, repetition penalties) as a [n, 1] column of `like`'s dtype and
+    device, each clamped into that dtype's positive range: beyond it one would become 0 or inf there."""
+    info = torch.finfo(like.dtype)
+    low = info.tiny * info.eps  # the dtype's smallest positive (subnormal) number
+    return to_device([min(max(v, low), info.max) for v in values], like.dtype, like.device).unsqueeze(1)

@@ -57,12 +57,20 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        # vLLM's checks, field by field (SamplingParams._verify_args in vllm/sampling_params.py at
+        # vllm-project/vllm@00388f6573ccfcffad607b8c9ecdf341a4669ceb), each a BadRequest naming the field;
+        # NaN fails every range. Unlike vLLM: temperature has no upper bound (vLLM refuses > 2 since its
+        # PR #44965; the sampler takes any finite value) and is greedy below GREEDY_TEMPERATURE (vLLM
+        # raises 0 < t < 0.01 to 0.01); logprobs and prompt_logprobs stop at MAX_LOGPROBS (vLLM's -1,
+        # the whole vocabulary, is refused, as vLLM's default --max-logprobs does); seed -1 is a seed.
         if self.max_tokens < 1:
             raise BadRequest(f"max_tokens: expected >= 1, got {self.max_tokens}", "max_tokens")
-        if not self.temperature >= 0.0:
-            raise BadRequest(f"temperature: expected >= 0, got {self.temperature}", "temperature")
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise BadRequest(f"temperature: expected a finite number >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise BadRequest(f"top_p: expected in (0, 1], got {self.top_p}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise BadRequest(f"top_k: expected an integer >= -1 (0 or -1: all tokens), got {self.top_k!r}", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise BadRequest(f"min_p: expected in [0, 1], got {self.min_p}", "min_p")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -93,10 +101,11 @@ class SamplingParams:
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int | None = None,
-                 where: str = "prompt") -> None:
+                 where: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
     """The one check of a prompt, wherever requests enter (the HTTP server, LLMEngine.add_request):
     BadRequest for no tokens, a token id outside the vocabulary, or no room within max_model_len for
-    max_tokens more (None: for one more; the engine ends a sequence at max_model_len)."""
+    max_tokens more (None: for one more; the engine ends a sequence at max_model_len; max_tokens_param:
+    the request field that gave it)."""
     if not token_ids:
         raise BadRequest(f"{where}: expected at least one token", "prompt")
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
@@ -107,7 +116,7 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_
         raise BadRequest(f"This model's maximum context length (max_model_len) is {max_model_len} tokens. However, "
                          f"you requested {len(token_ids) + want} tokens ({len(token_ids)} in the prompt, {want} in "
                          f"the completion). Please reduce the length of the prompt or the completion.",
-                         "prompt" if max_tokens is None else "max_tokens")
+                         "prompt" if max_tokens is None else max_tokens_param)
 
 
 @dataclass(frozen=True)
