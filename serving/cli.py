@@ -29,6 +29,7 @@ from .engine.engine_config import (
     EngineConfig,
 )
 from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
+from .generation_config import generation_defaults
 from .model_config import AUTO_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port to bind (0: a free one, logged as 'Uvicorn running on http://HOST:PORT')")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but --api-key-exempt-paths")
-    p.add_argument("--api-key-exempt-paths", default="/health,/metrics", metavar="PATHS",
+    p.add_argument("--api-key-exempt-paths", default="/health,/ping,/metrics", metavar="PATHS",
                    help="comma-separated paths served without the API key ('' for none)")
     p.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                    help="the chat template of chat requests: a file, the Jinja template itself, or the name of one "
@@ -124,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-seqs", type=int, default=None,
                    help="sequences that may wait per rank beyond --max-num-seqs running; past that, new requests "
                         "get 503 with Retry-After (default: 4 x --max-num-seqs)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="the requests' default sampling parameters (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens as max_tokens) for the fields a request leaves unset: "
+                        "'auto' from the model's generation_config.json, 'vllm' none (vLLM's neutral defaults), "
+                        "or a directory's generation_config.json")
+    p.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                   help="most log-probabilities per token a request may ask for (logprobs, top_logprobs), at most "
+                        "the engine's limit (default: that limit, vLLM's default 20)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="the KV cache's dtype: 'auto' only (the latent MLA cache in the model's dtype); FP8 latent "
+                        "KV is not built")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="record no vllm: request metrics (as vLLM, whose stat loggers include its Prometheus "
+                        "metrics); /metrics still serves the ep_layer: series")
     p.add_argument("--rank-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
                    help="an engine rank that makes no progress for this long (stopped, hung, or waiting for a peer "
                         "that is) makes /health and new requests answer 503 naming it, until it moves again")
@@ -381,6 +396,16 @@ def main(argv: list[str] | None = None) -> None:
         limits = ConnectionLimits(args.max_connections, args.header_read_timeout, args.keep_alive_timeout)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {_flag_named(e)}") from None
+    if args.kv_cache_dtype != "auto":
+        raise SystemExit(f"ep-serve: --kv-cache-dtype {args.kv_cache_dtype!r}: only 'auto' is supported (the latent "
+                         f"MLA KV cache in the model's dtype); FP8 latent KV is not built")
+    from .engine.sequence import MAX_LOGPROBS
+
+    if args.max_logprobs is None:
+        args.max_logprobs = MAX_LOGPROBS
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise SystemExit(f"ep-serve: --max-logprobs: expected in [0, {MAX_LOGPROBS}] (the engine's limit), got "
+                         f"{args.max_logprobs}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model is None:
         from .tiny_model import tiny_checkpoint
@@ -393,22 +418,29 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args, model, args.served_model_name or default_name)
         checkpoint = ModelConfig.from_file(config.model)
         config = config.resolved(checkpoint)
+        defaults = generation_defaults(args.generation_config, config.model)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
+    if defaults:
+        log.info("requests that leave them unset take the model's defaults %s (--generation-config %s; 'vllm': "
+                 "none)", defaults, args.generation_config)
     serve(config, checkpoint, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
           uvicorn_log_level=args.uvicorn_log_level or args.log_level,
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
-          rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits)
+          rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
+          max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats)
 
 
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
           log_level: str = "info", uvicorn_log_level: str = "info",
-          open_paths: frozenset[str] = frozenset({"/health", "/metrics"}), max_waiting_seqs: int | None = None,
+          open_paths: frozenset[str] = frozenset({"/health", "/ping", "/metrics"}), max_waiting_seqs: int | None = None,
           log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-          connection_limits: ConnectionLimits | None = None) -> None:
+          connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
+          max_logprobs: int | None = None, log_stats: bool = True) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
-    Once the port is bound, one line says what is served, how and where (startup_summary)."""
+    Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
+    False: no vllm: request metrics are recorded (--disable-log-stats)."""
     from .api.server import make_server_state, run_http
 
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
@@ -421,6 +453,11 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         raise SystemExit(f"ep-serve: could not start: {e}") from None
     if connection_limits is not None:
         state.connection_limits = connection_limits
+    if max_logprobs is not None:
+        state.max_logprobs = max_logprobs
+    state.generation_defaults = dict(generation_defaults or {})
+    if not log_stats:
+        state.coordinator.observer = None
     if log_requests:
         state.coordinator.observer = RequestLog(state.coordinator.observer)
     ready = _UvicornLogs(lambda url: startup_summary(config, checkpoint, state.coordinator.info, url),

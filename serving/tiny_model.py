@@ -33,14 +33,15 @@ TINY_PREFIX = "tiny-deepseek-v3"  # the cache directory's name, before the key o
 # DeepSeek-V3's own special tokens, full-width bars included.
 BOS_TOKEN, EOS_TOKEN = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # noqa: RUF001
 USER_TAG, ASSISTANT_TAG = "<｜User｜>", "<｜Assistant｜>"  # noqa: RUF001 - text to this tokenizer, not tokens
-# DeepSeek-V3's template without its tool calls: BOS, the system prompts, then each turn after its tag,
-# an assistant's ended by EOS; add_generation_prompt opens the assistant's turn.
+# DeepSeek-V3's template without its tool calls: BOS, the system prompts (OpenAI's developer messages are
+# system prompts too), then each turn after its tag, an assistant's ended by EOS; add_generation_prompt
+# opens the assistant's turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages if message['role'] == 'system' %}"
+    "{% for message in messages if message['role'] in ['system', 'developer'] %}"
     "{{ message['content'] }}{% if not loop.last %}{{ '\n\n' }}{% endif %}"
     "{% endfor %}"
-    "{% for message in messages if message['role'] != 'system' %}"
+    "{% for message in messages if message['role'] not in ['system', 'developer'] %}"
     "{% if message['role'] == 'user' %}" + USER_TAG + "{{ message['content'] }}"
     "{% elif message['role'] == 'assistant' %}" + ASSISTANT_TAG + "{{ message['content'] }}{{ eos_token }}"
     "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"

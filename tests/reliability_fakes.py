@@ -48,10 +48,10 @@ class NumbersModel(FakeModel):
 
 
 class PickyTokenizer(FakeTokenizer):
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if UNDECODABLE in token_ids:
             raise ValueError(f"token {UNDECODABLE} cannot be decoded (on purpose)")
-        return super().decode(token_ids)
+        return super().decode(token_ids, skip_special_tokens)
 
 
 def load_model(config: Any, group: dist.ProcessGroup | None, device: torch.device) -> tuple[FakeModel, FakeTokenizer]:

@@ -49,8 +49,13 @@ class FakeTokenizer:
             i += len(_PIECES[tok])
         return ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return b"".join(_PIECES[t] for t in token_ids if t != EOS).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """EOS (<eos>) is its one special token."""
+        kept = (t for t in token_ids if t != EOS or not skip_special_tokens)
+        return b"".join(_PIECES[t] for t in kept).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> dict[int, str]:
+        return {EOS: _PIECES[EOS].decode()}
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     unsupported: dict[str, str] = {}  # part type -> where it first is
     chat = []
     for i, m in enumerate(messages):
+        if m.role == "tool":
+            raise BadRequest(f"messages[{i}].role: 'tool' messages (tool calling) are not supported by this server",
+                             "messages")
         if m.role not in CHAT_ROLES:
             raise BadRequest(f"messages[{i}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
                              f"{m.role!r}", "messages")

@@ -7,14 +7,20 @@ checked here, so that bad input is a 400 and never reaches the engine."""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from ..engine.sequence import SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 MAX_STOP_TOKEN_IDS = 1024
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's successor to system
+MAX_REQUEST_ID_CHARS = 256
+# vLLM's defaults of the fields a model's generation config may set (its _DEFAULT_SAMPLING_PARAMS).
+VLLM_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
 
 
@@ -36,38 +42,127 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class CompletionRequest(BaseModel):
-    """Fields we do not support are refused with a 400 when set to anything but their default
-    (see server._refuse_unsupported); unknown fields are ignored, as vLLM does. max_tokens 0 only
-    with echo (the prompt alone, as vLLM)."""
+def _at(default: Any) -> Callable[[Any, Any], bool]:
+    """A refused field's test: left at `default` (or not given)."""
+    return lambda value, request: value == default
+
+
+def _none_or(*allowed: Any) -> Callable[[Any, Any], bool]:
+    return lambda value, request: value is None or value in allowed
+
+
+def _empty(value: Any, request: Any) -> bool:
+    return not value
+
+
+class SamplingRequest(BaseModel):
+    """What both completion endpoints take besides their prompt: one home for the sampling fields (the
+    types, ranges and vLLM's defaults; None where the model's generation config may give the default,
+    `to_sampling_params`), and for the fields of vLLM's request schema this server does not serve:
+    `REFUSED` maps each to the test of its default, and anything else is a 400 naming it
+    (`refused_field`). Unknown fields are ignored, as vLLM does."""
 
     model_config = ConfigDict(extra="ignore")
+    REFUSED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        "logit_bias": _empty, "best_of": lambda value, request: value is None or value == request.n,
+        "use_beam_search": _at(False), "length_penalty": _at(1.0), "truncate_prompt_tokens": _at(None),
+        "truncation_side": _at(None), "allowed_token_ids": _at(None), "prompt_logprobs": _at(None),
+        "logprob_token_ids": _at(None), "bad_words": _empty, "structured_outputs": _at(None),
+        "response_format": _none_or({"type": "text"}), "priority": _at(0), "session_id": _at(None),
+        "return_tokens_as_token_ids": _none_or(False), "return_token_ids": _none_or(False),
+        "routed_experts_prompt_start": _at(0), "return_token_offsets": _at(False), "cache_salt": _at(None),
+        "kv_transfer_params": _at(None), "ec_transfer_params": _at(None), "vllm_xargs": _at(None),
+        "repetition_detection": _at(None), "thinking_token_budget": _at(None), "stream_interval": _none_or(1)}
 
     model: Text | None = None
-    prompt: Prompt
-    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
-    temperature: Annotated[Float, Field(ge=0.0)] | None = 1.0
-    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    min_p: Float | None = 0.0
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[Float, Field(ge=0.0)] | None = None
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    presence_penalty: Float | None = 0.0
+    frequency_penalty: Float | None = 0.0
     seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=UINT64_MAX)] | None = None
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: StrictBool = False
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    # Refused unless left at their default (REFUSED):
+    logit_bias: Any = None
+    best_of: Any = None
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
+    priority: Any = 0
+    session_id: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    routed_experts_prompt_start: Any = 0
+    return_token_offsets: Any = False
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    stream_interval: Any = None
+
+    def refused_field(self) -> str | None:
+        """The first field this server does not serve that the request sets to anything but its default."""
+        return next((name for name, at_default in self.REFUSED.items() if not at_default(getattr(self, name), self)),
+                    None)
+
+    def to_sampling_params(self, *, max_tokens: int, defaults: Mapping[str, Any], logprobs: int | None,
+                           prompt_logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams of the request (BadRequest naming a field it refuses): a field
+        left unset takes the model's generation-config default in `defaults`, else vLLM's."""
+        def unset_or(name: str) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, VLLM_SAMPLING_DEFAULTS[name])
+
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=unset_or("temperature"), top_p=unset_or("top_p"),
+            top_k=unset_or("top_k"), min_p=unset_or("min_p"), repetition_penalty=unset_or("repetition_penalty"),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed, stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+
+
+class CompletionRequest(SamplingRequest):
+    """OpenAI's legacy completion request with vLLM's extras. max_tokens 0 only with echo (the prompt
+    alone, as vLLM); add_special_tokens: the tokenizer's own (BOS) in front of a text prompt."""
+
+    REFUSED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        **SamplingRequest.REFUSED, "suffix": _at(None), "prompt_embeds": _at(None)}
+
+    prompt: Prompt
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
     echo: StrictBool = False
     logprobs: StrictInt | None = None  # top-N per token (range checked by SamplingParams: a 400 naming it)
-    presence_penalty: Float | None = 0.0
-    frequency_penalty: Float | None = 0.0
-    repetition_penalty: Float | None = 1.0
-    # Accepted only at their defaults:
-    best_of: StrictInt | None = None
-    suffix: Text | None = None
-    logit_bias: dict[str, Float] | None = None
+    add_special_tokens: StrictBool = True
+    # Refused unless left at their default:
+    suffix: Any = None
+    prompt_embeds: Any = None
 
 
 class ContentPart(BaseModel):
@@ -91,46 +186,40 @@ class ChatMessage(BaseModel):
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request plus vLLM's extras (top_k, stop_token_ids, ignore_eos and the
-    chat template's add_generation_prompt, continue_final_message, chat_template_kwargs); sampling
-    fields as CompletionRequest's. As there, fields we do not support are refused when set to anything
-    but their default, and unknown fields are ignored."""
+class ChatCompletionRequest(SamplingRequest):
+    """OpenAI's chat completion request with vLLM's extras (the chat template's add_generation_prompt,
+    continue_final_message, chat_template_kwargs; add_special_tokens: the tokenizer's own on top of the
+    template's)."""
 
-    model_config = ConfigDict(extra="ignore")
+    REFUSED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        **SamplingRequest.REFUSED, "tools": _empty, "tool_choice": _none_or("none"), "reasoning_effort": _at(None),
+        "include_reasoning": _at(True), "parallel_tool_calls": _at(True), "echo": _at(False),
+        "documents": _at(None), "chat_template": _at(None), "media_io_kwargs": _at(None),
+        "mm_processor_kwargs": _at(None), "return_prompt_text": _none_or(False),
+        "return_assistant_tokens_mask": _at(False)}
 
     messages: Messages
-    model: Text | None = None
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to max_model_len
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # OpenAI's newer name; wins
-    temperature: Annotated[Float, Field(ge=0.0)] | None = 1.0
-    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] | None = 1.0
-    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
-    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=UINT64_MAX)] | None = None
-    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
-                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    ignore_eos: StrictBool = False
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    user: Text | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
     chat_template_kwargs: dict[Text, Any] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None  # 0..20, only with logprobs
-    presence_penalty: Float | None = 0.0
-    frequency_penalty: Float | None = 0.0
-    repetition_penalty: Float | None = 1.0
-    min_p: Float | None = 0.0
-    # Accepted only at their defaults:
-    logit_bias: dict[str, Float] | None = None
-    best_of: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    chat_template: Text | None = None
+    # Refused unless left at their default:
+    tools: Any = None
+    tool_choice: Any = "none"
+    reasoning_effort: Any = None
+    include_reasoning: Any = True
+    parallel_tool_calls: Any = True
+    echo: Any = False
+    documents: Any = None
+    chat_template: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
+    return_assistant_tokens_mask: Any = False
 
 
 class UsageInfo(BaseModel):

@@ -81,7 +81,7 @@ from .protocol import (
     error_body,
 )
 
-DEFAULT_OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+DEFAULT_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key
 MAX_BODY_BYTES = 16 << 20  # a longer request body is a 413
 WAITING_PER_RUNNING = 4  # default waiting sequences per rank, as a multiple of max_num_seqs
 RETRY_AFTER_S = 1  # what a 503 for a full engine tells the client to wait
@@ -123,6 +123,8 @@ class ServerState:
     chat_template: ChatTemplate = field(default_factory=lambda: ChatTemplate(None))
     max_token_chars: int | None = None
     tokenize_pool: ThreadPoolExecutor = field(default_factory=make_tokenize_pool)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     shutdown_deadline: float | None = None
     dev_mode: bool = field(default_factory=lambda: dev_mode_from_env(os.environ))
@@ -277,6 +279,12 @@ def build_app(state: ServerState) -> FastAPI:
             return Response(status_code=200)
         return _error(503, problem)
 
+    @app.get("/ping")
+    @app.post("/ping", operation_id="ping_post")
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) name for /health."""
+        return await health()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -358,7 +366,7 @@ class _CompletionCall:
 
     def __init__(self, state: ServerState, body: Any, raw: Request) -> None:
         self.state, self.body, self.raw = state, body, raw
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.id_prefix}-{body.request_id or uuid.uuid4().hex}"  # vLLM's: the client's request_id
         self.created = int(time.time())  # one time for the response and every chunk of its stream, as OpenAI's
 
     # ------------------------------------------------------------------ what an endpoint says
@@ -377,7 +385,13 @@ class _CompletionCall:
         return "max_tokens"
 
     def _refuse_unsupported(self) -> None:
-        raise NotImplementedError
+        """400 for a field this server does not serve (set to anything but its default), or fields that
+        contradict each other."""
+        field = self.body.refused_field()
+        if field is not None:
+            raise APIError(400, f"{field}: not supported by this server (leave it at its default)", field)
+        if self.body.stream_options is not None and not self.body.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
     def _items(self) -> list[Any]:
         """The prompts of the request, before tokenizing."""
@@ -477,8 +491,12 @@ class _CompletionCall:
 
     def _choice_params(self, base: SamplingParams, prompt: list[int], choice: int) -> SamplingParams:
         """`base` (from _params) for one choice of one prompt: max_tokens defaults to what the prompt
-        leaves of max_model_len, and choice i draws from seed + i."""
-        max_tokens = self.max_tokens if self.max_tokens is not None else self.state.max_model_len - len(prompt)
+        leaves of max_model_len, or the model's generation config's max_new_tokens if that is fewer (vLLM's
+        get_max_tokens), and choice i draws from seed + i."""
+        max_tokens = self.max_tokens
+        if max_tokens is None:
+            room = self.state.max_model_len - len(prompt)
+            max_tokens = min(room, self.state.generation_defaults.get("max_tokens", room))
         return dataclasses.replace(base, max_tokens=max_tokens, seed=None if base.seed is None else base.seed + choice)
 
     def _params(self) -> SamplingParams:
@@ -489,20 +507,11 @@ class _CompletionCall:
         if bad is not None:
             raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.state.vocab_size})",
                            "stop_token_ids")
-        try:
-            logprobs, prompt_logprobs = self._logprobs_params()
-            return SamplingParams(
-                max_tokens=1 if self.max_tokens is None else self.max_tokens,
-                temperature=1.0 if b.temperature is None else b.temperature,
-                top_p=1.0 if b.top_p is None else b.top_p, top_k=b.top_k or 0, seed=b.seed,
-                stop=(b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ()), stop_token_ids=stop_ids,
-                ignore_eos=b.ignore_eos, min_p=0.0 if b.min_p is None else b.min_p,
-                presence_penalty=0.0 if b.presence_penalty is None else b.presence_penalty,
-                frequency_penalty=0.0 if b.frequency_penalty is None else b.frequency_penalty,
-                repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        except BadRequest as e:
-            raise APIError(400, str(e), e.param) from None
+        logprobs, prompt_logprobs = self._logprobs_params()
+        # Until the prompt is known, max_tokens is checked against the most it could be.
+        max_tokens = self.state.max_model_len if self.max_tokens is None else self.max_tokens
+        return b.to_sampling_params(max_tokens=max_tokens, defaults=self.state.generation_defaults,
+                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
         """SamplingParams' (logprobs, prompt_logprobs) for the request."""
@@ -653,7 +662,13 @@ class _TextCompletionCall(_CompletionCall):
         self.text_lens: dict[int, int] = {}  # the text a choice's stream has sent (vLLM's text_offset base)
 
     def _refuse_unsupported(self) -> None:
-        _refuse_unsupported(self.body)
+        super()._refuse_unsupported()
+        b = self.body
+        if b.max_tokens == 0 and not b.echo:
+            raise APIError(400, "max_tokens: expected >= 1 (0 only with echo: the prompt alone)", "max_tokens")
+        if b.logprobs is not None and not 0 <= b.logprobs <= self.state.max_logprobs:
+            raise APIError(400, f"logprobs: expected in [0, {self.state.max_logprobs}] (--max-logprobs), got "
+                                f"{b.logprobs}", "logprobs")
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
         b = self.body
@@ -680,7 +695,9 @@ class _TextCompletionCall(_CompletionCall):
         return items
 
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
-        return await encode_text(self.state, item, True, where, room) if isinstance(item, str) else list(item)
+        if not isinstance(item, str):
+            return list(item)
+        return await encode_text(self.state, item, self.body.add_special_tokens, where, room)
 
     def _prompt_text(self, index: int) -> str:
         item = self.items[index // self.body.n]
@@ -773,19 +790,14 @@ class _ChatCompletionCall(_CompletionCall):
         return "max_tokens" if self.body.max_completion_tokens is None else "max_completion_tokens"
 
     def _refuse_unsupported(self) -> None:
+        super()._refuse_unsupported()
         b = self.body
-        _refuse((("logit_bias", bool(b.logit_bias)), ("best_of", b.best_of not in (None, b.n)),
-                 ("response_format", b.response_format not in (None, {"type": "text"})),
-                 ("tools", bool(b.tools)), ("tool_choice", b.tool_choice not in (None, "none")),
-                 ("chat_template", b.chat_template is not None)))
-        if b.stream_options is not None and not b.stream:
-            raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
         if b.top_logprobs is not None:  # vLLM's checks (ChatCompletionRequest.check_logprobs)
             if not b.logprobs:
                 raise APIError(400, "top_logprobs: only allowed when logprobs is true", "top_logprobs")
-            if not 0 <= b.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"top_logprobs: expected in [0, {MAX_LOGPROBS}], got {b.top_logprobs}",
-                               "top_logprobs")
+            if not 0 <= b.top_logprobs <= self.state.max_logprobs:
+                raise APIError(400, f"top_logprobs: expected in [0, {self.state.max_logprobs}] (--max-logprobs), got "
+                                    f"{b.top_logprobs}", "top_logprobs")
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
         b = self.body
@@ -814,7 +826,7 @@ class _ChatCompletionCall(_CompletionCall):
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
         return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                                 b.chat_template_kwargs, False, room)
+                                 b.chat_template_kwargs, b.add_special_tokens, room)
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
         want = bool(self.body.logprobs)
@@ -920,17 +932,6 @@ def _describe_validation_errors(errors: list[Any],
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def _refuse_unsupported(b: CompletionRequest) -> None:
-    """400 for OpenAI fields this server does not implement, when set to anything but their default."""
-    checks = (("suffix", b.suffix is not None), ("logit_bias", bool(b.logit_bias)),
-              ("best_of", b.best_of not in (None, b.n)))
-    _refuse(checks)
-    if b.max_tokens == 0 and not b.echo:
-        raise APIError(400, "max_tokens: expected >= 1 (0 only with echo: the prompt alone)", "max_tokens")
-    if b.stream_options is not None and not b.stream:
-        raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
 
 def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info",

@@ -115,7 +115,11 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         prompt = list(prompt_token_ids)
-        seq = Sequence(request_id, prompt, params, OutputText(self.codec, prompt, params.stop), time.monotonic(),
+        text = OutputText(self.codec, prompt, params.stop, min_tokens=params.min_tokens,
+                          include_stop=params.include_stop_str_in_output,
+                          skip_special_tokens=params.skip_special_tokens,
+                          spaces_between_special_tokens=params.spaces_between_special_tokens)
+        seq = Sequence(request_id, prompt, params, text, time.monotonic(),
                        make_generator(params.seed, self.device) if params.seed is not None else None)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -276,7 +280,8 @@ class LLMEngine:
         history = None
         if penalized:
             history = self.token_counts.history(penalized, [seqs[i].counts_row for i in penalized])
-        out: SamplerOutput = self.sampler.run(logits, [s.params for s in seqs], [s.generator for s in seqs], history)
+        out: SamplerOutput = self.sampler.run(logits, [s.params for s in seqs], [s.generator for s in seqs], history,
+                                              self._banned(seqs, logits.shape[1]))
         if history is not None:
             self.token_counts.record(history, out.tokens)
         for row, seq in enumerate(seqs):
@@ -286,6 +291,19 @@ class LLMEngine:
         if out.logprob_ids is not None and out.logprob_values is not None:
             tensors += [out.logprob_ids, out.logprob_values]
         return PendingStep(seqs, out.tokens, out.logprob_rows, HostCopy(tensors))
+
+    def _banned(self, seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int]] | None:
+        """The (row, token id) pairs the sampler may not draw: a sequence's stop tokens (EOS unless
+        ignore_eos, its stop token ids) while its output is shorter than min_tokens; None for none."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.min_tokens and len(seq.output_token_ids) + seq.num_pending < p.min_tokens:
+                ids = [t for t in p.banned_before_min_tokens(self.eos_token_ids) if t < vocab]
+                rows += [row] * len(ids)
+                token_ids += ids
+        return (rows, token_ids) if rows else None
 
     def _prompt_logprobs(self, batch: ScheduledBatch, ends: list[int], logits: torch.Tensor) -> None:
         """Compute, on the device, the prompt logprobs this step's logits give (each sequence's rows end
@@ -353,10 +371,11 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         seq.output_token_ids.append(token)
         p = seq.params
-        if token in self.eos_token_ids and not p.ignore_eos:
-            seq.finish(FINISH_STOP)
-        elif token in p.stop_token_ids:
-            seq.finish(FINISH_STOP, token)
+        eos = token in self.eos_token_ids and not p.ignore_eos
+        if eos or token in p.stop_token_ids:
+            if p.include_stop_str_in_output:  # the stop token's text too (vLLM's detokenizer)
+                seq.text.add(token, check_stops=False)
+            seq.finish(FINISH_STOP, None if eos else token)
         else:
             stop = seq.text.add(token)
             if stop is not None:

@@ -131,17 +131,20 @@ class Sampler:
         return self.run(logits, params, generators).tokens
 
     def run(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-            history: TokenHistory | None = None) -> SamplerOutput:
+            history: TokenHistory | None = None,
+            banned: tuple[list[int], list[int]] | None = None) -> SamplerOutput:
         """The tokens and, for the rows that ask, their logprobs. history: the penalized rows' token
-        counts (None: no row has penalties)."""
+        counts (None: no row has penalties). banned: (rows, token ids) pairs that cannot be drawn (min_tokens:
+        vLLM's MinTokensLogitsProcessor, before the penalties); logprobs stay the raw logits'."""
         if logits.shape[0] != len(params):
             raise ValueError(f"logits: expected {len(params)} rows (one per sequence), got {logits.shape[0]}")
         logits = logits.float()
-        fallback = _likeliest(logits)  # the token of a row left without a candidate (module docstring)
+        allowed = logits if banned is None else _without(logits, *banned)
+        fallback = _likeliest(allowed)  # the token of a row left without a candidate (module docstring)
         if history is None:
-            processed, tokens = logits, fallback.clone()
+            processed, tokens = allowed, fallback.clone()
         else:
-            processed = apply_penalties(logits, history, params)
+            processed = apply_penalties(allowed, history, params)
             tokens = _likeliest(processed, fallback)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -163,6 +166,13 @@ class Sampler:
             rows = to_device(asking, torch.int64, logits.device)
             ids, values = token_logprobs(logits[rows], tokens[rows], k)
         return SamplerOutput(tokens, where, ids, values)
+
+
+def _without(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:
+    """The logits (a new tensor) with each (row, token id) pair at -inf: that token cannot be drawn."""
+    device = logits.device
+    index = (to_device(rows, torch.int64, device), to_device(token_ids, torch.int64, device))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=device))
 
 
 def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: list[SamplingParams]) -> torch.Tensor:

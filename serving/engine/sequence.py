@@ -39,7 +39,11 @@ class SamplingParams:
     in the output, presence_penalty itself once for a token in the output. logprobs: the number of top
     log-probabilities per generated token (None: none), besides the token's own, which is always
     given; prompt_logprobs: the same per prompt token (the first has none). Log-probabilities are
-    vLLM's default ("raw_logprobs"): log_softmax of the model's logits, before penalties and filters."""
+    vLLM's default ("raw_logprobs"): log_softmax of the model's logits, before penalties and filters.
+    min_tokens: no EOS (unless ignore_eos) or stop token id can be drawn before that many output tokens,
+    and no stop string matches in their text; include_stop_str_in_output: the stop string (or the stop
+    token's text) that ended the output stays in it; skip_special_tokens and
+    spaces_between_special_tokens: how the output is detokenized (vLLM's meanings)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -55,6 +59,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # vLLM's checks, field by field (SamplingParams._verify_args in vllm/sampling_params.py at
@@ -84,6 +92,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise BadRequest(f"{name}: expected in [0, {MAX_LOGPROBS}], got {value}", name)
+        if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
+            raise BadRequest(f"min_tokens: expected an integer in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}", "min_tokens")
         if any(not s for s in self.stop):
             raise BadRequest("stop: expected non-empty strings", "stop")
         if sum(map(len, self.stop)) > MAX_STOP_CHARS:
@@ -93,6 +104,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def banned_before_min_tokens(self, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+        """The token ids that cannot be drawn while the output is shorter than min_tokens (vLLM's
+        MinTokensLogitsProcessor): the stop token ids, and EOS unless ignore_eos."""
+        return tuple(sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))))
 
     @property
     def penalized(self) -> bool:
