@@ -1,0 +1,244 @@
+"""vLLM's own classes drive the `deep_ep` drop-in (dropin/) on CPU ranks: nothing of vLLM is re-written here.
+
+vLLM's sources are the released wheels' (`scripts/fetch_engines.py`; tests/engine_sources.py imports them and
+says exactly what is stubbed: the parallel state, compiled ops, CUDA stream and event objects). Per release
+(engine_sources.VLLM_VERSIONS), on gloo ranks (tests/dist_harness.py), the reference backend:
+- `vllm/distributed/device_communicators/all2all.py`: `DeepEPLLAll2AllManager` / `DeepEPHTAll2AllManager`
+  `.get_handle` build the `deep_ep.Buffer` (one per set of arguments, cached), and `.destroy` frees it;
+- `vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_ll.py` (`DeepEPLLPrepareAndFinalize`) and
+  `deepep_ht.py` (`DeepEPHTPrepareAndFinalize`) inside `modular_kernel.py`'s `FusedMoEKernel` (the modular MoE
+  kernel of both releases), with vLLM's `NaiveBatchedExperts` (`fused_batched_moe.py`, its reference batched
+  experts) for the low-latency path;
+- `vllm/v1/worker/ubatching.py`: two micro-batches (DBO) in vLLM's `UBatchContext`s, whose hooks and yields the
+  prepare/finalize classes call;
+checked against a dense float64 oracle of the MoE computed from the inputs, in bf16, FP8 with 128-column block
+scales, and UE8M0 scales (low-latency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import run_ranks
+from engine_sources import VLLM_VERSIONS, engine_config, install_groups, run_ubatches, source_dir, use_vllm
+from test_deep_ep_dropin import Tokens, draw, draw_counts, fp8_columns, gpu, label, rng_for, setup_device
+
+# The low-latency kernels take the hidden sizes vLLM pads to (DeepEPLLPrepareAndFinalize.SUPPORTED_HIDDEN_SIZES,
+# 2048 the smallest); 8 experts, top-4, a small SwiGLU intermediate (a multiple of the 128-wide FP8 blocks).
+H, E, K, N, T = 2048, 8, 4, 128, 16
+BLOCK = 128
+# Per token, |got - want| / |want| (Euclidean norms) within this: the experts round to bf16 (u = 2^-8) after each
+# of their two GEMMs, the low-latency combine once more, so a few u; a wrong row, expert or weight is off by O(1).
+RTOL = 6 * 2.0 ** -8
+
+
+@pytest.fixture(scope="module", params=VLLM_VERSIONS)
+def version(request: pytest.FixtureRequest) -> str:
+    """A vLLM release, its sources fetched once here so that the ranks find them cached."""
+    source_dir("vllm", request.param)
+    return request.param
+
+
+# ============================================================================================ weights and oracle
+def expert_weights(seed: int, mode: str) -> dict[str, torch.Tensor]:
+    """Every expert's SwiGLU weights in vLLM's layout: w1 [E, 2N, H] (gate rows, then up rows), w2 [E, H, N];
+    bf16, or FP8 codes with float32 scales per 128x128 block (w1_scale [E, 2N/128, H/128], w2_scale
+    [E, H/128, N/128])."""
+    gen = torch.Generator().manual_seed(seed ^ 0x5EED)
+    shapes = {"w1": (E, 2 * N, H), "w2": (E, H, N)}
+    out: dict[str, torch.Tensor] = {}
+    for name, (e, rows, cols) in shapes.items():
+        w = torch.randn(e, rows, cols, generator=gen)
+        if mode == "bf16":
+            out[name] = (w / cols ** 0.5).to(torch.bfloat16)
+        else:
+            out[name] = (w * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name + "_scale"] = (0.5 + torch.rand(e, rows // BLOCK, cols // BLOCK, generator=gen)) / (
+                64 * cols ** 0.5)
+    return out
+
+
+def dense_weight(weights: dict[str, torch.Tensor], name: str, expert: int) -> np.ndarray:
+    """float64 value of one expert's weight, FP8 blocks times their scales."""
+    w = weights[name][expert].double()
+    scale = weights.get(name + "_scale")
+    if scale is None:
+        return w.numpy()
+    return (w * scale[expert].double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)).numpy()
+
+
+def dense_moe(tokens: Tokens, weights: dict[str, torch.Tensor], mode: str) -> np.ndarray:
+    """The oracle, float64 [n, H]: Σ_k w[t, k] · SwiGLU-MLP of expert idx[t, k] applied to token t as dispatched
+    (its bf16 row, or the per-token 128-group FP8 cast of it with float32 or UE8M0 scales)."""
+    if mode == "bf16":
+        rows = tokens.x.double().numpy()
+    else:
+        codes, scales = fp8_columns(tokens.x, mode)
+        if scales.dtype == torch.int32:  # four biased exponents per int32, group g in byte g % 4
+            scales = (scales.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+        rows = (codes.double().unflatten(-1, (-1, BLOCK)) * scales.double().unsqueeze(-1)).flatten(-2).numpy()
+    out = np.zeros_like(rows)
+    idx, wts = tokens.idx.numpy(), tokens.w.double().numpy()
+    for e in np.unique(idx[idx >= 0]):
+        t, k = np.nonzero(idx == e)
+        w1, w2 = dense_weight(weights, "w1", e), dense_weight(weights, "w2", e)
+        gate, up = rows[t] @ w1[:N].T, rows[t] @ w1[N:].T
+        out[t] += wts[t, k, None] * ((gate / (1 + np.exp(-gate)) * up) @ w2.T)
+    return out
+
+
+def check_moe(out: torch.Tensor, tokens: Tokens, weights: dict[str, torch.Tensor], mode: str, where: str) -> float:
+    """`out` (bf16 [n, H]) against the oracle: tokens without experts exactly 0, the others within RTOL.
+    Returns the largest relative error."""
+    want = dense_moe(tokens, weights, mode)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == want.shape, f"{where}: {out.dtype} {list(out.shape)}"
+    got = out.cpu().double().numpy()
+    none = (tokens.idx < 0).all(dim=1).numpy()
+    assert not got[none].any(), f"{where}: a token without experts is not 0"
+    err = np.linalg.norm(got - want, axis=1)
+    scale = np.linalg.norm(want, axis=1)
+    rel = np.where(none, 0.0, err / np.maximum(scale, 1e-300))
+    bad = np.nonzero(rel > RTOL)[0]
+    assert not bad.size, f"{where}: tokens {bad.tolist()} off the oracle by {rel[bad].tolist()} (rtol {RTOL})"
+    return float(rel.max(initial=0.0))
+
+
+# ============================================================================================ vLLM's objects
+def parallel_config(v: Any, rank: int, world: int, backend: str) -> Any:
+    """FusedMoEParallelConfig of `--data-parallel-size world --enable-expert-parallel --all2all-backend backend`."""
+    return v.moe_config.FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=world, ep_size=world, tp_rank=0,
+                                               pcp_rank=0, dp_rank=rank, ep_rank=rank, sp_size=1, use_ep=True,
+                                               all2all_backend=backend, enable_eplb=False)
+
+
+def moe_config(v: Any, rank: int, world: int, backend: str, device: torch.device) -> Any:
+    """FusedMoEConfig of this layer. The intermediate size's field was renamed after 0.20
+    (intermediate_size_per_partition -> intermediate_size): whichever this release has."""
+    fields = {f.name for f in dataclasses.fields(v.moe_config.FusedMoEConfig)}
+    inter = "intermediate_size" if "intermediate_size" in fields else "intermediate_size_per_partition"
+    return v.moe_config.FusedMoEConfig(
+        num_experts=E, experts_per_token=K, hidden_dim=H, num_local_experts=E // world, num_logical_experts=E,
+        activation=v.activation.MoEActivation.SILU, device=device, routing_method=v.moe_config.RoutingMethodType.TopK,
+        moe_parallel_config=parallel_config(v, rank, world, backend), in_dtype=torch.bfloat16, max_num_tokens=T,
+        **{inter: N})
+
+
+def quant_config(v: Any, weights: dict[str, torch.Tensor], mode: str) -> Any:
+    """vLLM's quant config: unquantized, or FP8 weights and activations in 128x128 blocks."""
+    if mode == "bf16":
+        return v.moe_config.FUSED_MOE_UNQUANTIZED_CONFIG
+    return v.moe_config.fp8_w8a8_moe_quant_config(w1_scale=weights["w1_scale"], w2_scale=weights["w2_scale"],
+                                                  block_shape=[BLOCK, BLOCK])
+
+
+def ue8m0_experts(v: Any) -> type:
+    """vLLM's NaiveBatchedExperts taking packed UE8M0 activation scales (as vLLM's DeepGEMM experts do, which
+    is what makes DeepEPLLPrepareAndFinalize dispatch UE8M0): it unpacks them to float32 and runs as shipped."""
+    base = v.batched.NaiveBatchedExperts
+
+    class Ue8m0NaiveBatchedExperts(base):
+        def supports_packed_ue8m0_act_scales(self) -> bool:
+            return True
+
+        def apply(self, *args: Any, **kwargs: Any) -> None:
+            scales = kwargs["a1q_scale"]
+            assert scales.dtype == torch.int32, scales.dtype
+            kwargs["a1q_scale"] = (scales.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+            super().apply(*args, **kwargs)
+
+    return Ue8m0NaiveBatchedExperts
+
+
+def local_weights(weights: dict[str, torch.Tensor], rank: int, world: int, device: torch.device) -> dict:
+    lo, hi = rank * E // world, (rank + 1) * E // world
+    return {k: w[lo:hi].to(device) for k, w in weights.items()}
+
+
+def tokens_on(tokens: Tokens, device: torch.device) -> Tokens:
+    return Tokens(*(t.to(device, copy=True) for t in tokens))
+
+
+# ============================================================================================ low latency
+def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) -> dict[str, float]:
+    """`--all2all-backend deepep_low_latency`: the manager's Buffer, then per dispatch format a FusedMoEKernel of
+    DeepEPLLPrepareAndFinalize and NaiveBatchedExperts over it: plain steps and a two-micro-batch step, each
+    output against the oracle; then the manager's teardown. Returns the largest relative error per format."""
+    if device == "cpu":
+        import os
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: "auto" must mean the reference backend
+    import deep_ep
+
+    v = use_vllm(version)
+    dev = setup_device(rank, device)
+    pg = dist.new_group(list(range(world)), backend="gloo")  # the EP group's cpu_group
+    ep = install_groups(v, pg)
+    with engine_config(v, dev):
+        manager = v.all2all.DeepEPLLAll2AllManager(pg)
+    ep.device_communicator.all2all_manager = manager
+    handle_args = dict(max_num_tokens_per_dp_rank=T, token_hidden_size=H, num_ep_ranks=world, num_global_experts=E,
+                       num_local_experts=E // world)
+    buffer = manager.get_handle(handle_args)
+    assert manager.get_handle(dict(handle_args)) is buffer, "one Buffer per set of arguments"
+    assert isinstance(buffer, deep_ep.Buffer) and buffer.low_latency_mode and buffer.group_size == world
+    assert buffer.num_rdma_bytes == deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    assert buffer.backend_name == ("cuda" if device == "cuda" else "reference")
+    v.workspace.init_workspace_manager(dev, num_ubatches=2)
+
+    worst: dict[str, float] = {}
+    for mode in ("bf16", "fp8", "ue8m0"):
+        weights = expert_weights(seed, mode)
+        mine = local_weights(weights, rank, world, dev)
+        qc = quant_config(v, mine, mode)
+        experts_cls = ue8m0_experts(v) if mode == "ue8m0" else v.batched.NaiveBatchedExperts
+        experts = experts_cls(moe_config=moe_config(v, rank, world, "deepep_low_latency", dev), quant_config=qc,
+                              max_num_tokens=T, num_dispatchers=world)
+        # all2all_utils.maybe_make_prepare_finalize's arguments (FP8 dispatch: FP8 activations in 128 blocks)
+        pf = v.ll.DeepEPLLPrepareAndFinalize(buffer, max_tokens_per_rank=T, num_dispatchers=world,
+                                             use_fp8_dispatch=mode != "bf16")
+        kernel = v.mk.FusedMoEKernel(pf, experts)
+        assert pf.use_ue8m0_dispatch == (mode == "ue8m0")
+
+        def apply(tokens: Tokens, kernel: Any = kernel, mine: dict = mine) -> torch.Tensor:
+            t = tokens_on(tokens, dev)
+            return kernel.apply(t.x, mine["w1"], mine["w2"], t.w, t.idx, activation=v.activation.MoEActivation.SILU,
+                                global_num_experts=E, expert_map=None, apply_router_weight_on_input=False)
+
+        errors = []
+        for step in range(2):
+            counts = draw_counts(seed, ("ll", mode, step), world, 0, T)
+            every = draw(seed, ("ll", mode, step), counts, H, E, K)
+            out = apply(every[rank])
+            errors.append(check_moe(out, every[rank], weights, mode, label(seed, rank, version, mode, "step", step)))
+        counts = draw_counts(seed, ("ll-dbo", mode), world, 0, T)
+        every = draw(seed, ("ll-dbo", mode), counts, H, E, K)
+        split = int(rng_for(seed, ("split", mode, rank)).integers(0, counts[rank] + 1))
+        halves = [every[rank].rows(0, split), every[rank].rows(split, counts[rank])]
+        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves])
+        for u, (out, half) in enumerate(zip(outs, halves)):
+            errors.append(check_moe(out, half, weights, mode, label(seed, rank, version, mode, "DBO ubatch", u)))
+        worst[mode] = max(errors)
+
+    manager.destroy()
+    with pytest.raises(RuntimeError, match="destroy"):
+        buffer.low_latency_dispatch(torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, K, dtype=torch.int64), T,
+                                    E)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2])
+def test_vllm_deepep_low_latency(version: str, world: int, seed: int) -> None:
+    """vLLM's low-latency path end to end on our Buffer, all three dispatch formats, plain and DBO steps."""
+    results = run_ranks(rank_vllm_ll, world, version, seed, "cpu", timeout_s=300)
+    assert all(set(r) == {"bf16", "fp8", "ue8m0"} for r in results), results
+
+
+@gpu
+def test_vllm_deepep_low_latency_cuda(version: str, seed: int) -> None:
+    """The same on the cuda backend: two processes on one GPU, vLLM handing the Buffer its gloo group."""
+    run_ranks(rank_vllm_ll, 2, version, seed, "cuda", timeout_s=300)
