@@ -190,7 +190,7 @@ def run_ubatches(vllm: SimpleNamespace, fns: list[Callable[[], Any]]) -> list[An
         try:
             with ctxs[i]:
                 results[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
             for event in cpu_events:  # let the other micro-batch run out instead of waiting forever
                 event.set()
