@@ -15,8 +15,9 @@ What is stubbed, and nothing else (the classes under test, their modules and vLL
   tensors in plain torch; and the Triton kernels `_per_token_group_quant_fp8` / `_per_token_group_quant_fp8_colmajor`
   of `vllm.model_executor.layers.quantization.utils.fp8_utils` (no Triton on CPU), replaced by a plain-torch
   launcher of the same math: per token and group, `scale = max(amax, eps) / fp8_max` (a power of two above it for
-  UE8M0), codes `clamp(x / scale)`. Their Python wrappers (`per_token_group_quant_fp8`: allocation, layout,
-  scale format) run as shipped.
+  UE8M0), codes `clamp(x / scale)`, with Triton's `next_power_of_2` (the wrapper sizes its launch with it) on
+  vLLM's Triton placeholder. Their Python wrapper (`per_token_group_quant_fp8`: allocation, layout, scale format)
+  runs as shipped.
 - **Three torch queries that raise on a machine without an accelerator** instead of answering (torch 2.13's CPU
   build), on such a machine only: `torch.accelerator.empty_cache` does nothing, as its docstring says it does
   when no allocator is initialised (vLLM's `WorkspaceManager`, where the modular kernel takes its buffers,
@@ -31,6 +32,7 @@ What is stubbed, and nothing else (the classes under test, their modules and vLL
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -68,22 +70,29 @@ def _silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     out.copy_(torch.nn.functional.silu(gate) * up)
 
 
-def _moe_sum(x: torch.Tensor, out: torch.Tensor) -> None:
-    """vLLM's `moe_sum` (csrc/moe/moe_align_sum_kernels.cu): out[m] = Σ_k x[m, k], accumulated in float32."""
+def _moe_sum(x: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor | None = None,
+             expert_map: torch.Tensor | None = None) -> None:
+    """vLLM's `moe_sum` (csrc/moe/): out[m] = Σ_k x[m, k], accumulated in float32. (Later releases also pass
+    topk_ids and expert_map, to skip other ranks' experts; the paths here pass None for both.)"""
+    if expert_map is not None:
+        raise NotImplementedError("the moe_sum shim takes no expert_map")
     out.copy_(x.float().sum(dim=1))
 
 
-def _register_ops() -> None:
+def _register_ops(custom_ops: ModuleType) -> None:
+    """The shims, with the schemas this release's `vllm._custom_ops` calls them with."""
     if _LIBS:
         return
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = lambda: None
         torch.cuda.is_current_stream_capturing = lambda: False
         torch.accelerator.current_stream = lambda device=None: CPU_STREAM
+    moe_sum = "moe_sum(Tensor input, Tensor(a!) output) -> ()"
+    if "expert_map" in inspect.signature(custom_ops.moe_sum).parameters:
+        moe_sum = "moe_sum(Tensor input, Tensor(a!) output, Tensor? topk_ids, Tensor? expert_map) -> ()"
     for namespace, name, schema, fn in (("_C", "silu_and_mul", "silu_and_mul(Tensor(a!) out, Tensor input) -> ()",
                                          _silu_and_mul),
-                                        ("_moe_C", "moe_sum", "moe_sum(Tensor input, Tensor(a!) output) -> ()",
-                                         _moe_sum)):
+                                        ("_moe_C", "moe_sum", moe_sum, _moe_sum)):
         lib = torch.library.Library(namespace, "FRAGMENT")
         lib.define(schema)
         lib.impl(name, fn, "CPU")
@@ -223,7 +232,6 @@ def use_vllm(version: str) -> SimpleNamespace:
     elif path not in sys.path:
         sys.path.insert(0, path)
     _quiet_env()
-    _register_ops()
     fm = "vllm.model_executor.layers.fused_moe."
     names = {
         "vllm": "vllm", "envs": "vllm.envs", "parallel_state": "vllm.distributed.parallel_state",
@@ -241,7 +249,10 @@ def use_vllm(version: str) -> SimpleNamespace:
             break
         except ModuleNotFoundError:
             continue
+    _register_ops(importlib.import_module("vllm._custom_ops"))
     fp8_utils: ModuleType = mods["fp8_utils"]
     fp8_utils._per_token_group_quant_fp8 = _GroupQuantLauncher()
     fp8_utils._per_token_group_quant_fp8_colmajor = _GroupQuantLauncher()
+    if not hasattr(fp8_utils.triton, "next_power_of_2"):  # vLLM's placeholder for a missing Triton
+        fp8_utils.triton.next_power_of_2 = lambda n: 1 << (n - 1).bit_length()
     return SimpleNamespace(version=version, **mods)

@@ -31,6 +31,7 @@ from test_deep_ep_dropin import Tokens, draw, draw_counts, fp8_columns, gpu, lab
 # The low-latency kernels take the hidden sizes vLLM pads to (DeepEPLLPrepareAndFinalize.SUPPORTED_HIDDEN_SIZES,
 # 2048 the smallest); 8 experts, top-4, a small SwiGLU intermediate (a multiple of the 128-wide FP8 blocks).
 H, E, K, N, T = 2048, 8, 4, 128, 16
+HT_TOKENS = 40  # prefill tokens per rank at most (normal mode)
 BLOCK = 128
 # Per token, |got - want| / |want| (Euclidean norms) within this: the experts round to bf16 (u = 2^-8) after each
 # of their two GEMMs, the low-latency combine once more, so a few u; a wrong row, expert or weight is off by O(1).
@@ -231,6 +232,145 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
     return worst
 
 
+# ============================================================================================ high throughput
+def standard_experts(v: Any) -> type:
+    """Experts in vLLM's standard activation format for the high-throughput path, in plain torch (vLLM ships
+    only Triton, CUTLASS and DeepGEMM ones for it, none of which runs on CPU): per received row and top-k slot,
+    the SwiGLU MLP of the slot's local expert (expert_map), through vLLM's own activation, into [M, topk, H];
+    vLLM's TopKWeightAndReduceContiguous then weighs and sums the slots (finalize_weight_and_reduce_impl:
+    the prepare/finalize's choice). It checks the per-expert counts the prepare handed over."""
+    mk = v.mk
+
+    class TorchStandardExperts(mk.FusedMoEExpertsModular):
+        @staticmethod
+        def activation_format() -> Any:
+            return mk.FusedMoEActivationFormat.Standard
+
+        @staticmethod
+        def _supports_current_device() -> bool:
+            return True
+
+        @staticmethod
+        def _supports_no_act_and_mul() -> bool:
+            return False
+
+        @staticmethod
+        def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
+            return True
+
+        @staticmethod
+        def _supports_activation(activation: Any) -> bool:
+            return activation == v.activation.MoEActivation.SILU
+
+        @staticmethod
+        def _supports_parallel_config(moe_parallel_config: Any) -> bool:
+            return True
+
+        def supports_expert_map(self) -> bool:
+            return True
+
+        def finalize_weight_and_reduce_impl(self) -> Any:
+            return v.topk_reduce.TopKWeightAndReduceDelegate()
+
+        def workspace_shapes(self, M: int, N: int, K: int, topk: int, *args: Any, **kwargs: Any) -> tuple:
+            return (M, topk, max(N, K)), (M, N // 2), (M, topk, K)
+
+        def apply(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: Any, global_num_experts: int,
+                  expert_map: torch.Tensor | None, a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+                  workspace13: torch.Tensor, workspace2: torch.Tensor, expert_tokens_meta: Any,
+                  apply_router_weight_on_input: bool, **kwargs: Any) -> None:
+            assert expert_map is not None
+            local = expert_map[topk_ids]
+            have = torch.bincount(local[local >= 0].long(), minlength=w1.shape[0]).to(torch.int32)
+            assert torch.equal(expert_tokens_meta.expert_num_tokens.cpu(), have.cpu()), "expert_num_tokens"
+            rows = hidden_states.float()
+            if a1q_scale is not None:
+                rows = (rows.unflatten(-1, (-1, BLOCK)) * a1q_scale.float().unsqueeze(-1)).flatten(-2)
+            output.zero_()
+            for e in range(w1.shape[0]):
+                m, k = torch.nonzero(local == e, as_tuple=True)
+                if m.numel() == 0:
+                    continue
+                w1e, w2e = (self._dense(w, s, e) for w, s in ((w1, self.w1_scale), (w2, self.w2_scale)))
+                gate_up = (rows[m] @ w1e.T).to(output.dtype)
+                act = torch.empty(m.numel(), w1e.shape[0] // 2, dtype=output.dtype, device=output.device)
+                self.activation(activation, act, gate_up)
+                output[m, k] = (act.float() @ w2e.T).to(output.dtype)
+
+        @staticmethod
+        def _dense(w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+            if scale is None:
+                return w[e].float()
+            blocks = scale[e].repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+            return w[e].float() * blocks
+
+    return TorchStandardExperts
+
+
+def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) -> dict[str, float]:
+    """`--all2all-backend deepep_high_throughput`: the manager's Buffer, then per format (bf16, FP8 blocks) a
+    FusedMoEKernel of DeepEPHTPrepareAndFinalize (all2all_utils' arguments) over it: plain steps and a
+    two-micro-batch step against the oracle; then the teardown. Returns the largest relative error per format."""
+    if device == "cpu":
+        import os
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import deep_ep
+
+    v = use_vllm(version)
+    dev = setup_device(rank, device)
+    pg = dist.new_group(list(range(world)), backend="gloo")
+    ep = install_groups(v, pg)
+    with engine_config(v, dev):
+        manager = v.all2all.DeepEPHTAll2AllManager(pg)
+    ep.device_communicator.all2all_manager = manager
+    buffer = manager.get_handle({})
+    assert manager.get_handle({}) is buffer, "one Buffer for every layer"
+    assert isinstance(buffer, deep_ep.Buffer) and not buffer.low_latency_mode and buffer.group_size == world
+    assert (buffer.num_nvl_bytes, buffer.num_rdma_bytes) == (v.envs.VLLM_DEEPEP_BUFFER_SIZE_MB << 20, 0)
+    assert buffer.backend_name == ("cuda" if device == "cuda" else "reference")
+    v.workspace.init_workspace_manager(dev, num_ubatches=2)
+    num_local = E // world
+    expert_map = torch.full((E,), -1, dtype=torch.int32, device=dev)  # FusedMoE's map of this EP rank
+    expert_map[rank * num_local:(rank + 1) * num_local] = torch.arange(num_local, dtype=torch.int32, device=dev)
+
+    worst: dict[str, float] = {}
+    for mode in ("bf16", "fp8"):
+        weights = expert_weights(seed, mode)
+        mine = local_weights(weights, rank, world, dev)
+        experts = standard_experts(v)(moe_config=moe_config(v, rank, world, "deepep_high_throughput", dev),
+                                      quant_config=quant_config(v, mine, mode))
+        pf = v.ht.DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world, dp_size=world,
+                                             rank_expert_offset=rank * num_local)
+        kernel = v.mk.FusedMoEKernel(pf, experts)
+
+        def apply(tokens: Tokens, kernel: Any = kernel, mine: dict = mine) -> torch.Tensor:
+            t = tokens_on(tokens, dev)
+            return kernel.apply(t.x, mine["w1"], mine["w2"], t.w, t.idx, activation=v.activation.MoEActivation.SILU,
+                                global_num_experts=E, expert_map=expert_map, apply_router_weight_on_input=False)
+
+        errors = []
+        for step in range(2):  # prefill: no per-rank bound; vLLM pads an idle rank to one token
+            counts = draw_counts(seed, ("ht", mode, step), world, 1, HT_TOKENS)
+            every = draw(seed, ("ht", mode, step), counts, H, E, K)
+            out = apply(every[rank])
+            errors.append(check_moe(out, every[rank], weights, mode, label(seed, rank, version, mode, "step", step)))
+        counts = draw_counts(seed, ("ht-dbo", mode), world, 2, HT_TOKENS)
+        every = draw(seed, ("ht-dbo", mode), counts, H, E, K)
+        split = int(rng_for(seed, ("ht-split", mode, rank)).integers(1, counts[rank]))
+        halves = [every[rank].rows(0, split), every[rank].rows(split, counts[rank])]
+        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves])
+        for u, (out, half) in enumerate(zip(outs, halves)):
+            errors.append(check_moe(out, half, weights, mode, label(seed, rank, version, mode, "DBO ubatch", u)))
+        worst[mode] = max(errors)
+
+    manager.destroy()
+    with pytest.raises(RuntimeError, match="destroy"):
+        buffer.get_dispatch_layout(topk_idx=torch.zeros(1, K, dtype=torch.int64), num_experts=E)
+    return worst
+
+
 @pytest.mark.parametrize("world", [2])
 def test_vllm_deepep_low_latency(version: str, world: int, seed: int) -> None:
     """vLLM's low-latency path end to end on our Buffer, all three dispatch formats, plain and DBO steps."""
@@ -242,3 +382,10 @@ def test_vllm_deepep_low_latency(version: str, world: int, seed: int) -> None:
 def test_vllm_deepep_low_latency_cuda(version: str, seed: int) -> None:
     """The same on the cuda backend: two processes on one GPU, vLLM handing the Buffer its gloo group."""
     run_ranks(rank_vllm_ll, 2, version, seed, "cuda", timeout_s=300)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vllm_deepep_high_throughput(version: str, world: int, seed: int) -> None:
+    """vLLM's high-throughput path end to end on our Buffer: bf16 and FP8 block dispatch, plain and DBO steps."""
+    results = run_ranks(rank_vllm_ht, world, version, seed, "cpu", timeout_s=300)
+    assert all(set(r) == {"bf16", "fp8"} for r in results), results
