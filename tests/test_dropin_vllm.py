@@ -26,7 +26,26 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_ranks
 from engine_sources import VLLM_VERSIONS, engine_config, install_groups, run_ubatches, source_dir, use_vllm
-from test_deep_ep_dropin import Tokens, draw, draw_counts, fp8_columns, gpu, label, rng_for, setup_device
+from test_deep_ep_dropin import (
+    Tokens,
+    check_combine,
+    check_dense,
+    check_dispatch,
+    check_normal_dispatch,
+    dequant_rows,
+    draw,
+    draw_counts,
+    expert_factors,
+    expert_outputs,
+    for_parent,
+    fp8_columns,
+    gpu,
+    label,
+    local_experts,
+    on_cpu,
+    rng_for,
+    setup_device,
+)
 
 # The low-latency kernels take the hidden sizes vLLM pads to (DeepEPLLPrepareAndFinalize.SUPPORTED_HIDDEN_SIZES,
 # 2048 the smallest); 8 experts, top-4, a small SwiGLU intermediate (a multiple of the 128-wide FP8 blocks).
@@ -165,6 +184,21 @@ def tokens_on(tokens: Tokens, device: torch.device) -> Tokens:
 
 
 # ============================================================================================ low latency
+def ll_exact_step(v: Any, pf: Any, qc: Any, every: list[Tokens], rank: int, mode: str, dev: torch.device,
+                  where: str) -> None:
+    """DeepEPLLPrepareAndFinalize's synchronous `prepare` and `finalize`: what prepare returns (rows, bf16 or FP8
+    codes with their float32 or packed UE8M0 scales, and per-expert counts) exactly as DeepEP's dispatch defines
+    it, and finalize's combine of experts that scale their rows by (e + 1) / 8, exactly."""
+    t = tokens_on(every[rank], dev)
+    expert_x, scale, meta, _, _ = pf.prepare(t.x, t.w, t.idx, E, None, False, qc)
+    recv = expert_x if mode == "bf16" else (expert_x, scale)
+    check_dispatch(on_cpu((recv,))[0], meta.expert_num_tokens.cpu(), every, rank, T, E, mode, where)
+    y = expert_outputs(recv, expert_factors(local_experts(rank, E // len(every)), dev))
+    out = torch.empty_like(t.x)
+    pf.finalize(out, y, t.w, t.idx, False, v.topk_reduce.TopKWeightAndReduceDelegate())
+    check_combine(out, every[rank], mode, where)
+
+
 def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) -> dict[str, float]:
     """`--all2all-backend deepep_low_latency`: the manager's Buffer, then per dispatch format a FusedMoEKernel of
     DeepEPLLPrepareAndFinalize and NaiveBatchedExperts over it: plain steps and a two-micro-batch step, each
@@ -188,6 +222,8 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
     assert manager.get_handle(dict(handle_args)) is buffer, "one Buffer per set of arguments"
     assert isinstance(buffer, deep_ep.Buffer) and buffer.low_latency_mode and buffer.group_size == world
     assert buffer.num_rdma_bytes == deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    assert (buffer.group, buffer.num_nvl_bytes, buffer.explicitly_destroy, buffer.enable_shrink) == \
+        (pg, v.envs.VLLM_DEEPEP_BUFFER_SIZE_MB << 20, True, False)
     assert buffer.backend_name == ("cuda" if device == "cuda" else "reference")
     v.workspace.init_workspace_manager(dev, num_ubatches=2)
 
@@ -204,6 +240,9 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
                                              use_fp8_dispatch=mode != "bf16")
         kernel = v.mk.FusedMoEKernel(pf, experts)
         assert pf.use_ue8m0_dispatch == (mode == "ue8m0")
+        counts = draw_counts(seed, ("ll-exact", mode), world, 0, T)
+        ll_exact_step(v, pf, qc, draw(seed, ("ll-exact", mode), counts, H, E, K), rank, mode, dev,
+                      label(seed, rank, version, mode, "prepare/finalize"))
 
         def apply(tokens: Tokens, kernel: Any = kernel, mine: dict = mine) -> torch.Tensor:
             t = tokens_on(tokens, dev)
@@ -308,6 +347,33 @@ def standard_experts(v: Any) -> type:
     return TorchStandardExperts
 
 
+def ht_exact_step(v: Any, pf: Any, qc: Any, every: list[Tokens], rank: int, mode: str, expert_map: torch.Tensor,
+                  dev: torch.device, where: str) -> None:
+    """DeepEPHTPrepareAndFinalize's synchronous `prepare` and `finalize`: the rows prepare returns are exactly
+    those DeepEP's normal-mode dispatch sends (bf16, or vLLM's own FP8 cast of them), with their weights and
+    per-expert counts, and the ids the receiver makes global again; finalize (vLLM's TopKWeightAndReduceContiguous,
+    then the combine) of experts that scale their rows by (e + 1) / 8 against the dense oracle."""
+    world = len(every)
+    lo, num_local = rank * (E // world), E // world
+    t = tokens_on(every[rank], dev)
+    expert_x, scale, meta, ids, wts = pf.prepare(t.x, t.w, t.idx, E, expert_map, False, qc)
+    if mode == "bf16":
+        recv, sent = expert_x, [tok.x for tok in every]
+    else:
+        recv = (expert_x, scale)
+        sent = [v.fp8_utils.per_token_group_quant_fp8(tok.x, BLOCK) for tok in every]
+    local = torch.where((ids >= lo) & (ids < lo + num_local), ids - lo, -1)
+    check_normal_dispatch(on_cpu((recv,))[0], local.cpu(), wts.cpu(), meta.expert_num_tokens.cpu().tolist(), sent,
+                          every, rank, E, 1, where)
+    factors = expert_factors(local_experts(rank, num_local), dev)
+    slot = torch.where(local >= 0, factors[local.clamp(min=0)], 0.0)
+    rows = dequant_rows(expert_x, scale if mode != "bf16" else None)
+    fused = (rows[:, None, :] * slot[:, :, None]).to(torch.bfloat16) if rows.shape[0] else rows.to(torch.bfloat16)
+    out = torch.empty_like(t.x)
+    pf.finalize(out, fused, wts, ids, False, v.topk_reduce.TopKWeightAndReduceDelegate())
+    check_dense(for_parent(out), every[rank], mode, where)
+
+
 def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) -> dict[str, float]:
     """`--all2all-backend deepep_high_throughput`: the manager's Buffer, then per format (bf16, FP8 blocks) a
     FusedMoEKernel of DeepEPHTPrepareAndFinalize (all2all_utils' arguments) over it: plain steps and a
@@ -328,7 +394,8 @@ def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) ->
     buffer = manager.get_handle({})
     assert manager.get_handle({}) is buffer, "one Buffer for every layer"
     assert isinstance(buffer, deep_ep.Buffer) and not buffer.low_latency_mode and buffer.group_size == world
-    assert (buffer.num_nvl_bytes, buffer.num_rdma_bytes) == (v.envs.VLLM_DEEPEP_BUFFER_SIZE_MB << 20, 0)
+    assert (buffer.group, buffer.num_nvl_bytes, buffer.num_rdma_bytes, buffer.explicitly_destroy) == \
+        (pg, v.envs.VLLM_DEEPEP_BUFFER_SIZE_MB << 20, 0, True)
     assert buffer.backend_name == ("cuda" if device == "cuda" else "reference")
     v.workspace.init_workspace_manager(dev, num_ubatches=2)
     num_local = E // world
@@ -344,6 +411,9 @@ def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) ->
         pf = v.ht.DeepEPHTPrepareAndFinalize(buffer, num_dispatchers=world, dp_size=world,
                                              rank_expert_offset=rank * num_local)
         kernel = v.mk.FusedMoEKernel(pf, experts)
+        counts = draw_counts(seed, ("ht-exact", mode), world, 1, HT_TOKENS)
+        ht_exact_step(v, pf, experts.quant_config, draw(seed, ("ht-exact", mode), counts, H, E, K), rank, mode,
+                      expert_map, dev, label(seed, rank, version, mode, "prepare/finalize"))
 
         def apply(tokens: Tokens, kernel: Any = kernel, mine: dict = mine) -> torch.Tensor:
             t = tokens_on(tokens, dev)
