@@ -5,7 +5,8 @@
     python scripts/fetch_engines.py                    # every engine release the tests use; prints each path
     python scripts/fetch_engines.py vllm==0.20.0       # just these
 
-Each release's wheel comes from PyPI (`pip download --no-deps`, into a temporary folder that is removed);
+Each release's wheel comes from PyPI (`pip download --no-deps --no-cache-dir`, into a temporary folder that is
+removed, so no wheel stays on disk);
 only its `.py` files are kept, in ${EP_LAYER_ENGINE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/ep-layer}/<name>-<version>/.
 A release already there is not fetched again, so a second run returns at once. Nothing of the engines enters
 this repository.
@@ -51,7 +52,7 @@ def fetch(requirement: str) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-{version}-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
                         "--disable-pip-version-check", "--no-input", "-q", "-d", tmp, requirement], check=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
