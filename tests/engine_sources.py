@@ -1,8 +1,10 @@
-"""vLLM's and SGLang's own Python sources, imported in a test rank on CPU torch, to drive the `deep_ep` drop-in.
+"""vLLM's own Python sources, imported in a test rank (CPU torch, or a GPU), to drive the `deep_ep` drop-in; and
+where the engines' sources live.
 
 The sources come from the engines' PyPI wheels (`scripts/fetch_engines.py`, a cache outside the repo; fetched
-here on first use when missing). `use_vllm(version)` puts one release on sys.path and imports it; each rank
-process imports one release only.
+here on first use when missing): `source_dir(name, version)`. `use_vllm(version)` puts one vLLM release on
+sys.path and imports it; each rank process imports one release only. (SGLang's are read, not imported:
+tests/test_dropin_sglang.py says why.)
 
 What is stubbed, and nothing else (the classes under test, their modules and vLLM's other code run as shipped):
 - **vLLM's parallel state** (`vllm.distributed.parallel_state._DP`, `_TP`, `_EP`, `_PCP`): a `GroupStub` per
@@ -10,23 +12,25 @@ What is stubbed, and nothing else (the classes under test, their modules and vLL
   (`device_communicator.all2all_manager`). vLLM builds these GroupCoordinators in `initialize_model_parallel`
   from a whole engine configuration with device communicators (NCCL, custom all-reduce), which a CPU rank has
   none of; the all2all managers read only the ranks and sizes of these groups.
-- **Compiled ops** that the CPU path calls and that live in vLLM's CUDA extensions (`vllm._C`, `vllm._moe_C`,
-  not in the wheel's Python): `torch.ops._C.silu_and_mul` and `torch.ops._moe_C.moe_sum`, registered for CPU
-  tensors in plain torch; and the Triton kernels `_per_token_group_quant_fp8` / `_per_token_group_quant_fp8_colmajor`
-  of `vllm.model_executor.layers.quantization.utils.fp8_utils` (no Triton on CPU), replaced by a plain-torch
-  launcher of the same math: per token and group, `scale = max(amax, eps) / fp8_max` (a power of two above it for
-  UE8M0), codes `clamp(x / scale)`, with Triton's `next_power_of_2` (the wrapper sizes its launch with it) on
-  vLLM's Triton placeholder. Their Python wrapper (`per_token_group_quant_fp8`: allocation, layout, scale format)
-  runs as shipped.
+- **Compiled ops** that the path calls and that live in vLLM's CUDA extensions (`vllm._C`, `vllm._moe_C`, not in
+  the wheel's Python): `torch.ops._C.silu_and_mul` and `torch.ops._moe_C.moe_sum`, registered in plain torch for
+  CPU and CUDA tensors; and the Triton kernels `_per_token_group_quant_fp8` and
+  `_per_token_group_quant_fp8_colmajor` of `vllm.model_executor.layers.quantization.utils.fp8_utils` (no Triton
+  on CPU; replaced on a GPU too, so that both run the same math) by a plain-torch launcher of their math: per
+  token and group, `scale = max(amax, eps) / fp8_max` (a power of two above it for UE8M0), codes
+  `clamp(x / scale)`; with Triton's `next_power_of_2` (the wrapper sizes its launch with it) on vLLM's Triton
+  placeholder. Their Python wrapper (`per_token_group_quant_fp8`: allocation, layout, scale format) runs as
+  shipped.
 - **Three torch queries that raise on a machine without an accelerator** instead of answering (torch 2.13's CPU
   build), on such a machine only: `torch.accelerator.empty_cache` does nothing, as its docstring says it does
   when no allocator is initialised (vLLM's `WorkspaceManager`, where the modular kernel takes its buffers,
   calls it when a workspace grows); `torch.cuda.is_current_stream_capturing` is False and
   `torch.accelerator.current_stream()` is the `CpuStream` below, which is not capturing (`NaiveBatchedExperts`
   asks, per expert, whether a CUDA graph is being captured).
-- **CPU stand-ins for CUDA streams and events** handed to vLLM's `UBatchContext` (two micro-batches): one stream
-  object shared by the compute and comm roles whose `wait_event` does nothing, and events whose `record` does
-  nothing (torch has no CPU events); every other step of the context (threads, CPU events, recv hooks) is vLLM's.
+- **CPU stand-ins for CUDA streams and events** handed to vLLM's `UBatchContext` on CPU ranks (two micro-batches):
+  one stream object shared by the compute and comm roles whose `wait_event` does nothing, and events whose
+  `record` does nothing (torch has no CPU events); every other step of the context (threads, CPU events, recv
+  hooks) is vLLM's. On a GPU, vLLM's `make_ubatch_contexts` makes them with real streams and events.
 """
 
 from __future__ import annotations
@@ -95,7 +99,8 @@ def _register_ops(custom_ops: ModuleType) -> None:
                                         ("_moe_C", "moe_sum", moe_sum, _moe_sum)):
         lib = torch.library.Library(namespace, "FRAGMENT")
         lib.define(schema)
-        lib.impl(name, fn, "CPU")
+        for key in ("CPU", "CUDA"):
+            lib.impl(name, fn, key)
         _LIBS.append(lib)
 
 
@@ -144,10 +149,12 @@ def install_groups(vllm: SimpleNamespace, ep_group: dist.ProcessGroup) -> GroupS
     return ep
 
 
-def engine_config(vllm: SimpleNamespace, device: torch.device) -> Any:
+def engine_config(vllm: SimpleNamespace, device: torch.device, **parallel: Any) -> Any:
     """The context vLLM's code reads its configuration from (`get_current_vllm_config`): a default VllmConfig
-    on `device` (vLLM cannot infer a device from sources without a built platform)."""
-    cfg = vllm.config.VllmConfig(device_config=vllm.config.DeviceConfig(device=device.type))
+    on `device` (vLLM cannot infer a device from sources without a built platform), with `parallel` given to its
+    ParallelConfig."""
+    more = {"parallel_config": vllm.config.ParallelConfig(**parallel)} if parallel else {}
+    cfg = vllm.config.VllmConfig(device_config=vllm.config.DeviceConfig(device=device.type), **more)
     return vllm.config.set_current_vllm_config(cfg)
 
 
@@ -175,40 +182,46 @@ class CpuEvent:
         pass
 
 
-def run_ubatches(vllm: SimpleNamespace, fns: list[Callable[[], Any]]) -> list[Any]:
+def run_ubatches(vllm: SimpleNamespace, fns: list[Callable[[], Any]], device: torch.device) -> list[Any]:
     """Two micro-batches the way vLLM's gpu_ubatch_wrapper runs them: a thread each, in vLLM's own
-    `UBatchContext`s (made as `make_ubatch_contexts` makes them, with the CPU stand-ins above), started
-    together, micro-batch 0 first; returns their results."""
+    `UBatchContext`s, started together, micro-batch 0 first; returns their results. On a GPU the contexts are
+    `make_ubatch_contexts`'s (compute on the current stream, comm on a new one, as the wrapper does); on CPU the
+    same contexts are made with the stand-ins above (torch has no CPU events)."""
     ub = vllm.ubatching
     n = len(fns)
-    stream = CPU_STREAM
-    ub._NUM_UBATCHES = n
-    while len(ub._CURRENT_CONTEXTS) < n:
-        ub._CURRENT_CONTEXTS.append(None)
     barrier = threading.Barrier(n + 1)
-    cpu_events = [threading.Event() for _ in range(n)]
-    ctxs = [ub.UBatchContext(id=i, comm_stream=stream, compute_stream=stream, forward_context=None,
-                             ready_barrier=barrier, cpu_wait_event=cpu_events[i],
-                             cpu_signal_event=cpu_events[(i + 1) % n], gpu_comm_done_event=CpuEvent(),
-                             gpu_compute_done_event=CpuEvent()) for i in range(n)]
+    if device.type == "cuda":
+        compute = torch.cuda.current_stream()
+        ctxs = ub.make_ubatch_contexts(num_micro_batches=n, compute_stream=compute, comm_stream=torch.cuda.Stream(),
+                                       forward_contexts=[None] * n, ready_barrier=barrier)
+    else:
+        ub._NUM_UBATCHES = n
+        while len(ub._CURRENT_CONTEXTS) < n:
+            ub._CURRENT_CONTEXTS.append(None)
+        cpu_events = [threading.Event() for _ in range(n)]
+        ctxs = [ub.UBatchContext(id=i, comm_stream=CPU_STREAM, compute_stream=CPU_STREAM, forward_context=None,
+                                 ready_barrier=barrier, cpu_wait_event=cpu_events[i],
+                                 cpu_signal_event=cpu_events[(i + 1) % n], gpu_comm_done_event=CpuEvent(),
+                                 gpu_compute_done_event=CpuEvent()) for i in range(n)]
     results: list[Any] = [None] * n
     errors: list[BaseException] = []
 
     def body(i: int) -> None:
-        vllm.torch_utils._current_stream_tls.value = stream  # the thread starts on the shared stream
+        if device.type != "cuda":
+            vllm.torch_utils._current_stream_tls.value = CPU_STREAM  # the thread starts on the one stream
         try:
             with ctxs[i]:
                 results[i] = fns[i]()
         except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
-            for event in cpu_events:  # let the other micro-batch run out instead of waiting forever
-                event.set()
+            for ctx in ctxs:  # let the other micro-batch run out instead of waiting forever
+                ctx.cpu_wait_event.set()
 
     threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
     barrier.wait()
-    cpu_events[0].set()
+    ctxs[0].cpu_wait_event.set()
     for t in threads:
         t.join(timeout=300)
     if errors:

@@ -225,6 +225,14 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
     assert (buffer.group, buffer.num_nvl_bytes, buffer.explicitly_destroy, buffer.enable_shrink) == \
         (pg, v.envs.VLLM_DEEPEP_BUFFER_SIZE_MB << 20, True, False)
     assert buffer.backend_name == ("cuda" if device == "cuda" else "reference")
+    draft = manager.get_handle({**handle_args, "token_hidden_size": 2 * H})  # a draft model's MoE layers
+    assert draft is not buffer and draft.num_rdma_bytes == deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        T, 2 * H, world, E), "a Buffer per distinct set of arguments"
+    if "enable_fault_tolerance" in {f.name for f in dataclasses.fields(v.config.ParallelConfig)}:
+        with engine_config(v, dev, enable_fault_tolerance=True):  # --enable-fault-tolerance
+            shrinking = v.all2all.DeepEPLLAll2AllManager(pg).get_handle(handle_args)
+        assert shrinking is not buffer and shrinking.enable_shrink, "fault tolerance: a Buffer that masks ranks"
+        shrinking.destroy()
     v.workspace.init_workspace_manager(dev, num_ubatches=2)
 
     worst: dict[str, float] = {}
@@ -259,15 +267,16 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
         every = draw(seed, ("ll-dbo", mode), counts, H, E, K)
         split = int(rng_for(seed, ("split", mode, rank)).integers(0, counts[rank] + 1))
         halves = [every[rank].rows(0, split), every[rank].rows(split, counts[rank])]
-        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves])
+        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves], dev)
         for u, (out, half) in enumerate(zip(outs, halves)):
             errors.append(check_moe(out, half, weights, mode, label(seed, rank, version, mode, "DBO ubatch", u)))
         worst[mode] = max(errors)
 
     manager.destroy()
-    with pytest.raises(RuntimeError, match="destroy"):
-        buffer.low_latency_dispatch(torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(1, K, dtype=torch.int64), T,
-                                    E)
+    for buf in (buffer, draft):
+        with pytest.raises(RuntimeError, match="destroy"):
+            buf.low_latency_dispatch(torch.zeros(1, H, dtype=torch.bfloat16, device=dev),
+                                     torch.zeros(1, K, dtype=torch.int64, device=dev), T, E)
     return worst
 
 
@@ -430,14 +439,14 @@ def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) ->
         every = draw(seed, ("ht-dbo", mode), counts, H, E, K)
         split = int(rng_for(seed, ("ht-split", mode, rank)).integers(1, counts[rank]))
         halves = [every[rank].rows(0, split), every[rank].rows(split, counts[rank])]
-        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves])
+        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves], dev)
         for u, (out, half) in enumerate(zip(outs, halves)):
             errors.append(check_moe(out, half, weights, mode, label(seed, rank, version, mode, "DBO ubatch", u)))
         worst[mode] = max(errors)
 
     manager.destroy()
     with pytest.raises(RuntimeError, match="destroy"):
-        buffer.get_dispatch_layout(topk_idx=torch.zeros(1, K, dtype=torch.int64), num_experts=E)
+        buffer.get_dispatch_layout(topk_idx=torch.zeros(1, K, dtype=torch.int64, device=dev), num_experts=E)
     return worst
 
 
@@ -459,3 +468,10 @@ def test_vllm_deepep_high_throughput(version: str, world: int, seed: int) -> Non
     """vLLM's high-throughput path end to end on our Buffer: bf16 and FP8 block dispatch, plain and DBO steps."""
     results = run_ranks(rank_vllm_ht, world, version, seed, "cpu", timeout_s=300)
     assert all(set(r) == {"bf16", "fp8"} for r in results), results
+
+
+@gpu
+@pytest.mark.parametrize("world", [2])
+def test_vllm_deepep_high_throughput_cuda(version: str, world: int, seed: int) -> None:
+    """The same on the cuda backend's normal-mode kernels: two processes on one GPU."""
+    run_ranks(rank_vllm_ht, world, version, seed, "cuda", timeout_s=300)
