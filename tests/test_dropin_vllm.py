@@ -1,8 +1,10 @@
 """vLLM's own classes drive the `deep_ep` drop-in (dropin/) on CPU ranks: nothing of vLLM is re-written here.
 
-vLLM's sources are the released wheels' (`scripts/fetch_engines.py`; tests/engine_sources.py imports them and
-says exactly what is stubbed: the parallel state, compiled ops, CUDA stream and event objects). Per release
-(engine_sources.VLLM_VERSIONS), on gloo ranks (tests/dist_harness.py), the reference backend:
+vLLM's sources are those of its PyPI wheels, releases 0.20.0 and 0.29.0 (engine_sources.VLLM_VERSIONS, fetched by
+`scripts/fetch_engines.py`; tests/engine_sources.py imports them and says exactly what is stubbed: the parallel
+state, compiled ops and torch queries a CPU build cannot answer, CUDA stream and event objects). Per release,
+on gloo ranks (tests/dist_harness.py), the reference backend (the `gpu` variants: the cuda backend, two processes
+on one GPU):
 - `vllm/distributed/device_communicators/all2all.py`: `DeepEPLLAll2AllManager` / `DeepEPHTAll2AllManager`
   `.get_handle` build the `deep_ep.Buffer` (one per set of arguments, cached), and `.destroy` frees it;
 - `vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_ll.py` (`DeepEPLLPrepareAndFinalize`) and
@@ -18,6 +20,9 @@ scales, and UE8M0 scales (low-latency).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -183,6 +188,31 @@ def tokens_on(tokens: Tokens, device: torch.device) -> Tokens:
     return Tokens(*(t.to(device, copy=True) for t in tokens))
 
 
+def hide_gpus(device: str) -> None:
+    """CPU ranks see no GPU, so that the Buffer vLLM's managers make with DeepEP's defaults (backend "auto") is
+    the reference backend's, on a GPU machine too. Before the rank's first CUDA call."""
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def dbo_step(v: Any, apply: Callable[[Tokens], torch.Tensor], halves: list[Tokens], dev: torch.device
+             ) -> list[torch.Tensor]:
+    """The halves as vLLM's two micro-batches. Checks that vLLM's ubatching saw them (dbo_enabled, the ids) and
+    that micro-batch 1 started before micro-batch 0 ended: the prepare/finalize classes yielded between them."""
+    order: list[tuple[str, int]] = []
+
+    def micro(u: int, half: Tokens) -> torch.Tensor:
+        assert v.ubatching.dbo_enabled() and v.ubatching.dbo_current_ubatch_id() == u
+        order.append(("start", u))
+        out = apply(half)
+        order.append(("end", u))
+        return out
+
+    outs = run_ubatches(v, [functools.partial(micro, u, half) for u, half in enumerate(halves)], dev)
+    assert order.index(("start", 1)) < order.index(("end", 0)), f"the micro-batches never overlapped: {order}"
+    return outs
+
+
 # ============================================================================================ low latency
 def ll_exact_step(v: Any, pf: Any, qc: Any, every: list[Tokens], rank: int, mode: str, dev: torch.device,
                   where: str) -> None:
@@ -203,10 +233,7 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
     """`--all2all-backend deepep_low_latency`: the manager's Buffer, then per dispatch format a FusedMoEKernel of
     DeepEPLLPrepareAndFinalize and NaiveBatchedExperts over it: plain steps and a two-micro-batch step, each
     output against the oracle; then the manager's teardown. Returns the largest relative error per format."""
-    if device == "cpu":
-        import os
-
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: "auto" must mean the reference backend
+    hide_gpus(device)
     import deep_ep
 
     v = use_vllm(version)
@@ -267,7 +294,7 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
         every = draw(seed, ("ll-dbo", mode), counts, H, E, K)
         split = int(rng_for(seed, ("split", mode, rank)).integers(0, counts[rank] + 1))
         halves = [every[rank].rows(0, split), every[rank].rows(split, counts[rank])]
-        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves], dev)
+        outs = dbo_step(v, apply, halves, dev)
         for u, (out, half) in enumerate(zip(outs, halves)):
             errors.append(check_moe(out, half, weights, mode, label(seed, rank, version, mode, "DBO ubatch", u)))
         worst[mode] = max(errors)
@@ -387,10 +414,7 @@ def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) ->
     """`--all2all-backend deepep_high_throughput`: the manager's Buffer, then per format (bf16, FP8 blocks) a
     FusedMoEKernel of DeepEPHTPrepareAndFinalize (all2all_utils' arguments) over it: plain steps and a
     two-micro-batch step against the oracle; then the teardown. Returns the largest relative error per format."""
-    if device == "cpu":
-        import os
-
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    hide_gpus(device)
     import deep_ep
 
     v = use_vllm(version)
@@ -439,7 +463,7 @@ def rank_vllm_ht(rank: int, world: int, version: str, seed: int, device: str) ->
         every = draw(seed, ("ht-dbo", mode), counts, H, E, K)
         split = int(rng_for(seed, ("ht-split", mode, rank)).integers(1, counts[rank]))
         halves = [every[rank].rows(0, split), every[rank].rows(split, counts[rank])]
-        outs = run_ubatches(v, [lambda h=h: apply(h) for h in halves], dev)
+        outs = dbo_step(v, apply, halves, dev)
         for u, (out, half) in enumerate(zip(outs, halves)):
             errors.append(check_moe(out, half, weights, mode, label(seed, rank, version, mode, "DBO ubatch", u)))
         worst[mode] = max(errors)
@@ -455,6 +479,7 @@ def test_vllm_deepep_low_latency(version: str, world: int, seed: int) -> None:
     """vLLM's low-latency path end to end on our Buffer, all three dispatch formats, plain and DBO steps."""
     results = run_ranks(rank_vllm_ll, world, version, seed, "cpu", timeout_s=300)
     assert all(set(r) == {"bf16", "fp8", "ue8m0"} for r in results), results
+    print(f"vLLM {version}: largest relative error per rank and format {results}")
 
 
 @gpu
@@ -468,6 +493,7 @@ def test_vllm_deepep_high_throughput(version: str, world: int, seed: int) -> Non
     """vLLM's high-throughput path end to end on our Buffer: bf16 and FP8 block dispatch, plain and DBO steps."""
     results = run_ranks(rank_vllm_ht, world, version, seed, "cpu", timeout_s=300)
     assert all(set(r) == {"bf16", "fp8"} for r in results), results
+    print(f"vLLM {version}: largest relative error per rank and format {results}")
 
 
 @gpu
