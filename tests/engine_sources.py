@@ -207,8 +207,12 @@ def run_ubatches(vllm: SimpleNamespace, fns: list[Callable[[], Any]], device: to
     errors: list[BaseException] = []
 
     def body(i: int) -> None:
-        if device.type != "cuda":
-            vllm.torch_utils._current_stream_tls.value = CPU_STREAM  # the thread starts on the one stream
+        # The thread starts on the compute stream, as vLLM's current_stream() records it (vLLM's sources without a
+        # built platform have no default stream of their own: vllm.utils.torch_utils.current_stream).
+        if device.type == "cuda":
+            torch.cuda.set_stream(compute)  # vLLM patches set_stream to record the stream as well
+        else:
+            vllm.torch_utils._current_stream_tls.value = CPU_STREAM
         try:
             with ctxs[i]:
                 results[i] = fns[i]()
