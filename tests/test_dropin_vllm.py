@@ -257,8 +257,12 @@ def rank_vllm_ll(rank: int, world: int, version: str, seed: int, device: str) ->
         T, 2 * H, world, E), "a Buffer per distinct set of arguments"
     if "enable_fault_tolerance" in {f.name for f in dataclasses.fields(v.config.ParallelConfig)}:
         with engine_config(v, dev, enable_fault_tolerance=True):  # --enable-fault-tolerance
-            shrinking = v.all2all.DeepEPLLAll2AllManager(pg).get_handle(handle_args)
+            tolerant = v.all2all.DeepEPLLAll2AllManager(pg)
+        shrinking = tolerant.get_handle(handle_args)
         assert shrinking is not buffer and shrinking.enable_shrink, "fault tolerance: a Buffer that masks ranks"
+        if dev.type == "cuda":  # the manager's fault queries allocate on "cuda"
+            assert tolerant.query_active_mask().tolist() == [0] * world and not tolerant.query_fault()
+            tolerant.clean_buffers()
         shrinking.destroy()
     v.workspace.init_workspace_manager(dev, num_ubatches=2)
 
