@@ -126,26 +126,26 @@ class _GroupQuantLauncher:
 # ------------------------------------------------------------------------------------ parallel state stub
 class GroupStub:
     """What vLLM's all2all managers and prepare/finalize read of a GroupCoordinator: ranks, sizes, the gloo
-    group, and (EP group) the device communicator's all2all manager."""
+    group (None for a group of this rank alone, which nothing here talks through), and (EP group) the device
+    communicator's all2all manager."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.cpu_group = self.device_group = group
-        self.rank = self.rank_in_group = group.rank()
-        self.world_size = group.size()
-        self.ranks = list(range(self.world_size))
+        self.rank_in_group = group.rank() if group is not None else 0
+        self.world_size = group.size() if group is not None else 1
+        self.rank = dist.get_rank()
+        self.ranks = list(range(self.world_size)) if group is not None else [self.rank]
         self.device_communicator = SimpleNamespace(all2all_manager=None)
 
 
 def install_groups(vllm: SimpleNamespace, ep_group: dist.ProcessGroup) -> GroupStub:
     """The rank's parallel state: data parallel = expert parallel = `ep_group`, tensor and context parallel of one
     rank each (vLLM's `--data-parallel-size R --enable-expert-parallel`). Returns the EP group's stub."""
-    single = dist.new_group([dist.get_rank()], backend="gloo")
     ps = vllm.parallel_state
     ep = GroupStub(ep_group)
-    ps._DP, ps._EP = GroupStub(ep_group), ep
-    ps._TP = GroupStub(single)
+    ps._DP, ps._EP, ps._TP = GroupStub(ep_group), ep, GroupStub(None)
     if hasattr(ps, "_PCP"):
-        ps._PCP = GroupStub(single)
+        ps._PCP = GroupStub(None)
     return ep
 
 

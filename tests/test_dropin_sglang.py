@@ -49,7 +49,8 @@ ELSEWHERE = {"topk_weights": "Ascend NPU's low_latency_dispatch (_is_npu)",
 
 def dict_keys(node: ast.AST, assigned: dict[str, set[str]]) -> set[str]:
     """The keys a `**splat` may carry: those of dict(...) calls (and dict literals) in it, either branch of a
-    conditional, or of a name assigned such a dict (plus its `name["key"] = ...` stores)."""
+    conditional, or of a name assigned such a dict (plus its `name["key"] = ...` stores). A name assigned no
+    such dict (SGLang's `--deepep-config` JSON, passed to Config) adds no key."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
         return {k.arg for k in node.keywords if k.arg}
     if isinstance(node, ast.Dict):
