@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from deep_ep_calls import check_calls
 from dist_harness import run_ranks
 from engine_sources import VLLM_VERSIONS, engine_config, install_groups, run_ubatches, source_dir, use_vllm
 from test_deep_ep_dropin import (
@@ -515,3 +516,24 @@ def test_vllm_deepep_high_throughput_four_ranks(seed: int) -> None:
 def test_vllm_deepep_high_throughput_cuda(version: str, world: int, seed: int) -> None:
     """The same on the cuda backend's normal-mode kernels: two processes on one GPU."""
     run_ranks(rank_vllm_ht, world, version, seed, "cuda", timeout_s=300)
+
+
+# Per file, how it names deep_ep's Buffer class and its Buffers, and what it calls on them in every release here.
+VLLM_CALLERS = {
+    "vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_ll.py": (
+        {"self.buffer"}, {"low_latency_dispatch", "low_latency_combine"}),
+    "vllm/model_executor/layers/fused_moe/prepare_finalize/deepep_ht.py": (
+        {"self.buffer", "deep_ep.Buffer"}, {"get_dispatch_config", "get_combine_config", "get_dispatch_layout",
+                                            "dispatch", "combine"}),
+    "vllm/distributed/device_communicators/all2all.py": (
+        {"deep_ep.Buffer", "DeepEPLLAll2AllManager._buffer", "buf"}, {"set_num_sms", "get_low_latency_rdma_size_hint"}),
+}
+
+
+@pytest.mark.parametrize("path", sorted(VLLM_CALLERS))
+def test_vllm_deepep_calls_bind_to_the_drop_in(version: str, path: str) -> None:
+    """Every call these files make on deep_ep's Buffer binds to the drop-in's signature, in the branches the CPU
+    ranks above do not take too (ROCm's, NVFP4's: the drop-in refuses DeepEP forks' keywords by name)."""
+    receivers, expected = VLLM_CALLERS[path]
+    seen = check_calls(source_dir("vllm", version) / path, f"vllm {version} {path}", receivers)
+    assert seen >= expected, f"{path} no longer calls {sorted(expected - seen)}: has it moved?"
