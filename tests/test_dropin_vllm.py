@@ -14,7 +14,9 @@ on one GPU):
 - `vllm/v1/worker/ubatching.py`: two micro-batches (DBO) in vLLM's `UBatchContext`s, whose hooks and yields the
   prepare/finalize classes call;
 checked against a dense float64 oracle of the MoE computed from the inputs, in bf16, FP8 with 128-column block
-scales, and UE8M0 scales (low-latency).
+scales, and UE8M0 scales (low-latency), and what the prepare/finalize classes hand over exactly. The same files
+are also read as source: every deep_ep call in them, in the branches a CPU rank does not take too, binds to the
+drop-in (tests/deep_ep_calls.py).
 """
 
 from __future__ import annotations
