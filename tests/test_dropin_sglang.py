@@ -5,14 +5,16 @@ reads the released source instead (`scripts/fetch_engines.py`: sglang-0.5.17's w
 `sglang/srt/layers/moe/token_dispatcher/deepep.py`) and checks every call it makes on `deep_ep`'s `Buffer` and
 `Config` against the drop-in's signatures. What blocks importing it, in the order an import meets them:
 - `sglang/__init__.py` -> `sglang/srt/utils/common.py:87`: `import triton`, unconditionally (SGLang installs its
-  own stand-in, `sglang/_triton_stub.py`, on macOS with MPS only); Triton is a large install that would also
-  change what this repo's Triton tests see.
+  own stand-in, `sglang/_triton_stub.py`, on macOS with MPS only); Triton is a large install, for kernels that
+  need a GPU anyway.
 - `sglang/srt/utils/common.py:94`: `from torchvision.io import decode_jpeg`, unconditionally; PyPI's torchvision
   pins its own torch build (installing it replaced the CPU torch 2.13.0 with torch 2.14 and CUDA libraries).
-- `sglang/srt/layers/moe/token_dispatcher/deepep.py:53` -> `sglang/kernels/ops/quantization/fp8_kernel.py` ->
+- `sglang/srt/layers/moe/token_dispatcher/deepep.py:54` -> `sglang/kernels/ops/quantization/fp8_kernel.py:31` ->
   `sglang/kernels/jit/utils/compile.py:95`: RuntimeError "Cannot find sglang.kernels.jit path": the JIT kernels
   need their C++ sources (`include/`, `csrc/` of the wheel), which are not Python files, and a RuntimeError
   escapes the `except ImportError` around deepep.py's `from deep_ep import Buffer, Config`.
+(Smaller imports on the way, orjson and IPython, would install; past these, the dispatcher reads SGLang's server
+arguments and parallel state, which this module has not tried to stand up.)
 tests/test_deep_ep_dropin.py keeps replaying SGLang's DeepEP call sequences (low-latency, normal, auto mode,
 two-batch overlap) on CPU ranks, as re-written there.
 """
