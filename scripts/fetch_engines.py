@@ -64,6 +64,8 @@ def fetch(requirement: str) -> Path:
                 if member.endswith(".py") and ".dist-info" not in top and ".data" not in top:
                     wheel.extract(member, staged)
         (staged / _COMPLETE).write_text(f"{wheels[0].name}\n")
+        if (dest / _COMPLETE).exists():  # another process fetched it meanwhile
+            return dest
         if dest.exists():  # an interrupted earlier fetch
             shutil.rmtree(dest)
         staged.rename(dest)

@@ -58,9 +58,10 @@ SGLANG_VERSION = "0.5.17"
 def source_dir(name: str, version: str) -> Path:
     """One release's sources, fetched with scripts/fetch_engines.py when the cache lacks them (CI fetches them
     before the tests; a failed fetch fails the test, it never skips)."""
-    out = subprocess.run([sys.executable, str(FETCH), f"{name}=={version}"], check=True, capture_output=True,
-                         text=True).stdout.strip().splitlines()
-    return Path(out[-1])
+    done = subprocess.run([sys.executable, str(FETCH), f"{name}=={version}"], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"scripts/fetch_engines.py {name}=={version} failed:\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------------------------------------ op shims
@@ -235,11 +236,6 @@ def run_ubatches(vllm: SimpleNamespace, fns: list[Callable[[], Any]], device: to
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _quiet_env() -> None:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-
-
 def use_vllm(version: str) -> SimpleNamespace:
     """Import vLLM `version` from its cached sources, with the stubs above; returns the modules the tests use."""
     path = str(source_dir("vllm", version))
@@ -248,7 +244,7 @@ def use_vllm(version: str) -> SimpleNamespace:
         assert str(Path(loaded.__file__).parent.parent) == path, f"this process already imported {loaded.__file__}"
     elif path not in sys.path:
         sys.path.insert(0, path)
-    _quiet_env()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's info and warnings about what a CPU rank lacks
     fm = "vllm.model_executor.layers.fused_moe."
     names = {
         "vllm": "vllm", "envs": "vllm.envs", "parallel_state": "vllm.distributed.parallel_state",
