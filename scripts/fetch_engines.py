@@ -42,6 +42,15 @@ def source_dir(name: str, version: str) -> Path:
     return cache_root() / f"{name}-{version}"
 
 
+def extract_python(wheel: Path, dest: Path) -> None:
+    """The wheel's packages' `.py` files into `dest`: no compiled extensions, data, metadata or scripts."""
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            top = member.split("/", 1)[0]
+            if member.endswith(".py") and not top.endswith((".dist-info", ".data")):
+                archive.extract(member, dest)
+
+
 def fetch(requirement: str) -> Path:
     """Fetch `name==version` unless it is cached; return its folder."""
     name, _, version = requirement.partition("==")
@@ -58,11 +67,7 @@ def fetch(requirement: str) -> Path:
         if len(wheels) != 1:
             raise SystemExit(f"fetch_engines: pip download {requirement} gave {[w.name for w in wheels]}")
         staged = Path(tmp) / "src"
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            for member in wheel.namelist():
-                top = member.split("/", 1)[0]
-                if member.endswith(".py") and ".dist-info" not in top and ".data" not in top:
-                    wheel.extract(member, staged)
+        extract_python(wheels[0], staged)
         (staged / _COMPLETE).write_text(f"{wheels[0].name}\n")
         if (dest / _COMPLETE).exists():  # another process fetched it meanwhile
             return dest
