@@ -36,6 +36,7 @@ What is stubbed, and nothing else (the classes under test, their modules and vLL
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -255,13 +256,9 @@ def use_vllm(version: str) -> SimpleNamespace:
         "workspace": "vllm.v1.worker.workspace", "torch_utils": "vllm.utils.torch_utils",
         "fp8_utils": "vllm.model_executor.layers.quantization.utils.fp8_utils",
     }
+    moved = fm + "experts.fused_batched_moe"  # NaiveBatchedExperts' module after 0.20
+    names["batched"] = moved if importlib.util.find_spec(moved) is not None else fm + "fused_batched_moe"
     mods = {key: importlib.import_module(name) for key, name in names.items()}
-    for batched in (fm + "experts.fused_batched_moe", fm + "fused_batched_moe"):  # moved to experts/ after 0.20
-        try:
-            mods["batched"] = importlib.import_module(batched)
-            break
-        except ModuleNotFoundError:
-            continue
     _register_ops(importlib.import_module("vllm._custom_ops"))
     fp8_utils: ModuleType = mods["fp8_utils"]
     fp8_utils._per_token_group_quant_fp8 = _GroupQuantLauncher()
