@@ -16,13 +16,12 @@ it follows (the commits the research notes read):
 CPU ranks (tests/dist_harness.py) run the reference backend; the `gpu` variants run the cuda backend, several
 processes on one GPU through CUDA IPC (the low-latency and the normal-mode replays). vLLM's real classes drive the
 drop-in in tests/test_dropin_vllm.py; its high-throughput path on CPU ranks is checked there only (the replay here
-runs on the GPU). Every rank
-draws every rank's inputs from one generator, so the oracles need no communication: routing in plain Python
-(the rows each local expert receives, by source rank then token), the FP8 cast of tests/fp8_oracle.py, experts
-that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in ascending k of w * y,
-rounded once to bf16. Normal-mode dispatches are checked exactly in the ranks (rows, ids, weights, counts);
-the outputs of whole MoE calls come back to the test process and are checked there against a dense float64
-oracle, within the rounding the engines' own steps add (DENSE_RTOL).
+runs on the GPU). Every rank draws every rank's inputs from one generator, so the oracles need no communication:
+routing in plain Python (the rows each local expert receives, by source rank then token), the FP8 cast of
+tests/fp8_oracle.py, experts that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in
+ascending k of w * y, rounded once to bf16. Normal-mode dispatches are checked exactly in the ranks (rows, ids,
+weights, counts); the outputs of whole MoE calls come back to the test process and are checked there against a
+dense float64 oracle, within the rounding the engines' own steps add (DENSE_RTOL).
 """
 
 from __future__ import annotations
