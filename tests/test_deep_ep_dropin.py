@@ -14,13 +14,14 @@ it follows (the commits the research notes read):
   operations.py@1260bf3a1c3f and operations_strategy.py@1e90555b085425 (two-batch overlap).
 
 CPU ranks (tests/dist_harness.py) run the reference backend; the `gpu` variants run the cuda backend, several
-processes on one GPU through CUDA IPC (the low-latency and the normal-mode replays). Every rank
-draws every rank's inputs from one generator, so the oracles need no communication: routing in plain Python
-(the rows each local expert receives, by source rank then token), the FP8 cast of tests/fp8_oracle.py, experts
-that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in ascending k of w * y,
-rounded once to bf16. Normal-mode dispatches are checked exactly in the ranks (rows, ids, weights, counts);
-the outputs of whole MoE calls come back to the test process and are checked there against a dense float64
-oracle, within the rounding the engines' own steps add (DENSE_RTOL).
+processes on one GPU through CUDA IPC (the low-latency and the normal-mode replays). vLLM's real classes drive the
+drop-in in tests/test_dropin_vllm.py; its high-throughput path on CPU ranks is checked there only (the replay here
+runs on the GPU). Every rank draws every rank's inputs from one generator, so the oracles need no communication:
+routing in plain Python (the rows each local expert receives, by source rank then token), the FP8 cast of
+tests/fp8_oracle.py, experts that scale their rows by (e + 1) / 8, and low-latency combine as the float32 sum in
+ascending k of w * y, rounded once to bf16. Normal-mode dispatches are checked exactly in the ranks (rows, ids,
+weights, counts); the outputs of whole MoE calls come back to the test process and are checked there against a
+dense float64 oracle, within the rounding the engines' own steps add (DENSE_RTOL).
 """
 
 from __future__ import annotations
@@ -1113,7 +1114,7 @@ def vllm_ht_step(seed: int, world: int, kind: str, step: int, li: int) -> tuple[
     return counts, draw(seed, ("vllm-ht", kind, step, li), counts, VLLM_HT_H, VLLM_E, VLLM_K)
 
 
-def rank_vllm_ht(rank: int, world: int, seed: int, mode: str, device: str = "cpu") -> dict[tuple, np.ndarray]:
+def rank_vllm_ht(rank: int, world: int, seed: int, mode: str, device: str) -> dict[tuple, np.ndarray]:
     """vLLM with `--all2all-backend deepep_high_throughput`: the manager's one Buffer for every MoE layer, plain
     steps over the layers, two-micro-batch (DBO) steps, teardown. Each dispatch is checked here; the MoE
     outputs go back to the test, which checks them against the dense oracle."""
@@ -2304,13 +2305,6 @@ def test_vllm_fault_tolerance_calls(seed: int) -> None:
                                                          (2, "fp8", False), (4, "fp8", True)])
 def test_sglang_deepep_low_latency(world: int, mode: str, return_recv_hook: bool, seed: int) -> None:
     run_ranks(rank_sglang, world, seed, mode, return_recv_hook, "cpu", timeout_s=240)
-
-
-@pytest.mark.parametrize("world,mode", [(2, "bf16"), (2, "fp8"), (4, "bf16"), (4, "fp8")])
-def test_vllm_deepep_high_throughput(world: int, mode: str, seed: int) -> None:
-    """`deepep_high_throughput` on the reference backend (pinned on CPU ranks, as for the low-latency replays),
-    bf16 and FP8 (x, block scales) dispatch, against the dense oracle."""
-    check_vllm_ht_outputs(run_ranks(rank_vllm_ht, world, seed, mode, timeout_s=240), world, seed, mode)
 
 
 @gpu

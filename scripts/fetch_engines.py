@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Fetch the Python sources of the serving engines whose real code drives the `deep_ep` drop-in in the tests
+(tests/test_dropin_vllm.py, tests/test_dropin_sglang.py), into a cache outside the repository.
+
+    python scripts/fetch_engines.py                    # every engine release the tests use; prints each path
+    python scripts/fetch_engines.py vllm==0.20.0       # just these
+
+Each release's wheel comes from PyPI (`pip download --no-deps --no-cache-dir`, into a temporary folder that is
+removed, so no wheel stays on disk);
+only its `.py` files are kept, in ${EP_LAYER_ENGINE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/ep-layer}/<name>-<version>/.
+A release already there is not fetched again, so a second run returns at once. Nothing of the engines enters
+this repository.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+# vLLM 0.20.0: the first release of the torch 2.11 line (the GPU machine's torch). vLLM 0.29.0: the newest
+# release whose sources import with the test extra's packages (0.30.0 and later import xgrammar, which
+# pulls triton). SGLang 0.5.17: its python package.
+RELEASES = ("vllm==0.20.0", "vllm==0.29.0", "sglang==0.5.17")
+_COMPLETE = ".complete"  # written last: a folder without it is an interrupted fetch
+
+
+def cache_root() -> Path:
+    """Where the sources go: $EP_LAYER_ENGINE_CACHE, else $XDG_CACHE_HOME/ep-layer, else ~/.cache/ep-layer."""
+    explicit = os.environ.get("EP_LAYER_ENGINE_CACHE")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ep-layer"
+
+
+def source_dir(name: str, version: str) -> Path:
+    """The folder that holds (or will hold) one release's sources; it goes on sys.path."""
+    return cache_root() / f"{name}-{version}"
+
+
+def extract_python(wheel: Path, dest: Path) -> None:
+    """The wheel's packages' `.py` files into `dest`: no compiled extensions, data, metadata or scripts."""
+    with zipfile.ZipFile(wheel) as archive:
+        for member in archive.namelist():
+            top = member.split("/", 1)[0]
+            if member.endswith(".py") and not top.endswith((".dist-info", ".data")):
+                archive.extract(member, dest)
+
+
+def fetch(requirement: str) -> Path:
+    """Fetch `name==version` unless it is cached; return its folder."""
+    name, _, version = requirement.partition("==")
+    if not name or not version:
+        raise SystemExit(f"fetch_engines: want NAME==VERSION, got {requirement!r}")
+    dest = source_dir(name, version)
+    if (dest / _COMPLETE).exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-{version}-") as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
+                        "--disable-pip-version-check", "--no-input", "-q", "-d", tmp, requirement], check=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise SystemExit(f"fetch_engines: pip download {requirement} gave {[w.name for w in wheels]}")
+        staged = Path(tmp) / "src"
+        extract_python(wheels[0], staged)
+        (staged / _COMPLETE).write_text(f"{wheels[0].name}\n")
+        if (dest / _COMPLETE).exists():  # another process fetched it meanwhile
+            return dest
+        if dest.exists():  # an interrupted earlier fetch
+            shutil.rmtree(dest)
+        staged.rename(dest)
+    return dest
+
+
+def main(argv: list[str]) -> int:
+    for requirement in argv or RELEASES:
+        print(fetch(requirement))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+"""scripts/fetch_engines.py: which files of a wheel it keeps, and that a cached release costs no download."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fetch_engines.py"
+_spec = importlib.util.spec_from_file_location("fetch_engines", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+fetch_engines = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fetch_engines)
+
+
+def test_keeps_only_the_packages_python_files(tmp_path: Path) -> None:
+    wheel = tmp_path / "eng-1.0-py3-none-any.whl"
+    members = {"eng/__init__.py": "", "eng/sub/mod.py": "X = 1\n", "eng/_C.abi3.so": "\0", "eng/k/kernel.cu": "",
+               "eng-1.0.dist-info/METADATA": "Name: eng\n", "eng-1.0.data/scripts/tool.py": "",
+               "eng/config.json": "{}"}
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in members.items():
+            archive.writestr(name, text)
+    fetch_engines.extract_python(wheel, tmp_path / "out")
+    kept = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert kept == ["eng/__init__.py", "eng/sub/mod.py"]
+    assert (tmp_path / "out" / "eng" / "sub" / "mod.py").read_text() == "X = 1\n"
+
+
+def test_a_cached_release_is_not_fetched_again(tmp_path: Path) -> None:
+    """With the release's folder complete in the cache, the script prints it and asks pip nothing (pip would
+    fail on this made-up name)."""
+    cached = tmp_path / "no-such-engine-0.0.1"
+    cached.mkdir()
+    (cached / ".complete").write_text("no-such-engine-0.0.1-py3-none-any.whl\n")
+    env = {**os.environ, "EP_LAYER_ENGINE_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(SCRIPT), "no-such-engine==0.0.1"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(cached)
+
+
+def test_cache_root_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$EP_LAYER_ENGINE_CACHE, else $XDG_CACHE_HOME/ep-layer."""
+    monkeypatch.delenv("EP_LAYER_ENGINE_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert fetch_engines.source_dir("vllm", "0.20.0") == tmp_path / "ep-layer" / "vllm-0.20.0"
+    monkeypatch.setenv("EP_LAYER_ENGINE_CACHE", str(tmp_path / "elsewhere"))
+    assert fetch_engines.cache_root() == tmp_path / "elsewhere"
