@@ -1,0 +1,279 @@
+"""The request fields vLLM users rely on (issue 46), against independent oracles:
+
+- every field of vLLM's own completion and chat request schemas (vLLM 0.29.0's sources, read, not
+  imported) is declared here, served or refused: a refused one set to anything but its default is a 400
+  naming it; README's endpoint table lists exactly the fields served;
+- min_tokens, include_stop_str_in_output, skip_special_tokens against the fake model's reference greedy
+  text (tests/serving_fakes.py), streamed and not; spaces_between_special_tokens against transformers'
+  decode of the tiny model's tokenizer;
+- the developer role renders as a system prompt; tool messages are refused in words that say so;
+- --generation-config's defaults (a file read as vLLM reads it) reach the requests that leave the fields
+  unset; /ping; --max-logprobs; the flags that refuse what is not built.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_sources import source_dir
+from serving_fakes import EOS, FakeTokenizer, reference_next
+from test_serving_api import NAME, check_envelope, fake_server, http_server, sse_events
+
+from serving.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from serving.engine.detokenizer import IncrementalDetokenizer, as_codec
+from serving.generation_config import generation_defaults
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_SCHEMAS = {CompletionRequest: "vllm/entrypoints/openai/completion/protocol.py",
+                ChatCompletionRequest: "vllm/entrypoints/openai/chat_completion/protocol.py"}
+TOK = FakeTokenizer()
+
+
+def vllm_fields(path: Path, cls: str) -> list[str]:
+    """The public fields of class `cls` in a vLLM source file (annotated class attributes)."""
+    tree = ast.parse(path.read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    return [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            and not s.target.id.startswith("_")]
+
+
+def served(model: type[SamplingRequest]) -> set[str]:
+    return set(model.model_fields) - set(model.REFUSED)
+
+
+# ---------------------------------------------------------------------------- the schema
+@pytest.mark.parametrize("model", list(VLLM_SCHEMAS), ids=lambda m: m.__name__)
+def test_every_field_of_vllms_schema_is_served_or_refused(model):
+    fields = vllm_fields(source_dir("vllm", "0.29.0") / VLLM_SCHEMAS[model], model.__name__)
+    assert len(fields) > 40, fields  # the parse found the class
+    missing = sorted(set(fields) - set(model.model_fields))
+    assert not missing, f"vLLM's {model.__name__} fields neither served nor refused here: {missing}"
+    assert set(model.REFUSED) <= set(model.model_fields)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with fake_server(model="fake-eos") as (url, state):
+        yield url, state
+
+
+@pytest.mark.parametrize("model,path", [(CompletionRequest, "/v1/completions"),
+                                        (ChatCompletionRequest, "/v1/chat/completions")], ids=["completions", "chat"])
+def test_a_refused_field_off_its_default_is_a_400_naming_it(server, model, path):
+    base = {"prompt": "ab"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "ab"}]}
+    with httpx.Client(base_url=server[0], timeout=30) as c:
+        for name in model.REFUSED:
+            err = check_envelope(c.post(path, json={**base, "max_tokens": 2, name: "x-not-the-default"}), 400)
+            assert err["param"] == name and "not supported" in err["message"], (name, err)
+            default = model.model_fields[name].default
+            assert c.post(path, json={**base, "max_tokens": 2, name: default}).status_code == 200, name
+
+
+def test_readme_lists_exactly_the_fields_served():
+    readme = (ROOT / "README.md").read_text()
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `POST (/v1/[a-z/]+)` \| (.*) \|$", readme, re.M)}
+
+    def names(row: str) -> set[str]:
+        return {n for n in re.findall(r"`([a-z_]+)`", row)}
+
+    completions = names(rows["/v1/completions"]) - {"include_usage"}
+    assert completions == served(CompletionRequest), completions ^ served(CompletionRequest)
+    chat = names(rows["/v1/chat/completions"]) | (served(SamplingRequest) - {"model"})
+    assert chat | {"model"} == served(ChatCompletionRequest), chat ^ served(ChatCompletionRequest)
+
+
+# ---------------------------------------------------------------------------- min_tokens and stops
+def greedy(prompt: list[int], max_tokens: int, min_tokens: int = 0, banned: frozenset[int] = frozenset({EOS}),
+           eos_bias: float = 8.0) -> list[int]:
+    """The fake-eos model's greedy tokens with `banned` at -inf while fewer than min_tokens were made,
+    stopping after EOS (the oracle of min_tokens, from the fake's reference logits)."""
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        logits = reference_next(tokens, eos_bias)
+        if len(out) < min_tokens:
+            logits[list(banned)] = float("-inf")
+        t = int(logits.argmax())
+        out.append(t)
+        tokens.append(t)
+        if t == EOS:
+            break
+    return out
+
+
+def complete(url: str, **body) -> dict:
+    resp = httpx.post(f"{url}/v1/completions", json={"model": NAME, "temperature": 0, **body}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def streamed_text(url: str, **body) -> str:
+    resp = httpx.post(f"{url}/v1/completions", json={"model": NAME, "temperature": 0, "stream": True, **body},
+                      timeout=30)
+    events = sse_events(resp.text.splitlines())
+    assert events[-1] == "[DONE]", events[-3:]
+    return "".join(e["choices"][0]["text"] for e in events[:-1])
+
+
+def test_min_tokens_holds_eos_back_as_vllm(server, seed):
+    url = server[0]
+    rng = __import__("random").Random(seed)
+    for _ in range(6):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
+        plain = greedy(prompt, 20)
+        k = rng.randrange(1, 12)
+        want = greedy(prompt, 20, min_tokens=k)
+        got = complete(url, prompt=prompt, max_tokens=20, min_tokens=k)["choices"][0]
+        assert got["text"] == TOK.decode(want), (seed, prompt, k, plain, want)
+        assert len(want) >= min(k + 1, 20) or want[-1] != EOS
+        # A stop token id is held back the same way as EOS.
+        stop_id = want[0] if want[0] != EOS else 5
+        want_stop = greedy(prompt, 20, min_tokens=k, banned=frozenset({EOS, stop_id}))
+        cut = next((i for i, t in enumerate(want_stop) if t in (EOS, stop_id)), len(want_stop))
+        got = complete(url, prompt=prompt, max_tokens=20, min_tokens=k, stop_token_ids=[stop_id])["choices"][0]
+        assert got["text"] == TOK.decode(want_stop[:cut]), (seed, prompt, k, stop_id)
+    check_envelope(httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 3, "min_tokens": 4}), 400)
+
+
+def test_stop_strings_with_min_tokens_and_include_stop_str_in_output(server, seed):
+    url = server[0]
+    rng = __import__("random").Random(seed)
+    for _ in range(6):
+        prompt = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
+        tokens = greedy(prompt, 24, min_tokens=24)
+        text = TOK.decode(tokens)
+        if len(text) < 8:
+            continue
+        i = rng.randrange(1, len(text) - 3)
+        stop = text[i:i + 2]
+        first = text.find(stop)
+        for include in (False, True):
+            body = dict(prompt=prompt, max_tokens=24, min_tokens=24 if False else 0, ignore_eos=True, stop=[stop],
+                        include_stop_str_in_output=include)
+            want = text[:first + len(stop)] if include else text[:first]
+            choice = complete(url, **body)["choices"][0]
+            assert choice["text"] == want and choice["stop_reason"] == stop, (seed, stop, include, choice)
+            assert streamed_text(url, **body) == want
+        # With min_tokens past the stop string's end, no stop is found there: the text runs on.
+        n_before = next(n for n in range(1, len(tokens) + 1) if TOK.decode(tokens[:n]).find(stop) >= 0)
+        later = complete(url, prompt=prompt, max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=n_before + 1)
+        rest = text.find(stop, len(TOK.decode(tokens[:n_before + 1])) - len(stop) + 1)
+        assert later["choices"][0]["text"] == (text if rest < 0 else text[:rest]), (seed, stop)
+
+
+def test_skip_special_tokens_and_the_stop_tokens_text(server):
+    url = server[0]
+    prompt = [3, 4]
+    tokens = greedy(prompt, 12)
+    assert tokens[-1] == EOS  # the fake-eos model ends soon
+    for skip in (True, False):
+        for include in (False, True):
+            choice = complete(url, prompt=prompt, max_tokens=12, skip_special_tokens=skip,
+                              include_stop_str_in_output=include)["choices"][0]
+            shown = tokens if include else tokens[:-1]
+            assert choice["text"] == TOK.decode(shown, skip_special_tokens=skip), (skip, include, choice)
+
+
+def test_spaces_between_special_tokens_as_transformers_decodes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from serving.tiny_model import tiny_checkpoint
+
+    path = tiny_checkpoint(str(tmp_path))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=f"{path}/tokenizer.json")
+    codec = as_codec(hf)
+    ids = [0, 1, 1] + hf.encode("hi there", add_special_tokens=False) + [1, 0]
+    for spaces in (True, False):
+        detok = IncrementalDetokenizer(codec, [5], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        text = "".join(detok.add(t) for t in ids) + detok.flush()
+        assert text == hf.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=spaces), spaces
+
+
+# ---------------------------------------------------------------------------- roles
+def test_developer_messages_are_system_prompts_and_tools_are_refused_in_words(tmp_path):
+    from serving.api.server import make_server_state
+    from serving.engine.engine_config import EngineConfig
+    from serving.tiny_model import tiny_checkpoint
+
+    path = tiny_checkpoint(str(tmp_path))
+    state = make_server_state(EngineConfig(model=path, device="cpu", num_kv_blocks=64), start_timeout_s=120)
+    try:
+        with http_server(state) as url, httpx.Client(base_url=url, timeout=60) as c:
+            def tokens(role: str) -> list[int]:
+                body = {"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+                return c.post("/tokenize", json=body).json()["tokens"]
+
+            assert tokens("developer") == tokens("system")
+            err = check_envelope(c.post("/v1/chat/completions", json={"messages": [
+                {"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "a"}]}), 400)
+            assert "tool calling" in err["message"] and "not supported" in err["message"]
+    finally:
+        state.coordinator.shutdown()
+
+
+# ---------------------------------------------------------------------------- generation config
+def test_generation_defaults_read_as_vllm_reads_them(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    assert generation_defaults("auto", str(model)) == {}  # no file: vLLM's own defaults
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "bos_token_id": 0,
+         "min_p": None}))
+    want = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 7}
+    assert generation_defaults("auto", str(model)) == want
+    assert generation_defaults(str(model), "/nowhere") == want
+    assert generation_defaults("vllm", str(model)) == {}
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        generation_defaults(str(tmp_path), str(model))
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="temperature"):
+        generation_defaults("auto", str(model))
+
+
+def test_generation_defaults_apply_to_the_fields_a_request_leaves_unset(server):
+    import dataclasses
+
+    url, state = server
+    tuned = dataclasses.replace(state, generation_defaults={"temperature": 0.0, "max_tokens": 3})
+    prompt = [7, 8]
+    with http_server(tuned) as url2, httpx.Client(base_url=url2, timeout=30) as c:
+        chat = {"messages": [{"role": "user", "content": "ab"}]}
+        got = c.post("/v1/chat/completions", json=chat).json()
+        assert got["usage"]["completion_tokens"] <= 3 and got["choices"][0]["finish_reason"] in ("length", "stop")
+        greedy_text = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}).json()["choices"][0]["text"]
+        assert greedy_text == TOK.decode(greedy(prompt, 6)[:-1] if greedy(prompt, 6)[-1] == EOS else greedy(prompt, 6))
+        # A request's own value wins: a seeded temperature-1 draw is the same as on a server without defaults.
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+        assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == \
+            httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+
+
+# ---------------------------------------------------------------------------- small things
+def test_ping_and_max_logprobs(server):
+    import dataclasses
+
+    url, state = server
+    with httpx.Client(base_url=url, timeout=30) as c:
+        assert c.get("/ping").status_code == 200 and c.post("/ping").status_code == 200
+    with http_server(dataclasses.replace(state, max_logprobs=2)) as url2, httpx.Client(base_url=url2) as c:
+        assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1, "logprobs": 2}).status_code == 200
+        err = check_envelope(c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1, "logprobs": 3}), 400)
+        assert err["param"] == "logprobs" and "--max-logprobs" in err["message"]
+        chat = {"messages": [{"role": "user", "content": "ab"}], "logprobs": True, "top_logprobs": 3}
+        assert check_envelope(c.post("/v1/chat/completions", json=chat), 400)["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--kv-cache-dtype", "fp8"], "only 'auto' is supported"),
+    (["--max-logprobs", "21"], "--max-logprobs: expected in [0, 20]"),
+    (["--generation-config", "/nonexistent-dir"], "no generation_config.json"),
+])
+def test_flags_refuse_what_is_not_built(argv, says, capsys):
+    from serving.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", *argv])
+    assert says in str(e.value), e.value
