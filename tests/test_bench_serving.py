@@ -117,6 +117,43 @@ def test_token_prompts_are_exact_unique_at_the_start_and_repeatable(seed: int) -
     assert text.startswith(wl.unique_word("run-a", 3) + " ") and all(w in wl.WORDS for w in text.split()[1:-1])
 
 
+def mock_server(tokenizes: bool) -> httpx.AsyncClient:
+    """A client of a server whose /tokenize makes a token of each byte (or, without, answers 404)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/tokenize" and tokenizes:
+            return httpx.Response(200, json={"tokens": list(body["prompt"].encode())})
+        if request.url.path == "/detokenize" and tokenizes:
+            return httpx.Response(200, json={"text": bytes(body["tokens"]).decode()})  # SGLang's key
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    return httpx.AsyncClient(base_url="http://server", transport=httpx.MockTransport(answer))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompts_on_the_servers_tokenizer_or_of_words_without_one(seed: int, chat: bool) -> None:
+    first = wl.prompt_text(seed, "first", 0, 15)
+    request = wl.WorkloadRequest(4, 40, 16, 0.0)
+
+    async def make(tokenizes: bool, first_prompt_tokens: int | None) -> tuple[str | list[int], int, str]:
+        async with mock_server(tokenizes) as client:
+            maker, reserve, how = await wl.prompt_maker(client, "m", chat, seed, first, first_prompt_tokens, 4096)
+            return await maker.make(request, "salt"), reserve, how
+
+    prompt, reserve, how = asyncio.run(make(True, len(first.encode()) + 3))  # the server added 3 tokens
+    assert reserve == (3 + 8 if chat else 3) and "/tokenize" in how
+    ids = list(prompt.encode()) if chat else prompt
+    assert ids == asyncio.run(wl.token_prompt(mock_tokenize, seed, "salt", 4, 40))
+    prompt, reserve, how = asyncio.run(make(False, 32))  # 16 words made 32 tokens
+    assert reserve == (64 if chat else 16) and "approximate" in how
+    assert prompt == wl.prompt_text(seed, "salt", 4, 19)  # 40 tokens at 2 a word: the unique word and 19
+
+
+async def mock_tokenize(text: str) -> list[int]:
+    return list(text.encode())
+
+
 # ---------------------------------------------------------------------------- what a level reports
 def test_percentile_is_the_nearest_rank() -> None:
     assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
@@ -158,6 +195,38 @@ def test_summary_of_a_level_by_hand() -> None:
 ])
 def test_which_chunks_carry_tokens(chunk: dict, carries: bool) -> None:
     assert bench.carries_tokens(chunk) is carries
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+@pytest.mark.parametrize(("status", "body", "want"), [
+    (200, sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              *({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]} for _ in range(3)),
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}, "[DONE]"),
+     (3, 3, 7, None)),
+    (200, sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}, "[DONE]"),
+     (2, 2, None, None)),  # no usage: the chunks are counted
+    (200, sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+              {"error": {"message": "boom", "code": 500}}, "[DONE]"), (1, 0, None, "error event")),
+    (200, sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 0}}, "[DONE]"),
+     (0, 0, 7, "without tokens")),
+    (400, b'{"error": {"message": "ignore_eos: extra fields not permitted"}}', (0, 0, None, "HTTP 400")),
+])
+def test_a_timed_request_reads_the_stream(status: int, body: bytes, want: tuple) -> None:
+    async def run() -> bench.Timed:
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+        async with httpx.AsyncClient(base_url="http://server", transport=transport) as client:
+            return await bench.timed_request(client, "/v1/chat/completions", {})
+
+    timed = asyncio.run(run())
+    times, tokens, prompt_tokens, error = want
+    assert (len(timed.times), timed.tokens, timed.prompt_tokens) == (times, tokens, prompt_tokens), timed
+    assert (timed.error is None) if error is None else (error in timed.error), timed
+    assert timed.ok or error is not None
 
 
 def test_the_openai_backend_sends_openai_fields_only() -> None:
