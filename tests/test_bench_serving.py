@@ -1,0 +1,302 @@
+"""benchmarks/bench_serving.py's mixed workload without a GPU: the generator (lengths, arrivals, prompts) on
+its own, the statistics against hand-computed values, and two short runs against the built-in tiny model:
+launched by the benchmark, and as any OpenAI-compatible server (--backend openai, an API key)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from deploy_helpers import ROOT, EPServe, scrape, total
+
+_BENCHMARKS = str(ROOT / "benchmarks")
+if _BENCHMARKS not in sys.path:
+    sys.path.insert(0, _BENCHMARKS)  # the script imports its neighbour serving_workloads by name
+
+import bench_serving as bench  # noqa: E402
+import serving_workloads as wl  # noqa: E402
+
+# OpenAI's request fields of /v1/completions and /v1/chat/completions that the benchmark may send.
+OPENAI_FIELDS = {"model", "prompt", "messages", "max_tokens", "temperature", "stream", "stream_options", "logprobs",
+                 "top_logprobs"}
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from serving.tiny_model import tiny_checkpoint
+
+    cache = str(tmp_path_factory.mktemp("tiny-cache"))
+    tiny_checkpoint(cache)  # written before a server starts
+    return cache
+
+
+# ---------------------------------------------------------------------------- the generator
+def test_the_same_seed_draws_the_same_workload(seed: int) -> None:
+    a = wl.mixed_workload(300, seed, rate=3.0)
+    assert a == wl.mixed_workload(300, seed, rate=3.0), f"seed={seed}"
+    assert a[:100] == wl.mixed_workload(100, seed, rate=3.0), "a request's draws depend on how many are sent"
+    assert a != wl.mixed_workload(300, seed + 1, rate=3.0)
+    other_rate = wl.mixed_workload(300, seed, rate=6.0)
+    assert [(r.prompt_len, r.output_len) for r in a] == [(r.prompt_len, r.output_len) for r in other_rate]
+    assert all(math.isclose(x.arrival_s, 2 * y.arrival_s, abs_tol=1e-12) for x, y in zip(a, other_rate))
+    assert wl.prompt_text(seed, "s", 7, 50) == wl.prompt_text(seed, "s", 7, 50)
+    assert wl.prompt_text(seed, "s", 7, 50) != wl.prompt_text(seed + 1, "s", 7, 50)
+
+
+@pytest.mark.parametrize(("max_model_len", "reserve"), [(100_000, 0), (4096, 1), (1024, 40), (256, 1), (40, 0)])
+def test_lengths_stay_in_their_ranges_and_fit_max_model_len(seed: int, max_model_len: int, reserve: int) -> None:
+    workload = wl.mixed_workload(2000, seed, (16, 2000), (16, 512), max_model_len, reserve)
+    for r in workload:
+        assert 16 <= r.prompt_len <= 2000 and 1 <= r.output_len <= 512, (seed, r)
+        assert r.prompt_len + r.output_len + reserve <= max_model_len, (seed, r)
+    if max_model_len == 100_000:  # untrimmed: log-uniform, so half the prompts are below the geometric mean
+        below = sum(r.prompt_len < math.sqrt(16 * 2001) for r in workload) / len(workload)
+        assert abs(below - 0.5) < 6 * 0.5 / math.sqrt(len(workload)), f"seed={seed}: {below:.3f} below"
+
+
+def test_fit_ranges_trims_the_output_first_and_refuses_what_cannot_fit() -> None:
+    assert wl.fit_ranges((16, 2000), (16, 512), 4096) == ((16, 2000), (16, 512))
+    assert wl.fit_ranges((16, 2000), (16, 512), 1024, 1) == ((16, 511), (16, 512))
+    assert wl.fit_ranges((16, 2000), (16, 512), 256, 1) == ((16, 16), (16, 239))
+    with pytest.raises(ValueError, match="no room"):
+        wl.fit_ranges((16, 2000), (16, 512), 16)
+
+
+def test_log_uniform_covers_its_ends(seed: int) -> None:
+    rng = random.Random(seed)
+    draws = [wl.log_uniform(rng, 3, 6) for _ in range(4000)]
+    assert set(draws) == {3, 4, 5, 6}, f"seed={seed}"  # each with probability ln((k + 1) / k) / ln(7 / 3)
+    for k in (3, 4, 5, 6):
+        p = math.log((k + 1) / k) / math.log(7 / 3)
+        assert abs(draws.count(k) / 4000 - p) < 6 * math.sqrt(p * (1 - p) / 4000), f"seed={seed}, k={k}"
+
+
+def test_poisson_arrivals_have_mean_gap_one_over_the_rate(seed: int) -> None:
+    rate = random.Random(seed).uniform(0.5, 50.0)
+    n = 20_000
+    times = wl.arrival_times(seed, n, rate)
+    gaps = bench.token_gaps(times)  # differences of successive values
+    assert times[0] == 0.0 and min(gaps) >= 0
+    # The mean of n - 1 exponential gaps has standard deviation (1 / rate) / sqrt(n - 1); so has their spread.
+    assert abs(statistics.fmean(gaps) * rate - 1) < 6 / math.sqrt(n - 1), f"seed={seed}, rate={rate}"
+    assert abs(statistics.stdev(gaps) * rate - 1) < 0.1, f"seed={seed}, rate={rate}"
+    assert wl.arrival_times(seed, 5, math.inf) == [0.0] * 5
+    with pytest.raises(ValueError):
+        wl.arrival_times(seed, 5, 0.0)
+
+
+def test_token_prompts_are_exact_unique_at_the_start_and_repeatable(seed: int) -> None:
+    calls: list[int] = []
+
+    async def tokenize(text: str) -> list[int]:  # bytes as tokens; like /tokenize, at most 64 at once
+        ids = list(text.encode())
+        calls.append(len(ids))
+        assert len(ids) <= 64, "a chunk larger than /tokenize takes"
+        return ids
+
+    async def prompts(salt: str) -> list[list[int]]:
+        return [await wl.token_prompt(tokenize, seed, salt, r.index, r.prompt_len, chunk_words=6)
+                for r in wl.mixed_workload(200, seed, (16, 300), (16, 16))]
+
+    first, again, other = asyncio.run(prompts("run-a")), asyncio.run(prompts("run-a")), asyncio.run(prompts("run-b"))
+    workload = wl.mixed_workload(200, seed, (16, 300), (16, 16))
+    assert [len(p) for p in first] == [r.prompt_len for r in workload], f"seed={seed}"
+    assert first == again
+    starts = [tuple(p[:16]) for p in first + other]  # a KV block of 16 tokens
+    assert len(set(starts)) == len(starts), "two prompts share their first 16 tokens"
+    text = bytes(first[3]).decode()
+    assert text.startswith(wl.unique_word("run-a", 3) + " ") and all(w in wl.WORDS for w in text.split()[1:-1])
+
+
+def mock_server(tokenizes: bool) -> httpx.AsyncClient:
+    """A client of a server whose /tokenize makes a token of each byte (or, without, answers 404)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/tokenize" and tokenizes:
+            return httpx.Response(200, json={"tokens": list(body["prompt"].encode())})
+        if request.url.path == "/detokenize" and tokenizes:
+            return httpx.Response(200, json={"text": bytes(body["tokens"]).decode()})  # SGLang's key
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    return httpx.AsyncClient(base_url="http://server", transport=httpx.MockTransport(answer))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompts_on_the_servers_tokenizer_or_of_words_without_one(seed: int, chat: bool) -> None:
+    first = wl.prompt_text(seed, "first", 0, 15)
+    request = wl.WorkloadRequest(4, 40, 16, 0.0)
+
+    async def make(tokenizes: bool, first_prompt_tokens: int | None) -> tuple[str | list[int], int, str]:
+        async with mock_server(tokenizes) as client:
+            maker, reserve, how = await wl.prompt_maker(client, "m", chat, seed, first, first_prompt_tokens, 4096)
+            return await maker.make(request, "salt"), reserve, how
+
+    prompt, reserve, how = asyncio.run(make(True, len(first.encode()) + 3))  # the server added 3 tokens
+    assert reserve == (3 + 8 if chat else 3) and "/tokenize" in how
+    ids = list(prompt.encode()) if chat else prompt
+    assert ids == asyncio.run(wl.token_prompt(mock_tokenize, seed, "salt", 4, 40))
+    prompt, reserve, how = asyncio.run(make(False, 32))  # 16 words made 32 tokens
+    assert reserve == (64 if chat else 16) and "approximate" in how
+    assert prompt == wl.prompt_text(seed, "salt", 4, 19)  # 40 tokens at 2 a word: the unique word and 19
+
+
+async def mock_tokenize(text: str) -> list[int]:
+    return list(text.encode())
+
+
+# ---------------------------------------------------------------------------- what a level reports
+def test_percentile_is_the_nearest_rank() -> None:
+    assert bench.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 3.0  # index round(1.5) = 2
+    assert bench.percentile([float(v) for v in range(1, 101)], 99) == 99.0  # index round(98.01) = 98
+    assert bench.percentile([float(v) for v in range(1, 11)], 99) == 10.0
+    assert math.isnan(bench.percentile_or_nan([], 50))
+
+
+def test_summary_of_a_level_by_hand() -> None:
+    results = [bench.Timed(times=[0.100, 0.150, 0.300], latency=0.350, tokens=3, prompt_tokens=20),
+               bench.Timed(times=[0.200, 0.220], latency=0.250, tokens=2, prompt_tokens=40),
+               bench.Timed(times=[0.050], latency=0.060, tokens=1, prompt_tokens=30),
+               bench.Timed(error="HTTP 400: too long")]
+    assert bench.token_gaps(results[0].times) == pytest.approx([0.050, 0.150])
+    row = bench.summarize(results, elapsed=2.0)
+    assert (row["requests"], row["completed"], row["failed"]) == (4, 3, 1)
+    assert row["prompt_tok"] == 30.0
+    assert row["ttft_p50_ms"] == pytest.approx(100.0)  # TTFTs 50, 100, 200: the middle one
+    assert row["ttft_p99_ms"] == pytest.approx(200.0)
+    # TPOT (latency - TTFT) / (tokens - 1): 125 and 50 ms; the one-token request has none.
+    assert row["tpot_p50_ms"] == pytest.approx(50.0)  # of [50, 125], index round(0.5) = 0
+    assert row["tpot_p99_ms"] == pytest.approx(125.0)
+    assert row["itl_p99_ms"] == pytest.approx(150.0)  # the gaps of all requests: 20, 50, 150 ms
+    assert row["out_tok/s"] == pytest.approx(3.0)  # 6 tokens in 2 s
+    assert math.isnan(bench.summarize([bench.Timed(error="x")], 1.0)["ttft_p50_ms"])
+
+
+@pytest.mark.parametrize(("chunk", "carries"), [
+    ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, False),
+    ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None}]}, True),
+    ({"choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": None}]}, True),
+    ({"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}, "finish_reason": None}]}, True),
+    ({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}, False),
+    ({"choices": [{"index": 0, "text": "", "finish_reason": None}]}, True),  # a token of incomplete UTF-8
+    ({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}, True),
+    ({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}, False),
+    ({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}, False),
+])
+def test_which_chunks_carry_tokens(chunk: dict, carries: bool) -> None:
+    assert bench.carries_tokens(chunk) is carries
+
+
+def sse(*events: dict | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+@pytest.mark.parametrize(("status", "body", "want"), [
+    (200, sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+              *({"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]} for _ in range(3)),
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}}, "[DONE]"),
+     (3, 3, 7, None)),
+    (200, sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}, "[DONE]"),
+     (2, 2, None, None)),  # no usage: the chunks are counted
+    (200, sse({"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+              {"error": {"message": "boom", "code": 500}}, "[DONE]"), (1, 0, None, "error event")),
+    (200, sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 0}}, "[DONE]"),
+     (0, 0, 7, "without tokens")),
+    (400, b'{"error": {"message": "ignore_eos: extra fields not permitted"}}', (0, 0, None, "HTTP 400")),
+])
+def test_a_timed_request_reads_the_stream(status: int, body: bytes, want: tuple) -> None:
+    async def run() -> bench.Timed:
+        transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+        async with httpx.AsyncClient(base_url="http://server", transport=transport) as client:
+            return await bench.timed_request(client, "/v1/chat/completions", {})
+
+    timed = asyncio.run(run())
+    times, tokens, prompt_tokens, error = want
+    assert (len(timed.times), timed.tokens, timed.prompt_tokens) == (times, tokens, prompt_tokens), timed
+    assert (timed.error is None) if error is None else (error in timed.error), timed
+    assert timed.ok or error is not None
+
+
+def test_the_openai_backend_sends_openai_fields_only() -> None:
+    for api, prompt in (("completions", [1, 2, 3]), ("chat", "hello")):
+        _, ours = bench.request_body(api, "m", prompt, 8, None)
+        assert ours["ignore_eos"] is True and set(ours) - OPENAI_FIELDS == {"ignore_eos"}
+        _, plain = bench.Target("u", "m", api, {}, ignore_eos=False).request(prompt, 8)
+        assert set(plain) <= OPENAI_FIELDS, set(plain) - OPENAI_FIELDS
+        _, vllm = bench.Target("u", "m", api, {}, ignore_eos=True, min_tokens=True).request(prompt, 8)
+        assert set(vllm) - OPENAI_FIELDS == {"ignore_eos", "min_tokens"} and vllm["min_tokens"] == 8
+
+
+def test_argument_checks() -> None:
+    for argv in (["--request-rate", "2"], ["--workload", "mixed", "--request-rate", "0"],
+                 ["--workload", "mixed", "--logprobs", "2"], ["--ignore-eos"], ["--output-len", "8", "4"],
+                 ["--input-len", "20", "10"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    args = bench.parse_args(["--workload", "mixed", "--request-rate", "inf", "2.5", "--output-len", "32"])
+    assert args.request_rate == [math.inf, 2.5] and bench.output_range(args.output_len) == (32, 32)
+
+
+# ---------------------------------------------------------------------------- against the tiny model
+def mixed_args(out: Path) -> list[str]:
+    return ["--workload", "mixed", "--requests", "3", "--output-len", "4", "8", "--json-out", str(out),
+            "--seed", "5"]
+
+
+def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> None:
+    out = tmp_path / "mixed.json"
+    env = {**os.environ, "EP_LAYER_CACHE": tiny_cache, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), *mixed_args(out),
+                           "--launch", "--max-model-len 256", "--port", "0", "--concurrency", "2"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["first_request"]["ok"] and result["first_request"]["ttft_ms"] > 0, result
+    assert result["first_request"]["label"].startswith("first request after ready (ep-serve launched")
+    [level] = result["levels"]
+    assert (level["level"], level["completed"], level["failed"]) == ("c=2", 3, 0), (level, result["errors"])
+    assert 16 <= level["prompt_tok"] <= 256 - 8 and level["step_floor_us"] > 0
+    assert 0 < level["ttft_p50_ms"] <= level["ttft_p99_ms"] and 0 < level["tpot_p50_ms"] <= level["tpot_p99_ms"]
+    assert level["itl_p99_ms"] > 0 and level["out_tok/s"] > 0
+    header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("level |"))
+    assert [c.strip() for c in header.split("|")][-3:] == ["itl_p99_ms", "out_tok/s", "step_floor_us"]
+    assert "# first request after ready" in proc.stdout
+
+
+def test_mixed_workload_as_an_openai_client(tiny_cache: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--backend openai against ep-serve as any OpenAI server (an API key, Poisson arrivals); the prompts'
+    unique starts leave the server's prefix cache without a hit."""
+    server = EPServe(["--max-model-len", "256", "--api-key", "secret"], tiny_cache, tmp_path / "ep-serve.log")
+    try:
+        server.wait_healthy()
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+        metrics = scrape(server.url)
+        assert "vllm:prefix_cache_hits_total" in metrics
+        hits = total(metrics, "vllm:prefix_cache_hits_total")
+        out = tmp_path / "openai.json"
+        # Two rates: each level sends the same lengths and words, only its prompts' first words differ.
+        bench.main([*mixed_args(out), "--url", server.url, "--backend", "openai", "--api-key", "secret",
+                    "--request-rate", "50", "inf"])
+        assert total(scrape(server.url), "vllm:prefix_cache_hits_total") == hits
+    finally:
+        server.stop()
+    result = json.loads(out.read_text())
+    assert (result["backend"], result["ignore_eos"], result["min_tokens"]) == ("openai", False, False)
+    assert result["first_request"]["label"].startswith("first request of this run")
+    assert [(row["level"], row["completed"], row["failed"]) for row in result["levels"]] == \
+        [("r=50", 3, 0), ("r=inf", 3, 0)], result
+    assert all("step_floor_us" not in row and row["ttft_p50_ms"] > 0 for row in result["levels"])
+    assert "step_floor_us" not in capsys.readouterr().out
