@@ -144,7 +144,7 @@ async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> S
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and first is None:
+            if first is None and carries_tokens(chunk):  # not a chat's opening role chunk
                 first = time.perf_counter()
             logprobs_seen = logprobs_seen or has_logprobs(chunk)
             if chunk.get("usage"):
