@@ -709,5 +709,13 @@ def test_prefix_caching_with_decode_cuda_graphs_on_gpu(tiny_path: str, async_sch
         del engine
     for rid, (want_tokens, want_logprobs) in runs[False].items():
         got_tokens, got_logprobs = runs[True][rid]
-        assert got_tokens == want_tokens, rid
-        torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(want_logprobs), rtol=2e-2, atol=3e-2)
+        # The cached prefix's KV was written by another request's prefill, in another batch; a bf16 GEMM's
+        # tiles follow its row count, so the KV may differ in its last bits and a near-tie between the
+        # two likeliest tokens may flip. Greedy tokens agree up to the first flip, which must be such a
+        # tie (the two likeliest within the tolerance), and the logprobs agree up to it.
+        same = next((i for i, (a, b) in enumerate(zip(got_tokens, want_tokens)) if a != b), len(want_tokens))
+        if same < len(want_tokens):
+            top = want_logprobs[same]
+            assert top[0] - top[1] < 3e-2, (rid, same, top)
+        torch.testing.assert_close(torch.tensor(got_logprobs[:same + 1]), torch.tensor(want_logprobs[:same + 1]),
+                                   rtol=2e-2, atol=3e-2)
