@@ -2180,8 +2180,11 @@ def test_fork_only_and_unknown_arguments_are_refused() -> None:
         buf.low_latency_combine(recv_x, idx, torch.ones(2, 2), handle, zero_cpy=True)
     out, _, _ = buf.low_latency_combine(recv_x, idx, torch.ones(2, 2), handle)  # the refusals left it usable
     assert torch.equal(out, x * torch.tensor([[2.0], [1.0]], dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="use_fabric"):  # DeepEP v1.2's Buffer argument, absent from v2's
-        deep_ep.Buffer(None, low_latency_mode=True, use_fabric=False)
+    # DeepEP V1's use_fabric (fabric memory handles, which SGLang asks for on MNNVL hardware): False is what
+    # this Buffer does, True is refused by name.
+    deep_ep.Buffer(None, low_latency_mode=True, use_fabric=False, backend="reference").destroy()
+    with pytest.raises(NotImplementedError, match="use_fabric"):
+        deep_ep.Buffer(None, low_latency_mode=True, use_fabric=True)
     buf.destroy()
 
 

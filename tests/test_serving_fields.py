@@ -254,6 +254,20 @@ def test_generation_defaults_apply_to_the_fields_a_request_leaves_unset(server):
             httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
 
 
+def test_request_id_names_the_response_and_one_in_flight_cannot_be_reused():
+    with fake_server(model="fake-slow") as (url, _), httpx.Client(base_url=url, timeout=30) as c:
+        assert complete(url, prompt="ab", max_tokens=2, request_id="mine-1")["id"] == "cmpl-mine-1"
+        body = {"prompt": "ab", "max_tokens": 200, "ignore_eos": True, "request_id": "busy", "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            seen = [next(lines)]  # it is running
+            err = check_envelope(c.post("/v1/completions", json={**body, "stream": False}), 400)
+            assert err["param"] == "request_id", err
+            events = sse_events(seen + list(lines))
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+
+
 # ---------------------------------------------------------------------------- small things
 def test_ping_and_max_logprobs(server):
     import dataclasses

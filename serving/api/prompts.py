@@ -19,6 +19,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     from .server import ServerState
 
 INLINE_CHARS = 4096  # texts up to this long are tokenized on the event loop
-TOKENIZE_THREADS = 2  # the pool that tokenizes longer texts
+# The pool that tokenizes longer texts: a quarter of the cores, 1 to 4, so that the engine's ranks keep theirs.
+TOKENIZE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 NORMALIZER_SLACK = 4  # characters a normalizer may merge into one (Unicode composition: at most 3 into 1)
 _T = TypeVar("_T")
 

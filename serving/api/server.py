@@ -448,6 +448,10 @@ class _CompletionCall:
         except EngineUnavailableError as e:
             self._abort_pending()
             raise APIError(503, _public(str(e))) from None
+        except ValueError:  # the ids are another request's, still in flight: nothing here was submitted
+            self.pending = set()
+            raise APIError(400, f"request_id: {self.body.request_id!r} is the id of a request still in flight",
+                           "request_id") from None
         if self.body.stream:
             return StreamingResponse(self._stream(), media_type="text/event-stream")
         return await self._complete()
