@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import struct
 from pathlib import Path
 from types import ModuleType
@@ -56,6 +57,9 @@ def _check_pointer_orders(module: ModuleType) -> None:
 def _try_import() -> None:
     global _module, _error
     if _module is not None or _error is not None:
+        return
+    if os.environ.get("EP_LAYER_NO_CUDA") == "1":  # a pure-Python install keeps running as one (bootstrap.sh)
+        _error = "EP_LAYER_NO_CUDA=1: the CUDA kernels are not loaded"
         return
     try:
         from . import _C

@@ -66,6 +66,14 @@ echo "torch==$TORCH_VERSION" >"$constraints"
 "${pip[@]}" install -c "$constraints" -e ".[test]"
 # The drop-in depends on ep-layer only, which is installed just above.
 "${pip[@]}" install --no-deps -e ./dropin
+# A pure-Python .venv stays one: its Python runs with EP_LAYER_NO_CUDA=1 (ep_layer.native loads no kernels),
+# even when a build of the kernels lands in this source tree later (`pip install -e .` from elsewhere).
+pure_pth="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ep_layer_pure_python.pth"
+if [[ "$EP_LAYER_NO_CUDA" == 1 ]]; then
+    echo 'import os; os.environ.setdefault("EP_LAYER_NO_CUDA", "1")' >"$pure_pth"
+else
+    rm -f "$pure_pth"
+fi
 
 printf 'no_cuda=%s\ncuda_archs=%s\nhash=%s\n' "$EP_LAYER_NO_CUDA" "${EP_LAYER_CUDA_ARCHS:-}" "$want" >"$MARKER"
 echo "bootstrap: done in $((SECONDS - start)) s" >&2

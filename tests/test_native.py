@@ -4,11 +4,15 @@ whose launchers take their pointers in another order than ep_layer.kernel_args n
 
 from __future__ import annotations
 
+import os
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import ep_layer
 from ep_layer import kernel_args, layout, native, quant
 
 
@@ -63,3 +67,32 @@ def test_launcher_pointer_orders_must_match_kernel_args(name: str, fields: tuple
     delattr(module, name)
     with pytest.raises(ImportError, match=name):
         native._check_pointer_orders(module)
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["kernels", "EP_LAYER_NO_CUDA=1"])
+def test_a_pure_python_install_loads_no_kernels_even_when_some_are_built(monkeypatch, pure: bool) -> None:
+    """A build of the kernels (here a stand-in ep_layer._C) is loaded, unless EP_LAYER_NO_CUDA=1, which a
+    pure-Python .venv sets for its Python (scripts/bootstrap.sh): a build landing in the source tree later
+    does not switch it to the kernels."""
+    module = built_module()
+    module.DISPATCH_POINTERS = kernel_args.DispatchPointers._fields
+    module.COMBINE_POINTERS = kernel_args.CombinePointers._fields
+    module.NORMAL_POINTERS = kernel_args.NormalPointers._fields
+    monkeypatch.setitem(sys.modules, "ep_layer._C", module)
+    monkeypatch.setattr(ep_layer, "_C", module, raising=False)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_error", None)
+    if pure:
+        monkeypatch.setenv("EP_LAYER_NO_CUDA", "1")
+    else:
+        monkeypatch.delenv("EP_LAYER_NO_CUDA", raising=False)
+    assert native.available() is not pure
+
+
+def test_the_projects_venv_runs_as_it_was_bootstrapped() -> None:
+    """scripts/bootstrap.sh records whether .venv has the kernels; a pure-Python one runs with EP_LAYER_NO_CUDA=1."""
+    marker = Path(__file__).resolve().parent.parent / ".venv" / ".ep-layer-bootstrap"
+    if not marker.exists() or Path(sys.prefix).resolve() != marker.parent.resolve():
+        pytest.skip("not running in the project's .venv")
+    pure = "no_cuda=1" in marker.read_text().splitlines()
+    assert (os.environ.get("EP_LAYER_NO_CUDA") == "1") == pure
