@@ -103,10 +103,12 @@ class ServerState:
     tokenizer: what the loader gave (codec wraps it), for /tokenize's and the chat's options (None: the
     codec alone). max_token_chars: the most characters one token covers (prompts.longest_token_chars;
     None: unknown, texts are not refused by length before tokenizing). tokenize_pool: where long texts
-    are tokenized (prompts.py). connection_limits: run_http's (connections.py), and the pace of a
-    body. shutdown_deadline: time.monotonic() by which requests in flight end,
-    set on SIGTERM. dev_mode: serve vLLM's development endpoints (POST /reset_prefix_cache), as vLLM
-    does with VLLM_SERVER_DEV_MODE=1 (the default here reads that variable)."""
+    are tokenized (prompts.py). generation_defaults: the model's defaults of the sampling fields a
+    request leaves unset (serving.generation_config). max_logprobs: --max-logprobs.
+    connection_limits: run_http's (connections.py), and the pace of a body. shutdown_deadline:
+    time.monotonic() by which requests in flight end, set on SIGTERM. dev_mode: serve vLLM's
+    development endpoints (POST /reset_prefix_cache), as vLLM does with VLLM_SERVER_DEV_MODE=1 (the
+    default here reads that variable)."""
 
     coordinator: DPCoordinator
     codec: Codec
