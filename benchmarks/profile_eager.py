@@ -13,23 +13,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
-import time
 
 import torch
+from bench_ll import host_time
 
 from ep_layer import Buffer
-
-
-def host_us(fn, calls: int) -> float:
-    """Median host microseconds of one call of fn (the GPU is left to catch up between calls)."""
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -66,7 +54,7 @@ def main() -> None:
     for _ in range(20):
         dispatch()
         combine()
-    rows = [("dispatch", host_us(dispatch, args.calls)), ("combine", host_us(combine, args.calls))]
+    rows = [("dispatch", host_time(dispatch, args.calls)), ("combine", host_time(combine, args.calls))]
 
     profile = cProfile.Profile()
     profile.enable()

@@ -51,6 +51,25 @@ def counted(client: httpx.Client, **body) -> tuple[float, float]:
     return after[0] - before[0], after[1] - before[1]
 
 
+def start_long_stream(url: str) -> threading.Thread:
+    """A streamed request of 150 tokens in a thread, returned once its first chunk has come: until it
+    ends, it holds KV blocks on its rank."""
+    started = threading.Event()
+
+    def run() -> None:
+        body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    assert started.wait(30)
+    return runner
+
+
 def test_metrics_count_queried_and_cached_tokens_exactly(client):
     """Tokens of each new request's prompt are queried; hits are whole cached blocks, never a prompt's
     last token, generated tokens included; a request for prompt logprobs (echo + logprobs) reads nothing
@@ -84,19 +103,7 @@ def test_reset_prefix_cache_is_a_development_endpoint(client, server, caplog):
         assert counted(dev, prompt=x, max_tokens=1) == (9, 0)  # forgotten
         check_envelope(dev.post("/reset_prefix_cache", params={"reset_running_requests": "true"}), 400)
         # A request holding blocks: the rank keeps its cache.
-        started = threading.Event()
-
-        def long_request() -> None:
-            body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-            with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        started.set()
-
-        runner = threading.Thread(target=long_request)
-        runner.start()
-        assert started.wait(30)
+        runner = start_long_stream(url)
         with caplog.at_level(logging.WARNING, logger="serving.api.server"):
             assert dev.post("/reset_prefix_cache").status_code == 200
         runner.join(60)
@@ -136,19 +143,7 @@ def test_the_reset_reaches_every_rank():
     request running refuses while the idle one resets."""
     with fake_server(data_parallel_size=2, enable_expert_parallel=True) as (url, state):
         assert state.coordinator.reset_prefix_cache() == {0: True, 1: True}
-        started = threading.Event()
-
-        def long_request() -> None:
-            body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 150, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-            with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        started.set()
-
-        runner = threading.Thread(target=long_request)
-        runner.start()
-        assert started.wait(30)
+        runner = start_long_stream(url)
         busy = state.coordinator.load().index(1)
         assert state.coordinator.reset_prefix_cache() == {busy: False, 1 - busy: True}
         runner.join(60)

@@ -50,14 +50,14 @@ from reliability_fakes import (
     PickyTokenizer,
 )
 from serving_fakes import EOS, VOCAB, reference_greedy
-from test_serving_api import check_envelope, fake_config, http_server
+from test_serving_api import check_envelope, fake_server
+from test_serving_api import tiny_server as serve_tiny_model
 from test_serving_engine import prompt_of, run, tokens
 
 from serving.api.protocol import INT64_MIN, MAX_N, UINT64_MAX
-from serving.api.server import ServerState, make_server_state
+from serving.api.server import ServerState
 from serving.engine import engine as engine_module
 from serving.engine.engine import LLMEngine
-from serving.engine.engine_config import EngineConfig
 from serving.engine.messages import RequestOutput
 from serving.engine.sampling import Sampler, TokenCounts
 from serving.engine.sequence import MAX_LOGPROBS, PENALTY_RANGE, BadRequest, SamplingParams
@@ -376,12 +376,8 @@ def strict_events(text: str) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def numbers_server() -> Iterator[tuple[str, ServerState]]:
-    state = make_server_state(fake_config(model="fake-numbers", loader="reliability_fakes"), start_timeout_s=60)
-    try:
-        with http_server(state) as url:
-            yield url, state
-    finally:
-        state.coordinator.shutdown()
+    with fake_server(model="fake-numbers", loader="reliability_fakes") as served:
+        yield served
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -475,13 +471,8 @@ def tiny_server(tmp_path_factory) -> Iterator[tuple[str, ServerState]]:
     from serving.tiny_model import tiny_checkpoint
 
     path = tiny_checkpoint(str(tmp_path_factory.mktemp("tiny-cache")))
-    config = EngineConfig(model=path, served_model_name=TINY, device="cpu", max_num_seqs=8, max_tokens_per_rank=64)
-    state = make_server_state(config, start_timeout_s=120)
-    try:
-        with http_server(state) as url:
-            yield url, state
-    finally:
-        state.coordinator.shutdown()
+    with serve_tiny_model(path, served_model_name=TINY) as served:
+        yield served
 
 
 def is_int(v: Any) -> bool:

@@ -64,13 +64,24 @@ def http_server(state: ServerState) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def fake_server(**overrides) -> Iterator[tuple[str, ServerState]]:
-    state = make_server_state(fake_config(**overrides), start_timeout_s=60)
+def serving(config: EngineConfig, start_timeout_s: float) -> Iterator[tuple[str, ServerState]]:
+    """The app over `config`'s engine ranks, in this process: (base URL, state); the ranks stop after."""
+    state = make_server_state(config, start_timeout_s=start_timeout_s)
     try:
         with http_server(state) as url:
             yield url, state
     finally:
         state.coordinator.shutdown()
+
+
+def fake_server(**overrides) -> contextlib.AbstractContextManager[tuple[str, ServerState]]:
+    return serving(fake_config(**overrides), 60)
+
+
+def tiny_server(path: str, **overrides) -> contextlib.AbstractContextManager[tuple[str, ServerState]]:
+    """The built-in tiny DeepSeek-V3 at `path` on a CPU rank (8 sequences, T = 64)."""
+    base = dict(model=path, device="cpu", max_num_seqs=8, max_tokens_per_rank=64)
+    return serving(EngineConfig(**{**base, **overrides}), 120)
 
 
 @pytest.fixture(scope="module")

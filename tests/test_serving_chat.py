@@ -25,11 +25,18 @@ from pathlib import Path
 import httpx
 import jinja2
 import pytest
-from test_serving_api import TOK, check_envelope, expected, fake_config, fake_server, http_server, sse_events
+from test_serving_api import (
+    TOK,
+    check_envelope,
+    expected,
+    fake_config,
+    fake_server,
+    sse_events,
+    tiny_server,
+)
 
 from serving.api.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_tokens
 from serving.api.server import ServerState, make_server_state
-from serving.engine.engine_config import EngineConfig
 from serving.tiny_model import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN
 
 NAME = "tiny-chat"
@@ -94,14 +101,8 @@ def hf(tiny_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_dir) -> Iterator[tuple[str, ServerState]]:
-    config = EngineConfig(model=tiny_dir, served_model_name=NAME, device="cpu", max_num_seqs=8,
-                          max_tokens_per_rank=64)
-    state = make_server_state(config, start_timeout_s=120)
-    try:
-        with http_server(state) as url:
-            yield url, state
-    finally:
-        state.coordinator.shutdown()
+    with tiny_server(tiny_dir, served_model_name=NAME) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
