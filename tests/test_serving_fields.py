@@ -22,7 +22,7 @@ import httpx
 import pytest
 from engine_sources import source_dir
 from serving_fakes import EOS, FakeTokenizer, reference_next
-from test_serving_api import NAME, check_envelope, fake_server, http_server, sse_events
+from test_serving_api import NAME, check_envelope, fake_server, http_server, sse_events, tiny_server
 
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from serving.engine.detokenizer import IncrementalDetokenizer, as_codec
@@ -80,14 +80,16 @@ def test_a_refused_field_off_its_default_is_a_400_naming_it(server, model, path)
 def test_readme_lists_exactly_the_fields_served():
     readme = (ROOT / "README.md").read_text()
     rows = {m[1]: m[2] for m in re.finditer(r"^\| `POST (/v1/[a-z/]+)` \| (.*) \|$", readme, re.M)}
+    sampling = re.search(r"^\*\*Sampling fields\*\*, on both: (.*?)\n\n", readme, re.M | re.S)[1]
 
-    def names(row: str) -> set[str]:
-        return {n for n in re.findall(r"`([a-z_]+)`", row)}
+    def names(text: str) -> set[str]:
+        return set(re.findall(r"`([a-z_]+)`", text)) - {"include_usage"}
 
-    completions = names(rows["/v1/completions"]) - {"include_usage"}
-    assert completions == served(CompletionRequest), completions ^ served(CompletionRequest)
-    chat = names(rows["/v1/chat/completions"]) | (served(SamplingRequest) - {"model"})
-    assert chat | {"model"} == served(ChatCompletionRequest), chat ^ served(ChatCompletionRequest)
+    shared = names(sampling) | {"model"}
+    assert shared == served(SamplingRequest), shared ^ served(SamplingRequest)
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        listed = names(rows[path]) | shared
+        assert listed == served(model), (path, listed ^ served(model))
 
 
 # ---------------------------------------------------------------------------- min_tokens and stops
@@ -196,25 +198,18 @@ def test_spaces_between_special_tokens_as_transformers_decodes(tmp_path):
 
 # ---------------------------------------------------------------------------- roles
 def test_developer_messages_are_system_prompts_and_tools_are_refused_in_words(tmp_path):
-    from serving.api.server import make_server_state
-    from serving.engine.engine_config import EngineConfig
     from serving.tiny_model import tiny_checkpoint
 
-    path = tiny_checkpoint(str(tmp_path))
-    state = make_server_state(EngineConfig(model=path, device="cpu", num_kv_blocks=64, max_model_len=256),
-                              start_timeout_s=120)
-    try:
-        with http_server(state) as url, httpx.Client(base_url=url, timeout=60) as c:
-            def tokens(role: str) -> list[int]:
-                body = {"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
-                return c.post("/tokenize", json=body).json()["tokens"]
+    served = tiny_server(tiny_checkpoint(str(tmp_path)), num_kv_blocks=64, max_model_len=256)
+    with served as (url, _), httpx.Client(base_url=url, timeout=60) as c:
+        def tokens(role: str) -> list[int]:
+            body = {"messages": [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+            return c.post("/tokenize", json=body).json()["tokens"]
 
-            assert tokens("developer") == tokens("system")
-            err = check_envelope(c.post("/v1/chat/completions", json={"messages": [
-                {"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "a"}]}), 400)
-            assert "tool calling" in err["message"] and "not supported" in err["message"]
-    finally:
-        state.coordinator.shutdown()
+        assert tokens("developer") == tokens("system")
+        err = check_envelope(c.post("/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": "x"}, {"role": "tool", "content": "42", "tool_call_id": "a"}]}), 400)
+        assert "tool calling" in err["message"] and "not supported" in err["message"]
 
 
 # ---------------------------------------------------------------------------- generation config
