@@ -42,13 +42,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-def _at(default: Any) -> Callable[[Any, Any], bool]:
-    """A refused field's test: left at `default` (or not given)."""
-    return lambda value, request: value == default
-
-
-def _none_or(*allowed: Any) -> Callable[[Any, Any], bool]:
-    return lambda value, request: value is None or value in allowed
+def _one_of(*values: Any) -> Callable[[Any, Any], bool]:
+    """A refused field's test beside its default: one of these values means the same."""
+    return lambda value, request: value in values
 
 
 def _empty(value: Any, request: Any) -> bool:
@@ -59,20 +55,21 @@ class SamplingRequest(BaseModel):
     """What both completion endpoints take besides their prompt: one home for the sampling fields (the
     types, ranges and vLLM's defaults; None where the model's generation config may give the default,
     `to_sampling_params`), and for the fields of vLLM's request schema this server does not serve:
-    `REFUSED` maps each to the test of its default, and anything else is a 400 naming it
-    (`refused_field`). Unknown fields are ignored, as vLLM does."""
+    `REFUSED` names them; set to anything but its default (or a value `ALSO_DEFAULT` takes for it), one is
+    a 400 naming it (`refused_field`). Unknown fields are ignored, as vLLM does."""
 
     model_config = ConfigDict(extra="ignore")
-    REFUSED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        "logit_bias": _empty, "best_of": lambda value, request: value is None or value == request.n,
-        "use_beam_search": _at(False), "length_penalty": _at(1.0), "truncate_prompt_tokens": _at(None),
-        "truncation_side": _at(None), "allowed_token_ids": _at(None), "prompt_logprobs": _at(None),
-        "logprob_token_ids": _at(None), "bad_words": _empty, "structured_outputs": _at(None),
-        "response_format": _none_or({"type": "text"}), "priority": _at(0), "session_id": _at(None),
-        "return_tokens_as_token_ids": _none_or(False), "return_token_ids": _none_or(False),
-        "routed_experts_prompt_start": _at(0), "return_token_offsets": _at(False), "cache_salt": _at(None),
-        "kv_transfer_params": _at(None), "ec_transfer_params": _at(None), "vllm_xargs": _at(None),
-        "repetition_detection": _at(None), "thinking_token_budget": _at(None), "stream_interval": _none_or(1)}
+    REFUSED: ClassVar[tuple[str, ...]] = (
+        "logit_bias", "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side",
+        "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "bad_words", "structured_outputs",
+        "response_format", "priority", "session_id", "return_tokens_as_token_ids", "return_token_ids",
+        "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params",
+        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval")
+    # What a refused field may hold besides its default, meaning the same.
+    ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        "logit_bias": _empty, "best_of": lambda value, request: value == request.n, "bad_words": _empty,
+        "response_format": _one_of({"type": "text"}), "return_tokens_as_token_ids": _one_of(False),
+        "return_token_ids": _one_of(False), "stream_interval": _one_of(1)}
 
     model: Text | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
@@ -125,8 +122,11 @@ class SamplingRequest(BaseModel):
 
     def refused_field(self) -> str | None:
         """The first field this server does not serve that the request sets to anything but its default."""
-        return next((name for name, at_default in self.REFUSED.items() if not at_default(getattr(self, name), self)),
-                    None)
+        for name in self.REFUSED:
+            value, same = getattr(self, name), self.ALSO_DEFAULT.get(name)
+            if value != type(self).model_fields[name].default and not (same is not None and same(value, self)):
+                return name
+        return None
 
     def to_sampling_params(self, *, max_tokens: int, defaults: Mapping[str, Any], logprobs: int | None,
                            prompt_logprobs: int | None) -> SamplingParams:
@@ -152,8 +152,7 @@ class CompletionRequest(SamplingRequest):
     """OpenAI's legacy completion request with vLLM's extras. max_tokens 0 only with echo (the prompt
     alone, as vLLM); add_special_tokens: the tokenizer's own (BOS) in front of a text prompt."""
 
-    REFUSED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        **SamplingRequest.REFUSED, "suffix": _at(None), "prompt_embeds": _at(None)}
+    REFUSED: ClassVar[tuple[str, ...]] = (*SamplingRequest.REFUSED, "suffix", "prompt_embeds")
 
     prompt: Prompt
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16
@@ -191,12 +190,13 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message, chat_template_kwargs; add_special_tokens: the tokenizer's own on top of the
     template's)."""
 
-    REFUSED: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        **SamplingRequest.REFUSED, "tools": _empty, "tool_choice": _none_or("none"), "reasoning_effort": _at(None),
-        "include_reasoning": _at(True), "parallel_tool_calls": _at(True), "echo": _at(False),
-        "documents": _at(None), "chat_template": _at(None), "media_io_kwargs": _at(None),
-        "mm_processor_kwargs": _at(None), "return_prompt_text": _none_or(False),
-        "return_assistant_tokens_mask": _at(False)}
+    REFUSED: ClassVar[tuple[str, ...]] = (
+        *SamplingRequest.REFUSED, "tools", "tool_choice", "reasoning_effort", "include_reasoning",
+        "parallel_tool_calls", "echo", "documents", "chat_template", "media_io_kwargs", "mm_processor_kwargs",
+        "return_prompt_text", "return_assistant_tokens_mask")
+    ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
+        **SamplingRequest.ALSO_DEFAULT, "tools": _empty, "tool_choice": _one_of(None),
+        "return_prompt_text": _one_of(False)}
 
     messages: Messages
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to max_model_len
