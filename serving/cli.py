@@ -178,9 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the ranks run (auto: cuda if available; the r-th rank of a host uses GPU r mod #GPUs)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling of requests that give none")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="never capture CUDA graphs for decode (by default a GPU rank on the cuda backend "
-                        "captures one per decode batch size 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs; "
-                        "without Triton only when --max-model-len is at most 4096)")
+                   help="never capture CUDA graphs (by default a GPU rank on the cuda backend captures one step "
+                        "graph per size of --cudagraph-capture-sizes, which holds any step of that many tokens, "
+                        "prompt chunks and decodes mixed; without Triton only when --max-model-len is at most 4096)")
+    p.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="token counts of the step graphs (vLLM's flag); a step replays the smallest that holds "
+                        "it, larger steps run eagerly (default: 1 2 4 8 16 24 ... in steps of 8, then of 16 from "
+                        "256, up to --max-cudagraph-capture-size)")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="the largest step graph, in tokens (vLLM's flag; default: the smaller of "
+                        "--max-num-batched-tokens and --max-tokens-per-rank, so every low-latency step replays "
+                        "a graph)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading the last one's sampled tokens, so that scheduling and "
                         "detokenizing on the host overlap the GPU's work: shorter decode steps, though at high "
@@ -385,6 +393,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, ep_transport=args.ep_transport, device=args.device, seed=args.seed,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        cudagraph_capture_sizes=tuple(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         enable_prefix_caching=args.enable_prefix_caching, chat_template=args.chat_template, **_rank_placement(args))
 
 
@@ -491,12 +501,12 @@ class _UvicornLogs(logging.Filter):
 def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelInfo, url: str) -> str:
     """What is served, how and where, from the config and what rank 0 reported (serving.engine.messages'
     ModelInfo). The Buffer backend and the CUDA graphs are what the ranks decide with the same functions
-    (ep_backend_for, why_eager, graph_sizes): ModelInfo does not report them."""
+    (ep_backend_for, why_eager, EngineConfig.graph_sizes): ModelInfo does not report them."""
     import torch
 
     from ep_layer.layout import MAX_RANKS
 
-    from .engine.model_runner import graph_sizes, why_eager
+    from .engine.model_runner import why_eager
     from .engine.rank_worker import ep_backend_for
 
     device = torch.device(info.device)
@@ -530,8 +540,8 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     elif (reason := why_eager(device, backend, info.max_model_len)) is not None:
         graphs = f"CUDA graphs off ({reason})"
     else:
-        sizes = graph_sizes(min(config.max_num_seqs, config.max_tokens_per_rank))
-        graphs = f"decode CUDA graphs for batch sizes {sizes}"
+        sizes = config.graph_sizes
+        graphs = f"{len(sizes)} step CUDA graphs of {sizes[0]} to {sizes[-1]} tokens"
     if backend is None:
         dispatch = ""
     elif config.deepep_mode == "low_latency":

@@ -1,8 +1,9 @@
 """`ForwardBatch`: what the engine hands the model for one step, the contract between the two.
 
 A step runs a flat batch of new tokens from several sequences at once: prefill chunks and single
-decode tokens alike. The KV cache is paged: each sequence owns blocks of `block_size` token slots,
-listed in its block table; a new token's latent KV goes to `slot_mapping` (block * block_size + offset).
+decode tokens alike, in the same layout whether it runs eagerly or replays a CUDA graph. The KV cache is
+paged: each sequence owns blocks of `block_size` token slots, listed in its block table; a new token's
+latent KV goes to `slot_mapping` (block * block_size + offset).
 The engine builds a step on the host and copies it to the device without waiting for the device, so
 that a step can be launched while the one before it still runs (async scheduling); what it reads
 back (sampled tokens, logprobs) comes the other way the same way (HostCopy).
@@ -37,9 +38,11 @@ class ForwardBatch:
     # sequence (its last new token), or all of a sequence's new tokens where it asks for prompt logprobs;
     # a sequence's last row gives its next token.
     logits_indices: torch.Tensor
-    # True when token i is sequence i's one new token (query_start = 0..num_seqs, logits_indices the
-    # same): the model then attends without reading the layout on the host (CUDA-graph capturable).
-    decode: bool = False
+    # int64 [num_tokens] or None: the row of block_tables of each token's sequence. Where given, every token
+    # attends on its own to its sequence's keys up to its position (paged_attention.TokenMetadata): the
+    # model never reads the layout on the host, so the step can be captured in a CUDA graph, and padding
+    # tokens may point to a sequence of their own. None: the model reads the layout on the host (host_layout).
+    token_seqs: torch.Tensor | None = None
     host_layout: HostLayout | None = None
     # The MoE layers' dispatch mode (ep_layer.moe.FusedMoE.forward), the same on every rank: "low_latency"
     # (at most the buffer's T tokens) or "normal" (any number).

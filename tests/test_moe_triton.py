@@ -526,7 +526,7 @@ def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, splits: 
 
     from serving.forward_batch import ForwardBatch
     from serving.models import mla_decode_triton
-    from serving.models.paged_attention import DecodeMetadata, paged_mla_attention
+    from serving.models.paged_attention import TokenMetadata, paged_mla_attention
 
     gen = torch.Generator().manual_seed(seed)
     lora, rope, heads, block_size, num_blocks, max_blocks = 512, 64, 128, 16, 64, 12
@@ -542,10 +542,10 @@ def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, splits: 
     got = mla_decode_triton.mla_decode(q_gpu[..., :lora], q_gpu[..., lora:], cache.to(dtype).cuda(), tables.cuda(),
                                        lens.cuda(), scale, splits)
     batch = ForwardBatch(torch.zeros(b, dtype=torch.long), (lens - 1).long(), torch.arange(b + 1, dtype=torch.int32),
-                         lens, tables, torch.zeros(b, dtype=torch.long), torch.arange(b), decode=True)
+                         lens, tables, torch.zeros(b, dtype=torch.long), torch.arange(b), token_seqs=torch.arange(b))
     q64 = q.to(dtype).double()
     want = paged_mla_attention(q64[..., :lora], q64[..., lora:], cache.to(dtype).double(),
-                               DecodeMetadata.from_batch(batch, 16), scale)
+                               TokenMetadata.from_batch(batch, 16), scale)
     assert_close(got, want, 2.0 ** -6 if dtype == torch.bfloat16 else 2.0 ** -8, "mla_decode")  # float32: TF32 dots
     with pytest.raises(ValueError, match="q_pe, cache"):
         mla_decode_triton.mla_decode(q_gpu[..., :lora], q_gpu[:, :-1, lora:], cache.to(dtype).cuda(), tables.cuda(),

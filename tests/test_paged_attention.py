@@ -117,7 +117,7 @@ def test_the_layout_is_read_from_the_engines_host_copy() -> None:
     for a, b in zip(got.sequences, want.sequences):
         assert torch.equal(a.slots, b.slots) and torch.equal(a.visible, b.visible)
     assert torch.equal(got.decode_rows, want.decode_rows)
-    for name in ("slot_mapping", "block_tables", "seq_lens"):
+    for name in ("slot_mapping", "block_tables", "key_counts"):
         assert torch.equal(getattr(got.decode, name), getattr(want.decode, name)), name
     bad = HostLayout(layout.query_start, layout.seq_lens, [[NUM_BLOCKS] * len(t) for t in layout.block_tables])
     with pytest.raises(ValueError, match="block_tables"):

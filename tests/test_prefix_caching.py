@@ -8,7 +8,7 @@
   batches, aborts, preemption, async scheduling and at EP 2 give the same tokens with caching on and off
   (and the reference's), while caching computes fewer tokens; seeded sampling; prompt logprobs;
 - the tiny DeepSeek-V3 on CPU: the MLA attention of a prompt that starts after a cached prefix;
-- on a GPU (`gpu` marker): the same with decode CUDA graphs.
+- on a GPU (`gpu` marker): the same with step CUDA graphs.
 
 The HTTP side (metrics, the reset endpoint, the flags, echo) is tests/test_prefix_caching_http.py.
 """
@@ -689,8 +689,8 @@ def test_tiny_model_attends_over_a_cached_prefix(tiny_path: str):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_prefix_caching_with_decode_cuda_graphs_on_gpu(tiny_path: str, async_scheduling: bool):
-    """On the GPU with decode CUDA graphs (replayed for the decodes, and for the first step of the request
+def test_prefix_caching_with_step_cuda_graphs_on_gpu(tiny_path: str, async_scheduling: bool):
+    """On the GPU with step CUDA graphs (replayed for every step; decode-shaped for the first step of the request
     whose prompt is one token past 44 cached ones): the tokens of an engine without caching, logprobs
     within the graphs' tolerance (tests/test_serving_graphs.py), and the hits."""
     from ep_layer import native

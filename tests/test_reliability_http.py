@@ -196,7 +196,8 @@ METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "
 @given(method=METHODS, path=PATHS, query=st.dictionaries(st.text(max_size=5), st.text(max_size=10), max_size=3),
        content=st.one_of(st.just(b""), RAW))
 def test_fuzzed_routes_and_methods_get_2xx_or_4xx(client, method, path, query, content):
-    resp = client.request(method, path if path.startswith("/") else f"/{path}", params=query, content=content)
+    # One leading slash: httpx refuses a path that starts with "//" (a host, to it) before sending anything.
+    resp = client.request(method, "/" + path.lstrip("/"), params=query, content=content)
     CASES[f"routes and methods {resp.status_code}"] += 1
     assert resp.status_code < 500, resp.text
     if resp.status_code >= 400 and method != "HEAD":

@@ -463,22 +463,21 @@ def _agree_rank(rank: int, world_size: int) -> list[tuple]:
     import torch.distributed as dist
 
     sync = StepSync(dist.new_group(backend="gloo"))
-    cases = [  # (this rank's sequences, decode-only, stop) per rank, one step each
-        {0: (3, True, False), 1: (0, True, False)},  # an idle rank pads to the busy rank's batch
-        {0: (2, True, False), 1: (5, False, False)},  # a prefill anywhere: every rank runs eagerly
-        {0: (0, True, False), 1: (0, True, False)},  # nothing to do
-        {0: (4, True, False), 1: (1, True, True)},  # one rank stops: all leave
+    cases = [  # (this rank's tokens, stop) per rank, one step each
+        {0: (3, False), 1: (0, False)},  # an idle rank replays the busy rank's step graph on padding
+        {0: (2, False), 1: (37, False)},  # the larger rank's tokens pick the graph
+        {0: (0, False), 1: (0, False)},  # nothing to do
+        {0: (4, False), 1: (1, True)},  # one rank stops: all leave
     ]
     plans = []
     for case in cases:
         plan = sync.agree(*case[rank])
-        plans.append((plan.step, plan.max_num_seqs, plan.decode_only, plan.stop))
+        plans.append((plan.step, plan.max_num_tokens, plan.stop))
     return plans
 
 
-def test_step_sync_agrees_on_step_padded_decode_size_and_stop():
+def test_step_sync_agrees_on_step_tokens_and_stop():
     results = run_ranks(_agree_rank, 2, timeout_s=60)
-    assert results[0] == results[1] == [(True, 3, True, False), (True, 5, False, False), (False, 0, True, False),
-                                        (False, 4, True, True)]
-    alone = StepSync().agree(2, True)
-    assert (alone.step, alone.max_num_seqs, alone.decode_only) == (True, 2, True)
+    assert results[0] == results[1] == [(True, 3, False), (True, 37, False), (False, 0, False), (False, 4, True)]
+    alone = StepSync().agree(2)
+    assert (alone.step, alone.max_num_tokens, alone.stop) == (True, 2, False)

@@ -1,7 +1,8 @@
-"""Decode steps without host syncs and their CUDA graphs (serving.engine.model_runner): the decode
-attention layout against the general one, padded decode batches against unpadded ones on the tiny
-DeepSeek-V3 model (CPU), and on a GPU the graph-replaying engine against the eager one, with async
-scheduling and without."""
+"""Steps without host syncs and their CUDA graphs (serving.engine.model_runner): the capture sizes, step
+graph inputs (prefill chunks and decodes mixed, padded to a graph's size) against the eager step's on the
+tiny DeepSeek-V3 model (CPU), which batches fit a graph and which run eagerly, and on a GPU the
+graph-replaying engine against the eager one (mixed steps included), with async scheduling and without,
+alone and as two expert-parallel ranks on one GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from serving.engine.engine import LLMEngine
-from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, graph_sizes, why_eager
+from serving.engine.engine_config import EngineConfig, capture_sizes
+from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, why_eager
 from serving.engine.scheduler import ScheduledBatch
 from serving.engine.sequence import SamplingParams
 from serving.loading.checkpoint import load_checkpoint, read_tokenizer
@@ -26,12 +28,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def make_engine(path: str, device: str, use_cuda_graphs: bool, backend: str, max_num_seqs: int = 8,
-                async_scheduling: bool = False) -> LLMEngine:
+                async_scheduling: bool = False, graph_sizes: list[int] | None = None) -> LLMEngine:
     model = load_checkpoint(path, backend=backend, max_tokens_per_rank=32, dtype=torch.float32, device=device,
                        progress=False)
     return LLMEngine(model, read_tokenizer(path), num_blocks=64, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=32, device=torch.device(device),
-                     use_cuda_graphs=use_cuda_graphs, async_scheduling=async_scheduling)
+                     use_cuda_graphs=use_cuda_graphs, graph_sizes=graph_sizes, async_scheduling=async_scheduling)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
@@ -40,56 +42,124 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-def until_decoding(engine: LLMEngine, prompt_ids: list[list[int]]) -> ScheduledBatch:
-    """Add the prompts, step through their prefills; the next (decode-only) batch, not yet run."""
-    for i, p in enumerate(prompt_ids):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    for _ in range(50):
+def test_capture_sizes_are_vllms_ladder() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert capture_sizes(300) == [1, 2, 4, *range(8, 256, 8), 256, 272, 288, 300]
+
+
+def test_engine_config_graph_sizes() -> None:
+    """Default: every low-latency step (up to the smaller of the step budget and T); vLLM's two flags
+    narrow it; sizes a step graph cannot hold are refused, naming the flags."""
+    assert EngineConfig("m").graph_sizes == capture_sizes(256)
+    assert EngineConfig("m", max_num_batched_tokens=64).graph_sizes == capture_sizes(64)
+    assert EngineConfig("m", deepep_mode="auto", max_tokens_per_rank=128).graph_sizes == capture_sizes(128)
+    assert EngineConfig("m", max_cudagraph_capture_size=40).graph_sizes == capture_sizes(40)
+    assert EngineConfig("m", cudagraph_capture_sizes=(16, 4, 16)).graph_sizes == [4, 16]
+    for bad in (dict(cudagraph_capture_sizes=(0, 8)), dict(max_cudagraph_capture_size=257),
+                dict(max_num_batched_tokens=64, cudagraph_capture_sizes=(128,))):
+        with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+            EngineConfig("m", **bad)
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size: 8 is not the largest"):
+        EngineConfig("m", cudagraph_capture_sizes=(4, 16), max_cudagraph_capture_size=8)
+
+
+def until_mixed(engine: LLMEngine, seed: int) -> ScheduledBatch:
+    """Requests of random lengths arriving over the first steps, run until a step mixes a prefill chunk
+    with decodes (not yet run)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_ids = prompts(6, seed)
+    for step in range(60):
+        if step < len(prompt_ids):
+            n = int(torch.randint(1, 20, (1,), generator=gen)) if step else 3
+            engine.add_request(str(step), prompt_ids[step] * (n // len(prompt_ids[step]) + 1),
+                               SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
         batch = engine.schedule()
-        if batch.is_decode_only:
+        if step > 2 and not batch.is_decode_only and any(n == 1 for n in batch.num_new_tokens):
             return batch
         engine.execute(batch)
-    raise AssertionError("the prompts never reached decode")
+    raise AssertionError("no step mixed a prompt chunk with decodes")
 
 
-def test_graph_sizes_ladder() -> None:
-    assert graph_sizes(1) == [1]
-    assert graph_sizes(3) == [1, 2, 3]
-    assert graph_sizes(8) == [1, 2, 4, 8]
-    assert graph_sizes(30) == [1, 2, 4, 8, 16, 24, 30]
-    assert graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-
-
-@pytest.mark.parametrize("pad", [0, 3])
-def test_padded_decode_batch_equals_eager_step(checkpoint: str, pad: int) -> None:
-    """The decode layout (whole block tables, masked) with padding rows gives the general layout's
-    logits for the real rows, and the padding rows write only to the padding block."""
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("pad", [0, 5])
+def test_graph_inputs_equal_the_eager_step(checkpoint: str, seed: int, pad: int) -> None:
+    """A step mixing prompt chunks with decodes, as the inputs of a step graph (per-token attention over
+    each token's own block table row, padding tokens and sequence rows after it), gives the eager step's
+    logits (host-layout attention) and KV cache; padding tokens write only to the padding block. The two
+    attentions sum the same keys in another order: up to float32 rounding until the first MoE layer, whose
+    bf16 rounding may then flip (2**-8 relative) and move the later layers' KV and the logits by about
+    0.01 (0.0073 seen). A misplaced key or token moves them by far more."""
     engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
-    batch = until_decoding(engine, prompts(5, seed=1))
+    batch = until_mixed(engine, seed)
     runner, model = engine.runner, engine.model
     cache_before = model.kv_cache.clone()
-    want = model(runner.prepare(batch))
+    eager = runner.prepare(batch)
+    assert eager.token_seqs is None  # CPU: the host-layout attention, an independent oracle
+    want = model(eager)
     cache_want = model.kv_cache.clone()
     model.kv_cache.copy_(cache_before)
-    padded = runner.padded_decode_batch(batch, len(batch.seqs) + pad)
-    assert padded.decode and padded.num_tokens == len(batch.seqs) + pad
+    size = batch.num_tokens + pad
+    assert runner.fits_graph(batch, size)
+    padded = runner.graph_inputs(batch, size)
+    assert padded.num_tokens == size and padded.logits_indices.shape[0] == min(size, engine.scheduler.max_num_seqs)
     got = model(padded)
-    torch.testing.assert_close(got[:len(batch.seqs)], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:len(batch.seqs)], want, rtol=0, atol=2e-2)
     assert torch.isfinite(got).all()
     own = slice(0, runner.pad_block)  # the engine's blocks: written as by the eager step
-    torch.testing.assert_close(model.kv_cache[:, own], cache_want[:, own], rtol=1e-5, atol=1e-5)
+    before_moe = model.config.first_k_dense_replace + 1  # layers whose KV no MoE layer has touched
+    torch.testing.assert_close(model.kv_cache[:before_moe, own], cache_want[:before_moe, own], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.kv_cache[before_moe:, own], cache_want[before_moe:, own], rtol=0, atol=2e-2)
     assert torch.equal(cache_want[:, runner.pad_block], cache_before[:, runner.pad_block])
     assert torch.equal(model.kv_cache[:, runner.pad_block], cache_before[:, runner.pad_block]) == (pad == 0)
 
 
-def test_empty_batch_pads_to_one_token(checkpoint: str) -> None:
+def test_empty_batch_pads_to_its_size(checkpoint: str) -> None:
     engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
-    padded = engine.runner.padded_decode_batch(ScheduledBatch(), 1)
-    assert padded.input_ids.tolist() == [0] and padded.seq_lens.tolist() == [1]
-    assert padded.slot_mapping.tolist() == [engine.runner.pad_block * BLOCK_SIZE]
-    assert engine.model(padded).shape == (1, engine.vocab_size)
-    with pytest.raises(ValueError, match="do not fit"):
-        engine.runner.padded_decode_batch(until_decoding(engine, prompts(3, seed=2)), 2)
+    runner = engine.runner
+    padded = runner.graph_inputs(ScheduledBatch(), 2)
+    assert padded.input_ids.tolist() == [0, 0] and padded.token_seqs.tolist() == [2, 2]
+    assert padded.slot_mapping.tolist() == [runner.pad_block * BLOCK_SIZE] * 2
+    assert padded.block_tables[2, 0] == runner.pad_block and (padded.block_tables[:2] == -1).all()
+    assert engine.model(padded).shape == (2, engine.vocab_size)
+
+
+def test_which_batches_fit_a_step_graph(checkpoint: str) -> None:
+    """A graph of T tokens holds at most T tokens of at most min(T, max_num_seqs) sequences with one
+    logits row each; a sequence that computes prompt logprobs (a row per token) runs eagerly."""
+    engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference", max_num_seqs=4)
+    for i, n in enumerate((5, 3)):
+        engine.add_request(str(i), prompts(1, i)[0][:1] * n, SamplingParams(max_tokens=4))
+    batch = engine.schedule()
+    runner = engine.runner
+    assert batch.num_tokens == 8
+    assert runner.fits_graph(batch, 8) and runner.fits_graph(batch, 16) and not runner.fits_graph(batch, 7)
+    with pytest.raises(ValueError, match="do not fit the step graph of 7 tokens"):
+        runner.graph_inputs(batch, 7)
+    engine.execute(batch)
+    engine.add_request("logprobs", [5, 6, 7], SamplingParams(max_tokens=4, prompt_logprobs=1))
+    mixed = engine.schedule()
+    assert mixed.num_tokens == 5 and not runner.fits_graph(mixed, 8)
+
+
+def test_the_engine_picks_the_agreed_graph_or_runs_eagerly(checkpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With graphs of 1, 2, 4 and 8 tokens: the smallest that holds the agreed token count (the largest
+    rank's, which may exceed this rank's own), eager past the largest or where the batch does not fit."""
+    from serving.engine.step_sync import StepPlan
+
+    engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
+    monkeypatch.setattr(type(engine.runner), "captured_sizes", property(lambda self: [1, 2, 4, 8]))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4))
+    batch = engine.schedule()
+    assert engine._graph_size(StepPlan(True, 3), batch) == 4
+    assert engine._graph_size(StepPlan(True, 7), batch) == 8  # a peer holds 7 tokens
+    assert engine._graph_size(StepPlan(True, 9), batch) is None  # past the largest graph: every rank eager
+    assert engine._graph_size(StepPlan(True, 1), ScheduledBatch()) == 1  # an idle rank replays padding
+    engine.add_request("b", [5, 6], SamplingParams(max_tokens=4, prompt_logprobs=0))
+    assert engine._graph_size(StepPlan(True, 3), engine.schedule()) is None
 
 
 def test_cpu_engine_runs_eagerly(checkpoint: str) -> None:
@@ -111,51 +181,118 @@ def test_why_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--max-model-len" in why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1)
 
 
-@pytest.mark.gpu
-def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
-    """7 requests of staggered lengths decode through batch sizes 7 down to 1 (graphs 8, 4, 2, 1);
-    at every replayed step the eager forward on the same inputs gives the same logits, and the
-    greedy text equals an engine that never captured graphs."""
+def needs_cuda_backend() -> None:
     from ep_layer import native
 
-    if not native.available():
-        pytest.skip("the cuda backend is not built")
-    prompt_ids = prompts(7, seed=3)
-    lengths = [4 + 2 * i for i in range(7)]
+    if not torch.cuda.is_available() or not native.available():
+        pytest.skip("needs a GPU and the cuda backend built")
+
+
+def long_late_prompts(seed: int) -> tuple[list[list[int]], list[int]]:
+    """7 prompts: four short ones, then three of 20 to 40 tokens that arrive late (generate's `late`) and
+    are computed in chunks beside the others' decodes; and each one's output length (4 to 16)."""
+    prompt_ids = prompts(7, seed)
+    for i in range(4, 7):
+        prompt_ids[i] = (prompt_ids[i] * 40)[:20 + 10 * (i - 4)]
+    return prompt_ids, [4 + 2 * i for i in range(7)]
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
+    """7 requests, 3 of them long and late: every step replays a step graph (prompt chunks mixed with
+    decodes too; none is past the largest graph of 32 tokens), at every replay the eager forward on the
+    same inputs gives the same logits, and the greedy text equals an engine that never captured graphs."""
+    needs_cuda_backend()
+    prompt_ids, lengths = long_late_prompts(seed=3)
     eager = make_engine(checkpoint, "cuda", use_cuda_graphs=False, backend="cuda")
-    want = generate(eager, prompt_ids, lengths)
+    want = generate(eager, prompt_ids, lengths, late=3)
     del eager
     engine = make_engine(checkpoint, "cuda", use_cuda_graphs=True, backend="cuda")
     runner = engine.runner
-    assert runner.captured_sizes == [1, 2, 4, 8]
-    replays = {size: 0 for size in runner.captured_sizes}
-    replay = runner._replay
+    assert runner.captured_sizes == capture_sizes(32)
+    replays: dict[str, int] = {"decode": 0, "mixed": 0, "eager": 0}
+    replay, execute = runner._replay, runner.execute
 
     def checked_replay(batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
-        replays[size] += 1
+        replays["decode" if batch.is_decode_only else "mixed"] += 1
         eager_logits = engine.model(runner.prepare(batch)).clone()
         logits = replay(batch, size, pending_tokens)
         # Not bit for bit: the graph runs the padded batch, and kernels split their sums by batch size
-        # (cuBLAS's choice, MLA decode's splits); in bf16 that moves a logit by about 0.02 (0.022 seen).
+        # (cuBLAS's choice, MLA's splits); in bf16 that moves a logit by about 0.02 (0.022 seen).
         # A stale or misplaced graph input moves them by far more.
         torch.testing.assert_close(logits, eager_logits, rtol=2e-2, atol=3e-2)
         return logits
 
-    runner._replay = checked_replay
-    assert generate(engine, prompt_ids, lengths) == want
-    assert replays[8] > 0 and replays[4] > 0 and replays[1] > 0, replays
+    def counted_execute(batch: ScheduledBatch, graph_size: int | None = None, *args) -> torch.Tensor:
+        replays["eager"] += graph_size is None
+        return execute(batch, graph_size, *args)
+
+    runner._replay, runner.execute = checked_replay, counted_execute
+    assert generate(engine, prompt_ids, lengths, late=3) == want
+    assert replays["eager"] == 0 and replays["mixed"] >= 3 and replays["decode"] > 0, replays
+
+
+def _ep_graph_rank(rank: int, world_size: int, path: str, use_cuda_graphs: bool) -> dict:
+    """Rank 0 serves the long, late prompts; rank 1 two short ones, then idles (replaying padding in
+    step with rank 0, or running empty batches without graphs)."""
+    import torch.distributed as dist
+
+    from serving.engine.step_sync import StepSync
+
+    torch.cuda.set_device(0)
+    model = load_checkpoint(path, group=dist.group.WORLD, backend="cuda", max_tokens_per_rank=32,
+                            dtype=torch.float32, device="cuda", progress=False)
+    engine = LLMEngine(model, read_tokenizer(path), num_blocks=64, block_size=BLOCK_SIZE,
+                       max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_tokens_per_rank=32,
+                       device=torch.device("cuda"), rank=rank, num_ranks=world_size, use_cuda_graphs=use_cuda_graphs)
+    sync = StepSync(dist.new_group(backend="gloo"))
+    prompt_ids, lengths = long_late_prompts(seed=5 + rank)
+    mine = range(7) if rank == 0 else range(2)
+    replays = {"graph": 0, "eager": 0}
+    execute = engine.runner.execute
+
+    def counted_execute(batch: ScheduledBatch, graph_size: int | None = None, *args) -> torch.Tensor:
+        replays["eager" if graph_size is None else "graph"] += 1
+        return execute(batch, graph_size, *args)
+
+    engine.runner.execute = counted_execute
+    got: dict[str, list[int]] = {str(i): [] for i in mine}
+    for step in range(500):
+        if step == 0 or (step == 4 and rank == 0):
+            for i in (mine[:4] if step == 0 else mine[4:]):
+                engine.add_request(str(i), prompt_ids[i], SamplingParams(max_tokens=lengths[i], temperature=0.0,
+                                                                         ignore_eos=True))
+        for out in engine.step(sync):
+            got[out.request_id] += out.new_token_ids
+        if step > 4 and not sync.plan.step and not engine.has_work():
+            break
+    engine.model.ep_buffer.destroy()
+    return {"tokens": got, "replays": replays}
+
+
+@pytest.mark.gpu
+def test_expert_parallel_ranks_replay_the_same_step_graphs_on_one_gpu(checkpoint: str) -> None:
+    """Two expert-parallel ranks (processes on one GPU, the cuda backend): with step graphs every step of
+    both ranks replays one (the idle rank on padding), and each rank's greedy tokens equal those of the
+    same two ranks without graphs."""
+    from dist_harness import run_ranks
+
+    needs_cuda_backend()
+    eager = run_ranks(_ep_graph_rank, 2, checkpoint, False, timeout_s=300)
+    graphs = run_ranks(_ep_graph_rank, 2, checkpoint, True, timeout_s=300)
+    for rank in range(2):
+        assert graphs[rank]["tokens"] == eager[rank]["tokens"], rank
+        assert graphs[rank]["replays"]["eager"] == 0 and graphs[rank]["replays"]["graph"] > 0, graphs[rank]
+    assert graphs[0]["replays"] == graphs[1]["replays"]  # in step: the idle rank replays too
 
 
 @pytest.mark.gpu
 def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
     """Graph replays whose input tokens are the last step's samples, copied on the device (in order, and
     by index once sequences finish), give the tokens of an engine that reads every step's samples on
-    the host first: greedy and seeded sampling, staggered lengths, batches 7 down to 1, and eager steps
-    that mix the prompts of three late requests into the others' decodes."""
-    from ep_layer import native
-
-    if not native.available():
-        pytest.skip("the cuda backend is not built")
+    the host first: greedy and seeded sampling, staggered lengths, batches 7 down to 1, and steps that mix
+    the prompts of three late requests into the others' decodes."""
+    needs_cuda_backend()
     prompt_ids = prompts(7, seed=4)
     lengths = [3 + 3 * i for i in range(7)]
     seeded = {1: 11, 4: 7}  # request: seed (temperature 1); the others greedy

@@ -9,9 +9,9 @@ then does the host wait for them and detokenize, check stops and emit them, whil
 that next step. The host's per-step work (scheduling, inputs, detokenizing) then hides under the GPU's
 instead of adding to it (benchmarks/RESULTS.md, profile_decode.py). The price: a step's outputs come
 back from the next step, and a sequence that stops on EOS or a stop string is computed one step more,
-its extra token dropped. Before a step that takes a prompt, `step` only hands out the pending outputs
-(`flush_if_prompt_next`): that step runs eagerly, its launch is long, and the last step's outputs (first
-tokens among them) would wait for it. Outputs are the same as without it.
+its extra token dropped. Without step graphs, before a step that takes a prompt `step` only hands out
+the pending outputs (`flush_if_prompt_next`): that step runs eagerly, its launch is long, and the last
+step's outputs (first tokens among them) would wait for it. Outputs are the same as without it.
 
 Logprobs (sampled tokens' and prompt tokens') travel with the sampled tokens: computed on the device,
 copied to the host with them (HostCopy) and read when they are read; a request's prompt logprobs go out
@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from ..forward_batch import HostCopy, to_device
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixCacheStats
 from .detokenizer import Codec, OutputText, as_codec
+from .engine_config import capture_sizes
 from .ep_stats import read_ep_stats
 from .messages import EPStats, RequestOutput, SchedulerStats, TokenLogprobs
 from .model_runner import ModelRunner, logits_rows
@@ -80,8 +81,9 @@ class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, num_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_tokens_per_rank: int, device: torch.device,
                  seed: int = 0, rank: int = 0, num_ranks: int = 1, use_cuda_graphs: bool = False,
-                 async_scheduling: bool = False, token_budget: int | None = None,
-                 deepep_mode: str = "low_latency", enable_prefix_caching: bool = True) -> None:
+                 graph_sizes: list[int] | None = None, async_scheduling: bool = False,
+                 token_budget: int | None = None, deepep_mode: str = "low_latency",
+                 enable_prefix_caching: bool = True) -> None:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = eos_token_ids(cfg)
@@ -93,10 +95,14 @@ class LLMEngine:
         self.device, self.rank, self.num_ranks = device, rank, num_ranks
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_tokens_per_rank, self.deepep_mode = max_tokens_per_rank, deepep_mode
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, token_budget or max_tokens_per_rank,
-                                   max_model_len)
+        budget = token_budget or max_tokens_per_rank
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, budget, max_model_len)
+        if not use_cuda_graphs or deepep_mode == "normal":
+            graph_sizes = []
+        elif graph_sizes is None:
+            graph_sizes = capture_sizes(min(budget, max_tokens_per_rank))
         self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank,
-                                  max_num_seqs, use_cuda_graphs and deepep_mode != "normal")
+                                  max_num_seqs, graph_sizes)
         self.sampler = Sampler(device, seed)
         self.token_counts = TokenCounts(self.vocab_size, device)
         self.model = model
@@ -148,8 +154,8 @@ class LLMEngine:
         """Run the model on `batch` (an empty one too: the MoE layers must take part), sample the
         sequences whose prompt is complete, and return their outputs; with async scheduling, the
         outputs of the step before instead (this step's come from the next execute or flush).
-        graph_size: replay the decode graph of that size (a decode-only or empty batch;
-        ModelRunner.graph_size), None: eagerly. moe_mode: the MoE layers' dispatch mode, the same on
+        graph_size: replay the step graph of that size (ModelRunner.graph_size; the batch must fit it),
+        None: eagerly. moe_mode: the MoE layers' dispatch mode, the same on
         every rank (FusedMoE.forward)."""
         start = time.perf_counter()
         kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
@@ -184,10 +190,10 @@ class LLMEngine:
         return self._receive(before) if before is not None else []
 
     def flush_if_prompt_next(self) -> list[RequestOutput]:
-        """flush, where the next step may take a prompt (async scheduling): such a step runs eagerly and
-        its launch takes the host longer than a decode step takes the GPU, so the pending outputs (first
-        tokens among them) go out before it, not after (benchmarks/RESULTS.md, bench_serving.py)."""
-        if self._pending is None or not self.scheduler.has_prompt_work():
+        """flush, where the next step may take a prompt and no step graphs are captured (async scheduling):
+        such a step runs eagerly and its launch takes the host longer than a decode step takes the GPU, so
+        the pending outputs (first tokens among them) go out before it, not after."""
+        if self._pending is None or self.runner.captured_sizes or not self.scheduler.has_prompt_work():
             return []
         return self.flush()
 
@@ -200,14 +206,13 @@ class LLMEngine:
         if not leaving and (flushed := self.flush_if_prompt_next()):
             return flushed
         batch = ScheduledBatch() if leaving else self.schedule()
-        plan = (sync if sync is not None else self._alone).agree(len(batch.seqs), batch.is_decode_only, leaving,
-                                                                 batch.num_tokens)
+        plan = (sync if sync is not None else self._alone).agree(batch.num_tokens, leaving)
         if plan.stop:
             return []
         if not plan.step:
             return self.flush()
         mode = self.moe_mode(plan)
-        return self.execute(batch, self._graph_size(plan) if mode == "low_latency" else None, mode)
+        return self.execute(batch, self._graph_size(plan, batch) if mode == "low_latency" else None, mode)
 
     def moe_mode(self, plan: StepPlan) -> str:
         """The MoE layers' dispatch mode for `plan` (every rank derives the same one from it): deepep_mode,
@@ -217,15 +222,17 @@ class LLMEngine:
             return "normal" if plan.max_num_tokens > self.max_tokens_per_rank else "low_latency"
         return self.deepep_mode
 
-    def _graph_size(self, plan: StepPlan) -> int | None:
-        """The decode graph the ranks replay for `plan` (None: eager): where no rank computes a prefill
-        chunk, the captured size that holds the agreed padded batch."""
-        return self.runner.graph_size(plan.max_num_seqs) if plan.decode_only else None
+    def _graph_size(self, plan: StepPlan, batch: ScheduledBatch) -> int | None:
+        """The step graph this rank replays for `plan` (None: eager): the captured size that holds the
+        agreed token count (every rank picks the same), where this rank's batch fits it (a batch with
+        prompt logprobs does not: it runs eagerly, its peers' dispatch and combine are the same)."""
+        size = self.runner.graph_size(plan.max_num_tokens)
+        return size if size is not None and self.runner.fits_graph(batch, size) else None
 
     def graph_size_alone(self, batch: ScheduledBatch) -> int | None:
-        """The decode graph an engine without peers replays for `batch` (None: eager), for callers that
+        """The step graph an engine without peers replays for `batch` (None: eager), for callers that
         `execute` batches themselves (benchmarks/profile_decode.py)."""
-        return self._graph_size(plan_alone(len(batch.seqs), batch.is_decode_only)) if batch else None
+        return self._graph_size(plan_alone(batch.num_tokens), batch) if batch else None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  max_steps: int = 100_000) -> list[str]:
@@ -254,6 +261,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget the cached blocks (BlockManager.reset): only while no sequence holds blocks, else False."""
         return self.block_manager.reset()
+
+    def forget_history(self) -> None:
+        """Back to the state of a fresh engine once idle (after warm_up.py): no cached prefix, no prefix cache
+        queries or preemptions counted, no step timings."""
+        if self.has_work() or not self.block_manager.reset():
+            raise RuntimeError("forget_history: the engine still has requests")
+        self.block_manager.stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self._steps.clear()
+        self._step_seconds.clear()
 
     def ep_stats(self) -> EPStats:
         """Cumulative device counters (a device sync: call at scrape time only) and step timings."""

@@ -14,6 +14,8 @@ EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, name
 DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
 DEFAULT_MAX_TOKENS_PER_RANK = 256
 DEFAULT_NORMAL_BUDGET = 2048  # tokens per step with normal mode (vLLM's default max_num_batched_tokens)
+# Step graph sizes (vLLM's capture sizes): 1, 2, 4, every multiple of 8 below 256, then of 16.
+LADDER_STEP, LADDER_WIDE_FROM, LADDER_WIDE_STEP = 8, 256, 16
 LOAD_FORMATS = ("auto", "dummy")
 GIB = 1 << 30
 
@@ -59,7 +61,9 @@ class EngineConfig:
     ep_transport: str = "auto"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     seed: int = 0
-    enforce_eager: bool = False  # no decode CUDA graphs (see serving.engine.model_runner)
+    enforce_eager: bool = False  # no CUDA graphs (see serving.engine.model_runner)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # step graph sizes in tokens (None: graph_sizes)
+    max_cudagraph_capture_size: int | None = None  # largest step graph (None: the graph budget)
     async_scheduling: bool = True  # launch a step before reading the last one's tokens (serving.engine.engine)
     enable_prefix_caching: bool = True  # start sequences after their cached prefix (serving.engine.block_manager)
     dist_port: int = 0  # rendezvous port of the rank group (0: the process that runs rank 0 binds a free one)
@@ -95,10 +99,26 @@ class EngineConfig:
         if self.max_num_seqs > self.max_tokens_per_rank:
             raise ValueError(f"max_num_seqs: expected at most max_tokens_per_rank={self.max_tokens_per_rank} (each "
                              f"running sequence needs a token of every decode step), got {self.max_num_seqs}")
+        self._check_graph_sizes()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: expected >= 2, got {self.max_model_len}")
         self._check_ranks()
         self._check_transport()
+
+    def _check_graph_sizes(self) -> None:
+        given = list(self.cudagraph_capture_sizes or ())
+        if self.max_cudagraph_capture_size is not None:
+            given.append(self.max_cudagraph_capture_size)
+        wrong = [s for s in given if not 1 <= s <= self.graph_budget]
+        if wrong:
+            raise ValueError(f"cudagraph_capture_sizes, max_cudagraph_capture_size: {wrong} outside [1, "
+                             f"{self.graph_budget}]: a step graph holds at most the tokens of a step "
+                             f"(max_num_batched_tokens={self.token_budget}) and of a low-latency dispatch "
+                             f"(max_tokens_per_rank={self.max_tokens_per_rank})")
+        if (self.cudagraph_capture_sizes and self.max_cudagraph_capture_size is not None
+                and max(self.cudagraph_capture_sizes) != self.max_cudagraph_capture_size):
+            raise ValueError(f"max_cudagraph_capture_size: {self.max_cudagraph_capture_size} is not the largest of "
+                             f"cudagraph_capture_sizes {sorted(self.cudagraph_capture_sizes)}")
 
     def _check_ranks(self) -> None:
         size, start, local = self.data_parallel_size, self.data_parallel_start_rank, self.data_parallel_size_local
@@ -141,6 +161,20 @@ class EngineConfig:
             return self.max_tokens_per_rank
         return max(self.max_tokens_per_rank, DEFAULT_NORMAL_BUDGET)
 
+    @property
+    def graph_budget(self) -> int:
+        """The most tokens a step graph can hold: a step's, and a low-latency dispatch's."""
+        return min(self.token_budget, self.max_tokens_per_rank)
+
+    @property
+    def graph_sizes(self) -> list[int]:
+        """The step graphs a GPU rank captures (token counts), unless it runs eagerly: the sizes given, else
+        vLLM's ladder up to max_cudagraph_capture_size, by default the graph budget (vLLM's default stops
+        at twice max_num_seqs; here every low-latency step is captured, prefill chunks included)."""
+        if self.cudagraph_capture_sizes:
+            return sorted(set(self.cudagraph_capture_sizes))
+        return capture_sizes(self.max_cudagraph_capture_size or self.graph_budget)
+
     def resolved(self, model: ModelConfig) -> EngineConfig:
         """This config for the checkpoint `model` describes: dtype "auto" made the dtype it stands for,
         quantization checked (ConfigError, a ValueError, for what the checkpoint cannot run)."""
@@ -182,3 +216,10 @@ class EngineConfig:
     def expert_parallel(self) -> bool:
         """Ranks form one group for the MoE layers and step together."""
         return self.enable_expert_parallel and self.data_parallel_size > 1
+
+
+def capture_sizes(max_size: int) -> list[int]:
+    """vLLM's capture sizes up to max_size (included): 1, 2, 4, 8, 16, 24, ..., 248, 256, 272, ..."""
+    ladder = [1, 2, 4, *range(LADDER_STEP, LADDER_WIDE_FROM, LADDER_STEP),
+              *range(LADDER_WIDE_FROM, max_size + 1, LADDER_WIDE_STEP)]
+    return sorted({s for s in ladder if s < max_size} | {max_size})

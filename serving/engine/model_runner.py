@@ -1,18 +1,26 @@
 """Runs the model for a scheduled batch: builds the `ForwardBatch`, owns the KV cache size, and replays
-CUDA graphs for decode steps.
+CUDA graphs for every step that fits one.
 
-Decode graphs (vLLM's scheme): at start-up one graph per size of a ladder (1, 2, 4, 8, 16, 24, 32, ...
-up to max_num_seqs) is captured over static input tensors. A decode-only step of n sequences copies
-its inputs into the first n rows of a captured size >= n (the caller picks it with `graph_size`:
-expert-parallel ranks agree on the largest rank's n, serving.engine.step_sync); the other rows are
-padding tokens that write their KV to a block of their own (one past the engine's blocks) and whose
-logits are dropped. An idle expert-parallel rank replays the agreed size on padding alone, so its MoE
-layers still take part in the peers' dispatch and combine. Prefill steps run eagerly.
+Step graphs (vLLM's full CUDA graphs, bucketed by token count): at start-up one graph per size of a
+ladder (engine_config.capture_sizes: 1, 2, 4, 8, 16, 24, ... up to the tokens of a low-latency step) is
+captured over static input tensors. A graph of T tokens holds any step of at most T new tokens, decode
+tokens and prefill chunks mixed, from at most S = min(T, max_num_seqs) sequences: its tokens fill the
+first rows, each pointing (ForwardBatch.token_seqs) to its sequence's row of the block tables, so that
+attention reads everything it needs on the device (serving.models.paged_attention.TokenMetadata). The
+other rows are padding tokens of a sequence of their own (block table row S) that write their KV to a
+block of their own (one past the engine's blocks); the logits are those of each sequence's last token
+(S rows; padding rows are dropped). Expert-parallel ranks agree on the size (the largest rank's token
+count, serving.engine.step_sync), and an idle rank replays it on padding alone, so its MoE layers still
+take part in the peers' dispatch and combine.
 
-Graphs need a GPU, MoE layers whose Buffer backend is `cuda` (the reference backend synchronises
-with the host inside dispatch), and, without Triton's MLA decode kernel, max_model_len <=
-GRAPH_MAX_MODEL_LEN: the graph-safe PyTorch decode attention (serving.models.paged_attention) reads
-max_model_len keys per sequence. Otherwise, or with enforce_eager, every step runs eagerly.
+Eager steps: steps with more tokens than the largest graph (normal-mode MoE steps among them), steps that
+compute prompt logprobs (more logits rows than sequences), and every step where graphs cannot be used
+(`why_eager`, --enforce-eager). On a GPU with Triton they use the same per-token attention as the
+graphs; elsewhere the host-layout attention (paged_attention.AttentionMetadata).
+
+Graphs need a GPU, MoE layers whose Buffer backend is `cuda` (the reference backend synchronises with
+the host inside dispatch), and, without Triton's MLA kernel, max_model_len <= GRAPH_MAX_MODEL_LEN: the
+PyTorch per-token attention reads max_model_len keys per token.
 
 Pending tokens (async scheduling, serving.engine.engine): a sequence's last token may still be on the
 device, sampled by the previous step; the inputs are built with 0 in its place and the device copies the
@@ -31,9 +39,10 @@ from ..models import mla_decode_triton
 from ..models.paged_attention import PADDED_DECODE_MAX_KEYS
 from .scheduler import ScheduledBatch
 
-LADDER_STEP = 8  # graph sizes: 1, 2, 4, then every multiple of 8, as vLLM's capture sizes
-GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts decode eagerly (see the module docstring)
-_TENSORS = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
+GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts run eagerly without Triton (module docstring)
+_TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "token_seqs")  # a graph's inputs, one row per token
+_SEQ_ROWS = ("block_tables", "seq_lens", "query_start", "logits_indices")  # ... per sequence (see _rows)
+_LAYOUT = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
@@ -59,29 +68,23 @@ def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
 
 def logits_rows(batch: ScheduledBatch) -> list[int]:
     """How many logits rows each sequence of the batch gets, in order: all of its new tokens where it
-    computes prompt logprobs this step, else its last one (the row that gives its next token). A
-    decode-only batch always gets one row per sequence, so decode graphs never change for them."""
+    computes prompt logprobs this step, else its last one (the row that gives its next token). A step
+    graph holds one row per sequence, so a batch with prompt logprobs runs eagerly."""
     return [n if seq.prompt_logprob_positions(n) else 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-
-
-def graph_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs (included)."""
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
-    sizes += range(LADDER_STEP, max_num_seqs, LADDER_STEP)
-    return sorted(set(sizes) | {max_num_seqs})
 
 
 class ModelRunner:
     """model: obeys serving.forward_batch's contract (forward(batch) -> float32 logits [num_logits, vocab],
-    allocate_kv_cache, config, and `ep_buffer` where it has MoE layers)."""
+    allocate_kv_cache, config, and `ep_buffer` where it has MoE layers). graph_sizes: the step graphs to
+    capture (token counts, each at most max_tokens_per_rank; empty: every step runs eagerly)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
-                 max_model_len: int, max_tokens_per_rank: int, max_num_seqs: int | None = None,
-                 use_cuda_graphs: bool = False) -> None:
+                 max_model_len: int, max_tokens_per_rank: int, max_num_seqs: int,
+                 graph_sizes: list[int] | tuple[int, ...] = ()) -> None:
         self.model, self.device = model, device
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_rank, self.max_num_seqs = max_tokens_per_rank, max_num_seqs
         self.pad_block = num_blocks  # the block padding tokens write to, outside the engine's blocks
         model.allocate_kv_cache(num_blocks + 1, block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -89,35 +92,50 @@ class ModelRunner:
         self.capture_seconds = 0.0
         buffer = getattr(model, "ep_buffer", None)
         self.eager_reason = why_eager(device, buffer.backend_name if buffer is not None else None, max_model_len)
-        if use_cuda_graphs and self.eager_reason is None:
-            self.capture(graph_sizes(min(max_num_seqs or max_tokens_per_rank, max_tokens_per_rank)))
+        cfg = model.config
+        # Per-token attention on the device in eager steps too, where its kernel runs: no host layout to
+        # build or check, and one attention kernel for every step.
+        self.token_attention = (device.type == "cuda" and mla_decode_triton.available()
+                                and mla_decode_triton.supports(cfg.kv_lora_rank, cfg.qk_rope_head_dim))
+        too_large = [s for s in graph_sizes if not 1 <= s <= max_tokens_per_rank]
+        if too_large:
+            raise ValueError(f"cudagraph_capture_sizes: {too_large} outside [1, max_tokens_per_rank="
+                             f"{max_tokens_per_rank}] (a graph's MoE layers dispatch in low-latency mode)")
+        if graph_sizes and self.eager_reason is None:
+            self.capture(sorted(set(graph_sizes)))
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         """The flat ForwardBatch for `batch` (built on the host, copied to the device once)."""
         if not batch:
-            return ForwardBatch.empty(self.device, self.max_blocks_per_seq)
+            empty = ForwardBatch.empty(self.device, self.max_blocks_per_seq)
+            if self.token_attention:
+                empty.token_seqs = empty.positions
+            return empty
         host = self._host_batch(batch)
         if self.device.type == "cpu":
             return host
-        return ForwardBatch(*(getattr(host, name).pin_memory().to(self.device, non_blocking=True)
-                              for name in _TENSORS), host_layout=host.host_layout)
+        names = _LAYOUT + (("token_seqs",) if host.token_seqs is not None else ())
+        moved = {name: getattr(host, name).pin_memory().to(self.device, non_blocking=True) for name in names}
+        return ForwardBatch(**moved, host_layout=host.host_layout)
 
     def _host_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        token_seqs: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits: list[int] = []
         bs = self.block_size
-        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, logits_rows(batch)):
+        for i, (seq, n, rows) in enumerate(zip(batch.seqs, batch.num_new_tokens, logits_rows(batch))):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids(start, end)
             positions += range(start, end)
             table = seq.block_table
             slots += [slot_of(table, p, bs) for p in range(start, end)]
+            token_seqs += [i] * n
             query_start.append(query_start[-1] + n)
             logits += range(query_start[-1] - rows, query_start[-1])
             seq_lens.append(end)
@@ -129,53 +147,82 @@ class ModelRunner:
             query_start=torch.tensor(query_start, **i32), seq_lens=torch.tensor(seq_lens, **i32),
             block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, **i64),
             logits_indices=torch.tensor(logits, **i64),
+            token_seqs=torch.tensor(token_seqs, **i64) if self.token_attention else None,
             host_layout=HostLayout(query_start, seq_lens, tables))
 
-    def padded_decode_batch(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
-        """`batch` (decode-only or empty, at most `size` sequences) as a decode ForwardBatch of exactly
-        `size` rows on the host: padding rows hold token 0 at position 0 of a one-token sequence in
-        the padding block."""
-        n = len(batch.seqs)
-        if not n <= size:
-            raise ValueError(f"batch: {n} sequences do not fit a decode graph of {size}")
-        # Filled in numpy, one sequence at a time: this runs every decode step on the host.
+    def _rows(self, size: int) -> tuple[int, int]:
+        """(token rows, sequence rows) of the step graph of `size` tokens: at most min(size, max_num_seqs)
+        sequences, and the padding tokens' sequence after them."""
+        return size, min(size, self.max_num_seqs)
+
+    def fits_graph(self, batch: ScheduledBatch, size: int) -> bool:
+        """Whether `batch` can run as the step graph of `size` tokens (module docstring)."""
+        tokens, seqs = self._rows(size)
+        return batch.num_tokens <= tokens and len(batch.seqs) <= seqs and sum(logits_rows(batch)) == len(batch.seqs)
+
+    def graph_inputs(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
+        """`batch` as the host inputs of the step graph of `size` tokens: its tokens first, then padding
+        tokens (token 0 at position 0 of the padding sequence, row S of the block tables, whose one block
+        is the padding block); logits rows: each sequence's last token, then row 0 for the unused ones."""
+        if not self.fits_graph(batch, size):
+            raise ValueError(f"batch: {batch.num_tokens} tokens of {len(batch.seqs)} sequences (logits rows "
+                             f"{sum(logits_rows(batch))}) do not fit the step graph of {size} tokens")
+        tokens, seqs = self._rows(size)
         bs = self.block_size
-        ids = np.zeros(size, np.int64)
-        positions = np.zeros(size, np.int64)
-        seq_lens = np.ones(size, np.int32)
-        slots = np.full(size, self.pad_block * bs, np.int64)
-        tables = np.full((size, self.max_blocks_per_seq), -1, np.int32)
-        tables[n:, 0] = self.pad_block
-        for i, seq in enumerate(batch.seqs):
-            p = seq.num_computed_tokens
+        ids = np.zeros(tokens, np.int64)
+        positions = np.zeros(tokens, np.int64)
+        slots = np.full(tokens, self.pad_block * bs, np.int64)
+        token_seqs = np.full(tokens, seqs, np.int64)
+        tables = np.full((seqs + 1, self.max_blocks_per_seq), -1, np.int32)
+        tables[seqs, 0] = self.pad_block
+        seq_lens = np.zeros(seqs + 1, np.int32)
+        seq_lens[seqs] = 1
+        query_start = np.full(seqs + 2, batch.num_tokens, np.int32)
+        query_start[-1] = tokens
+        logits = np.zeros(seqs, np.int64)
+        offset = 0
+        # Filled in numpy, one sequence at a time (a decode token without numpy): this runs every step.
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
-            ids[i] = seq.token_ids(p, p + 1)[0]
-            positions[i], seq_lens[i] = p, p + 1
             tables[i, :len(table)] = table
-            slots[i] = slot_of(table, p, bs)
-        rows = torch.arange(size + 1)
+            query_start[i] = offset
+            seq_lens[i] = end
+            token_seqs[offset:offset + n] = i
+            if n == 1:
+                ids[offset] = seq.token_ids(start, end)[0]
+                positions[offset] = start
+                slots[offset] = slot_of(table, start, bs)
+            else:
+                pos = np.arange(start, end)
+                ids[offset:offset + n] = seq.token_ids(start, end)
+                positions[offset:offset + n] = pos
+                slots[offset:offset + n] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
+            offset += n
+            logits[i] = offset - 1
         return ForwardBatch(
             input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
-            query_start=rows.to(torch.int32), seq_lens=torch.from_numpy(seq_lens),
+            query_start=torch.from_numpy(query_start), seq_lens=torch.from_numpy(seq_lens),
             block_tables=torch.from_numpy(tables), slot_mapping=torch.from_numpy(slots),
-            logits_indices=rows[:size], decode=True)
+            logits_indices=torch.from_numpy(logits), token_seqs=torch.from_numpy(token_seqs))
 
     # ------------------------------------------------------------------ CUDA graphs
     @property
     def captured_sizes(self) -> list[int]:
         return sorted(self._graphs)
 
-    def graph_size(self, num_seqs: int) -> int | None:
-        """The smallest captured size >= num_seqs (1 for none), or None (no graphs, or more sequences
-        than the largest graph): the decode step then runs eagerly."""
-        return next((s for s in self.captured_sizes if s >= max(1, num_seqs)), None)
+    def graph_size(self, num_tokens: int) -> int | None:
+        """The smallest captured size >= num_tokens (1 for none), or None (no graphs, or more tokens than
+        the largest graph): the step then runs eagerly."""
+        return next((s for s in self.captured_sizes if s >= max(1, num_tokens)), None)
 
     def capture(self, sizes: list[int]) -> None:
-        """Capture a decode graph for each size (largest first, all sharing one memory pool). Every
+        """Capture a step graph for each size (largest first, all sharing one memory pool). Every
         expert-parallel rank must capture the same sizes at the same time: the warm-up run before each
         capture executes the MoE layers' dispatch and combine with the peers."""
-        padding = self.padded_decode_batch(ScheduledBatch(), max(sizes))
-        self._static = ForwardBatch(*(getattr(padding, name).to(self.device) for name in _TENSORS), decode=True)
+        padding = self.graph_inputs(ScheduledBatch(), max(sizes))
+        self._static = ForwardBatch(**{name: getattr(padding, name).to(self.device)
+                                       for name in _TOKEN_ROWS + _SEQ_ROWS})
         pool = None
         side = torch.cuda.Stream(self.device)
         start = time.perf_counter()
@@ -194,20 +241,21 @@ class ModelRunner:
         self.capture_seconds = time.perf_counter() - start
 
     def _static_view(self, size: int) -> ForwardBatch:
-        """The first `size` rows of the static inputs (views: the graphs read them in place)."""
+        """The static inputs of the step graph of `size` tokens (views: the graphs read them in place)."""
         s = self._static
         assert s is not None
-        rows = {name: getattr(s, name)[:size + 1 if name == "query_start" else size] for name in _TENSORS}
-        return ForwardBatch(**rows, decode=True)
+        tokens, seqs = self._rows(size)
+        lengths = {"block_tables": seqs + 1, "seq_lens": seqs + 1, "query_start": seqs + 2, "logits_indices": seqs}
+        rows = {name: getattr(s, name)[:tokens] for name in _TOKEN_ROWS}
+        rows.update({name: getattr(s, name)[:n] for name, n in lengths.items()})
+        return ForwardBatch(**rows)
 
     def _replay(self, batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
-        if batch and not batch.is_decode_only:
-            raise ValueError("graph_size: only a decode-only or empty batch replays a decode graph")
         if size not in self._graphs:
             raise ValueError(f"graph_size: expected one of the captured sizes {self.captured_sizes}, got {size}")
-        host = self.padded_decode_batch(batch, size)
+        host = self.graph_inputs(batch, size)
         static = self._static_view(size)
-        for name in ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping"):
+        for name in _TOKEN_ROWS + _SEQ_ROWS:
             getattr(static, name).copy_(getattr(host, name).pin_memory(), non_blocking=True)
         self._fill_pending(static.input_ids, batch, pending_tokens)
         graph, logits = self._graphs[size]
@@ -220,13 +268,13 @@ class ModelRunner:
                 pending_tokens: torch.Tensor | None = None, moe_mode: str = "low_latency") -> torch.Tensor:
         """Logits float32 [sum(logits_rows(batch)), vocab] (one row per sequence unless one computes
         prompt logprobs); an empty batch still runs the model (its MoE layers take part in the other
-        ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay that captured decode
-        graph (see `graph_size`), None: run eagerly. pending_tokens: the previous step's sampled tokens
-        on the device, where the batch's pending tokens are (see pending_inputs). moe_mode: the MoE
-        layers' dispatch mode (ForwardBatch.moe_mode; the decode graphs are low-latency ones)."""
+        ranks' dispatch and combine) and gives [0, vocab]. graph_size: replay that captured step graph
+        (`graph_size`; the batch must fit it: fits_graph), None: run eagerly. pending_tokens: the previous
+        step's sampled tokens on the device, where the batch's pending tokens are (see pending_inputs).
+        moe_mode: the MoE layers' dispatch mode (ForwardBatch.moe_mode; the graphs are low-latency ones)."""
         if graph_size is not None:
             if moe_mode != "low_latency":
-                raise ValueError(f"graph_size: the decode graphs dispatch in low-latency mode, not {moe_mode!r}")
+                raise ValueError(f"graph_size: the step graphs dispatch in low-latency mode, not {moe_mode!r}")
             return self._replay(batch, graph_size, pending_tokens)
         inputs = self.prepare(batch)
         inputs.moe_mode = moe_mode
@@ -249,13 +297,13 @@ class ModelRunner:
 
 
 def why_eager(device: torch.device, ep_backend: str | None, max_model_len: int) -> str | None:
-    """Why decode steps cannot replay CUDA graphs here, or None if they can. ep_backend: the MoE
+    """Why steps cannot replay CUDA graphs here, or None if they can. ep_backend: the MoE
     layers' Buffer backend (None without MoE layers)."""
     if device.type != "cuda":
         return "no GPU"
     if ep_backend not in (None, "cuda"):
         return f"the {ep_backend} backend's dispatch waits on the host"
     if max_model_len > GRAPH_MAX_MODEL_LEN and not mla_decode_triton.available():
-        return (f"max_model_len {max_model_len} > {GRAPH_MAX_MODEL_LEN}: the graph-safe decode attention reads "
-                "max_model_len keys per sequence (set --max-model-len to capture graphs)")
+        return (f"max_model_len {max_model_len} > {GRAPH_MAX_MODEL_LEN}: without Triton the graph-safe attention "
+                "reads max_model_len keys per token (set --max-model-len to capture graphs)")
     return None

@@ -43,11 +43,29 @@ from .messages import (
     Wake,
 )
 from .step_sync import StepSync
+from .warm_up import warm_up
 
 IDLE_POLL_S = 0.05  # an idle expert-parallel rank joins the step agreement at least this often
 LONE_IDLE_POLL_S = 1.0  # an idle rank without peers passes its loop at least this often (heartbeat.py)
 PARENT_POLL_S = 0.2  # how often a rank checks that the server process is still there
 _DIST_TIMEOUT = timedelta(minutes=30)
+
+
+class Phases:
+    """Seconds each start-up phase of a rank took, for its log line."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.seconds: list[tuple[str, float]] = []
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds.append((name, now - self.last))
+        self.last = now
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds)
+        return f"{sum(s for _, s in self.seconds):.1f} s ({parts})"
 
 
 def resolve_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -104,7 +122,9 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
         config = dataclasses.replace(config, ep_backend=ep_backend_for(config, device))
         group, sync_group = _init_group(config, rank, device)
+        phases = Phases()
         model, tokenizer = importlib.import_module(config.loader).load_model(config, group, device)
+        phases.done("load")
         max_positions = int(model.config.max_position_embeddings)
         max_model_len = config.max_model_len or max_positions
         if max_model_len > max_positions:
@@ -115,18 +135,27 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
                            max_model_len=max_model_len, max_num_seqs=config.max_num_seqs,
                            max_tokens_per_rank=config.max_tokens_per_rank, device=device, seed=config.seed + rank,
                            rank=rank, num_ranks=config.data_parallel_size,
-                           use_cuda_graphs=not config.enforce_eager, async_scheduling=config.async_scheduling,
-                           token_budget=config.token_budget, deepep_mode=config.deepep_mode,
-                           enable_prefix_caching=config.enable_prefix_caching)
-        if rank == 0 and engine.runner.captured_sizes:
-            print(f"Captured decode CUDA graphs for batch sizes {engine.runner.captured_sizes} in "
-                  f"{engine.runner.capture_seconds:.1f} s", file=sys.stderr, flush=True)
-        elif rank == 0 and device.type == "cuda" and not config.enforce_eager:
-            print(f"Decode runs eagerly: {engine.runner.eager_reason}", file=sys.stderr, flush=True)
+                           use_cuda_graphs=not config.enforce_eager, graph_sizes=config.graph_sizes,
+                           async_scheduling=config.async_scheduling, token_budget=config.token_budget,
+                           deepep_mode=config.deepep_mode, enable_prefix_caching=config.enable_prefix_caching)
+        sync = StepSync(sync_group, beat)
+        phases.done("KV cache and CUDA graphs")
+        warm_up(engine, sync)
+        phases.done("warm-up")
+        if rank == 0:
+            runner = engine.runner
+            if runner.captured_sizes:
+                graphs = (f"{len(runner.captured_sizes)} step CUDA graphs of {runner.captured_sizes[0]} to "
+                          f"{runner.captured_sizes[-1]} tokens captured in {runner.capture_seconds:.1f} s")
+            elif device.type == "cuda" and not config.enforce_eager:
+                graphs = f"steps run eagerly: {runner.eager_reason}"
+            else:
+                graphs = "steps run eagerly"
+            print(f"Rank ready in {phases.summary()}; {graphs}", file=sys.stderr, flush=True)
         info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
                          config.block_size, str(device))
         outbox.put(RankReady(rank, info))
-        RankLoop(rank, engine, StepSync(sync_group, beat), inbox, outbox, config.expert_parallel, beat).run()
+        RankLoop(rank, engine, sync, inbox, outbox, config.expert_parallel, beat).run()
     except BaseException:
         outbox.put(RankFailed(rank, traceback.format_exc()))
         _flush(outbox)

@@ -20,7 +20,7 @@ from ..model_config import ModelConfig
 from .linear import GateUpLinear, Linear
 from .mla import MLAttention
 from .norm import Embedding, RMSNorm
-from .paged_attention import AttentionMetadata, DecodeMetadata
+from .paged_attention import AttentionMetadata, TokenMetadata
 from .rotary import RotaryEmbedding
 
 
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, fp8=c.fp8, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata | DecodeMetadata, moe_mode: str = "low_latency") -> torch.Tensor:
+                meta: AttentionMetadata | TokenMetadata, moe_mode: str = "low_latency") -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         h = self.post_attention_layernorm(x)
         # FusedMoE works in bf16 (its dispatch sends bf16 or FP8); other dtypes round-trip through it.
@@ -149,7 +149,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if cache is None:
             raise RuntimeError("forward: no KV cache; call allocate_kv_cache(num_blocks, block_size) first")
         self._check_batch(batch)
-        meta = (DecodeMetadata.from_batch(batch, block_size=cache.shape[2]) if batch.decode else
+        meta = (TokenMetadata.from_batch(batch, block_size=cache.shape[2]) if batch.token_seqs is not None else
                 AttentionMetadata.from_batch(batch, block_size=cache.shape[2], num_blocks=cache.shape[1]))
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
@@ -165,6 +165,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                     ("query_start", i32, (s + 1,)), ("seq_lens", i32, (s,)),
                     ("block_tables", i32, (s, batch.block_tables.shape[-1])),
                     ("logits_indices", i64, (batch.logits_indices.shape[0],)))
+        if batch.token_seqs is not None:
+            expected += (("token_seqs", i64, (t,)),)
         for name, dtype, shape in expected:
             value = getattr(batch, name)
             if value.dtype != dtype or tuple(value.shape) != shape or value.device != self.device:

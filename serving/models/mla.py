@@ -16,7 +16,7 @@ from torch import nn
 from ..model_config import ModelConfig
 from .linear import Linear, StackedLinear
 from .norm import RMSNorm
-from .paged_attention import AttentionMetadata, DecodeMetadata, paged_mla_attention, write_kv
+from .paged_attention import AttentionMetadata, TokenMetadata, paged_mla_attention, write_kv
 from .rotary import RotaryEmbedding, softmax_scale
 
 # DeepSeek's code and transformers build q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
@@ -67,7 +67,7 @@ class MLAttention(nn.Module):
         self.w_uv.copy_(w[:, self.qk_nope_head_dim:])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
-                meta: AttentionMetadata | DecodeMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | TokenMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the new tokens' [c_kv | k_pe] to `cache` (this layer's
         [num_blocks, block_size, kv_cache_dim]) first, so that they attend to themselves."""
         n = x.shape[0]

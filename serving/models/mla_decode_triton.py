@@ -1,8 +1,8 @@
-"""A Triton kernel for MLA decode over the paged latent cache (GPU only): one new token per sequence,
-reading only the sequence's own keys (its block table up to seq_len, read on the device), so a decode
-step stays CUDA-graph capturable without gathering max_model_len keys per sequence.
+"""A Triton kernel for MLA over the paged latent cache (GPU only): each query row (a new token, of a
+decode or of a prefill chunk alike) reads only its own keys (its block table up to its key count, read
+on the device), so any step stays CUDA-graph capturable without gathering max_model_len keys per row.
 
-Flash-decoding: the grid is [sequences, head groups, splits of the sequence]; each program runs an
+Flash-decoding: the grid is [rows, head groups, splits of the row's keys]; each program runs an
 online softmax over its part of the keys and writes its normalised partial output and log-sum-exp;
 a second launch merges the splits with softmax weights over those. Each cache entry is
 [c_kv (kv_lora_rank) | k_pe (rope dim)]: the score is q . entry, the output sums c_kv.
@@ -18,10 +18,10 @@ from ep_layer.kernels.triton_support import sm_count, tl, triton
 
 BLOCK_H = 16  # heads per program (they share every key load)
 BLOCK_T = 32  # keys per step of the online softmax
-MAX_SPLITS = 8  # programs along each sequence: 8 fill the GPU at batch 1 and 128 heads
+MAX_SPLITS = 8  # programs along each row's keys: 8 fill the GPU at batch 1 and 128 heads
 PROGRAMS_PER_SM = 2  # fewer splits at larger batches: each split's partial output is a float32 pass more
 NUM_WARPS = 4
-MERGE_WARPS = 2  # the splits' merge: a program per (sequence, head), 512 float32 channels
+MERGE_WARPS = 2  # the splits' merge: a program per (row, head), 512 float32 channels
 NUM_STAGES = 2  # a float32 cache tile is 64 KB: two in flight fit shared memory, three would not
 
 
@@ -38,13 +38,13 @@ def supports(kv_lora_rank: int, rope: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _mla_decode_kernel(q_latent_ptr, q_pe_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr,
+    def _mla_decode_kernel(q_latent_ptr, q_pe_ptr, cache_ptr, tables_ptr, counts_ptr, out_ptr, lse_ptr,
                            H, MAX_BLOCKS, BLOCK_SIZE, SPLITS, scale,
                            stride_nb, stride_nh, stride_pb, stride_ph, stride_cs,
                            LORA: tl.constexpr, ROPE: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
-        """Program (b, g, s): heads [g*BLOCK_H, ...) of sequence b over its keys [s*chunk, (s+1)*chunk)
-        with chunk = cdiv(seq_len, SPLITS). Writes out[b, s, h] = sum_t p_t c_kv_t / sum_t p_t (float32;
+        """Program (b, g, s): heads [g*BLOCK_H, ...) of row b over its keys [s*chunk, (s+1)*chunk)
+        with chunk = cdiv(key_count, SPLITS). Writes out[b, s, h] = sum_t p_t c_kv_t / sum_t p_t (float32;
         p_t = exp(score_t - m)) and lse[b, s, h] = m + log(sum_t p_t) (-inf for an empty part)."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
@@ -57,10 +57,10 @@ if triton is not None:
                          mask=head_ok[:, None], other=0.0)
         q_pe = tl.load(q_pe_ptr + b * stride_pb + heads[:, None] * stride_ph + rope[None, :],
                        mask=head_ok[:, None], other=0.0)
-        seq_len = tl.load(lens_ptr + b)
-        chunk = tl.cdiv(seq_len, SPLITS)
+        key_count = tl.load(counts_ptr + b)
+        chunk = tl.cdiv(key_count, SPLITS)
         start = s * chunk
-        stop = tl.minimum(start + chunk, seq_len)
+        stop = tl.minimum(start + chunk, key_count)
         m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_sum = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, LORA), tl.float32)
@@ -107,19 +107,18 @@ if triton is not None:
 
 
 def num_splits(batch: int, heads: int, device: torch.device) -> int:
-    """Splits along each sequence: enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
+    """Splits along each row's keys: enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
     programs = PROGRAMS_PER_SM * sm_count(device)
     return max(1, min(MAX_SPLITS, triton.cdiv(programs, batch * triton.cdiv(heads, BLOCK_H))))
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+               key_counts: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
     """Latent attention output [B, H, kv_lora_rank] (the queries' dtype) of the queries q_latent [B, H,
-    kv_lora_rank] (q_nope absorbed into W_UK) and q_pe [B, H, rope] (one new token per sequence, already
+    kv_lora_rank] (q_nope absorbed into W_UK) and q_pe [B, H, rope] (one new token a row, already
     in the cache; either may be a strided view, read in place rather than concatenated) against one
-    layer's cache [num_blocks, block_size, kv_lora_rank + rope], each sequence reading block_tables[b]
-    (int32, -1 past its blocks) up to seq_lens[b] (>= 1), in `splits` parts per sequence (default:
-    num_splits)."""
+    layer's cache [num_blocks, block_size, kv_lora_rank + rope], row b reading block_tables[b] (int32,
+    -1 past its blocks) up to key_counts[b] (int32, >= 1) keys, in `splits` parts (default: num_splits)."""
     (b, h, kv_lora_rank), rope = q_latent.shape, q_pe.shape[-1]
     if not supports(kv_lora_rank, rope):
         raise ValueError(f"q_latent, q_pe: kv_lora_rank {kv_lora_rank} and rope {rope}: expected powers of two of "
@@ -138,7 +137,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     q_latent, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_pe))
     tables = block_tables.contiguous()
     grid = (b, triton.cdiv(h, BLOCK_H), splits)
-    _mla_decode_kernel[grid](q_latent, q_pe, flat, tables, seq_lens, out, lse, h, tables.shape[1], block_size,
+    _mla_decode_kernel[grid](q_latent, q_pe, flat, tables, key_counts, out, lse, h, tables.shape[1], block_size,
                              splits, scale, *q_latent.stride()[:2], *q_pe.stride()[:2], flat.stride(0),
                              LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
                              num_stages=NUM_STAGES)

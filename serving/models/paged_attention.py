@@ -6,15 +6,18 @@ token's entry is [c_kv (the kv_a_layernorm'd latent) | k_pe (its RoPE'd shared k
 as serving.models.rotary lays it out)]; slot s is block s // block_size, offset s % block_size.
 
 Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
-- `AttentionMetadata` (any batch: prefill chunks and decodes), which reads and checks the batch layout
-  on the host (the engine's copy of it, else the device's, which waits for the device). A sequence with
-  several new tokens attends on its own; those with one new token attend together, as a decode batch
-  (below), so that a step mixing a new prompt into many decodes costs about what its prompt does, not
-  a sequence's kernels for each decode (benchmarks/RESULTS.md, bench_serving.py).
-- `DecodeMetadata` (one new token per sequence): no host sync, so a decode step can be captured in a
-  CUDA graph. On a GPU with Triton, serving.models.mla_decode_triton reads each sequence's own keys
-  (flash-decoding over its block table); elsewhere every sequence is read over its whole block table
-  with the keys past its length masked (max_blocks_per_seq * block_size keys, whatever its length).
+- `TokenMetadata` (any batch whose ForwardBatch.token_seqs is given): each new token reads its own
+  sequence's keys up to its position, located on the device from the token's block table row and
+  position. Nothing is read on the host, so any step (prefill chunks and decodes mixed, padding tokens
+  included) can be captured in a CUDA graph. On a GPU with Triton, serving.models.mla_decode_triton
+  reads each token's own keys (flash-decoding over its block table): one kernel for prefill and decode
+  alike. Elsewhere every token reads its sequence's whole block table with the keys past its position
+  masked (max_blocks_per_seq * block_size keys, whatever its position).
+- `AttentionMetadata` (a batch without token_seqs), which reads and checks the batch layout on the host
+  (the engine's copy of it, else the device's, which waits for the device). A sequence with several new
+  tokens attends on its own as one matrix product; those with one new token attend together, as a
+  TokenMetadata batch, so that a step mixing a new prompt into many decodes costs about what its prompt
+  does, not a sequence's kernels for each decode.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import torch
 from ..forward_batch import ForwardBatch, HostLayout, to_device
 from . import mla_decode_triton
 
-# The longest block table (in keys) the padded PyTorch decode layout reads for each sequence: beyond it,
-# without the Triton kernel, decode tokens attend one sequence at a time over their own keys only.
+# The longest block table (in keys) the padded PyTorch token layout reads for each token: beyond it,
+# without the Triton kernel, tokens attend one sequence at a time over their own keys only.
 PADDED_DECODE_MAX_KEYS = 4096
 
 
@@ -45,13 +48,13 @@ class SequenceSlots:
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Where a step's tokens read and write the cache; built once per step, shared by every layer.
-    `decode`: the sequences with one new token, as a decode batch whose tokens are rows `decode_rows` of
+    `decode`: the sequences with one new token, as a TokenMetadata batch whose tokens are rows `decode_rows` of
     the flat batch (None if there are none, or where a decode batch would read every sequence's whole block
     table: no Triton kernel and more than PADDED_DECODE_MAX_KEYS); `sequences`: the others, one at a time."""
 
     slot_mapping: torch.Tensor
     sequences: tuple[SequenceSlots, ...]
-    decode: DecodeMetadata | None = None
+    decode: TokenMetadata | None = None
     decode_rows: torch.Tensor | None = None
 
     @classmethod
@@ -95,33 +98,35 @@ class AttentionMetadata:
         # A single new token is its sequence's last (position seq_len - 1): what a decode batch holds.
         index = to_device(single + [starts[i] for i in single], torch.int64, device).view(2, -1)
         seqs, rows = index[0], index[1]
-        decode = DecodeMetadata(batch.slot_mapping[rows], batch.block_tables[seqs], batch.seq_lens[seqs], block_size)
+        decode = TokenMetadata(batch.slot_mapping[rows], batch.block_tables[seqs], batch.seq_lens[seqs], block_size)
         return cls(batch.slot_mapping, tuple(sequences), decode, rows)
 
 
 @dataclass(frozen=True)
-class DecodeMetadata:
-    """One new token per sequence (row b of the batch is sequence b), read on the device only: its
-    block table (int32 [B, max_blocks], -1 past its blocks) and its length (int32 [B])."""
+class TokenMetadata:
+    """Row t (a new token) attends to keys [0, key_counts[t]) of its own block table, read on the device
+    only: block_tables int32 [T, max_blocks] (-1 past the sequence's blocks), key_counts int32 [T]."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
-    seq_lens: torch.Tensor
+    key_counts: torch.Tensor
     block_size: int
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch, block_size: int) -> DecodeMetadata:
-        if batch.num_tokens != batch.num_seqs:
-            raise ValueError(f"batch: a decode batch has one token per sequence, got {batch.num_tokens} tokens "
-                             f"for {batch.num_seqs} sequences")
-        return cls(batch.slot_mapping, batch.block_tables, batch.seq_lens, block_size)
+    def from_batch(cls, batch: ForwardBatch, block_size: int) -> TokenMetadata:
+        """Each token's block table (its sequence's row, gathered on the device) and its key count (its
+        position + 1: the keys before it and its own, written to the cache first)."""
+        if batch.token_seqs is None:
+            raise ValueError("batch.token_seqs: TokenMetadata needs each token's sequence (got None)")
+        return cls(batch.slot_mapping, batch.block_tables.index_select(0, batch.token_seqs),
+                   (batch.positions + 1).to(torch.int32), block_size)
 
     def padded_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots int64 [B, L], visible bool [B, L]): the cache slot of every position the block tables
-        cover (L = max_blocks * block_size; -1 entries read block 0) and whether it is < seq_len."""
+        """(slots int64 [T, L], visible bool [T, L]): the cache slot of every position the block tables
+        cover (L = max_blocks * block_size; -1 entries read block 0) and whether it is < the key count."""
         offsets = torch.arange(self.block_size, device=self.block_tables.device)
         slots = (self.block_tables.clamp(min=0).long()[:, :, None] * self.block_size + offsets).flatten(1)
-        visible = torch.arange(slots.shape[1], device=slots.device)[None, :] < self.seq_lens[:, None]
+        visible = torch.arange(slots.shape[1], device=slots.device)[None, :] < self.key_counts[:, None]
         return slots, visible
 
 
@@ -131,7 +136,7 @@ def write_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, entries: torch.Ten
 
 
 def paged_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                        meta: AttentionMetadata | DecodeMetadata, scale: float) -> torch.Tensor:
+                        meta: AttentionMetadata | TokenMetadata, scale: float) -> torch.Tensor:
     """Latent attention output [T, H, kv_lora_rank] for queries [q_latent | q_pe] (q_latent [T, H, kv_lora_rank]:
     q_nope absorbed into W_UK, q_pe [T, H, rope]) against one layer's cache [num_blocks, block_size, kv_lora_rank +
     rope]: softmax(q . key * scale) . c_kv. The Triton decode kernel reads the two parts where they are."""
@@ -154,7 +159,7 @@ def paged_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
             out[seq.start:seq.end] = torch.matmul(probs, keys[:, :kv_lora_rank])
         return out
     if q_latent.is_cuda and mla_decode_triton.available() and mla_decode_triton.supports(kv_lora_rank, q_pe.shape[-1]):
-        return mla_decode_triton.mla_decode(q_latent, q_pe, cache, meta.block_tables, meta.seq_lens, scale)
+        return mla_decode_triton.mla_decode(q_latent, q_pe, cache, meta.block_tables, meta.key_counts, scale)
     q = torch.cat([q_latent, q_pe], dim=-1)
     slots, visible = meta.padded_slots()
     keys = flat[slots].to(q.dtype)  # [B, L, D]

@@ -1,0 +1,46 @@
+"""Warm-up before a rank reports ready: a few requests through the engine itself, so that every path a
+request can take runs once (and every kernel it launches is compiled, and every lazy initialisation done)
+before the first real request pays for it: greedy and sampled draws (temperature, min_p, top-k, top-p,
+seeded or not), penalties, min_tokens, logprobs, and prompt logprobs (an eager step), at prompt lengths
+that reach Triton's specialisations (1, a multiple of 16, another). Step graphs are captured before it;
+its steps replay them. Afterwards the prefix cache and the step counters are as at start.
+
+Expert-parallel ranks warm up together: every rank runs the same requests, stepping with its peers'
+agreement until no rank has work."""
+
+from __future__ import annotations
+
+import time
+
+from .engine import LLMEngine
+from .sequence import SamplingParams
+from .step_sync import StepSync
+
+PROMPT_LENGTHS = (1, 16, 23)  # Triton specialises integer arguments equal to 1 and divisible by 16
+MAX_TOKENS = 3
+PARAMS = (
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1, ignore_eos=True),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.5,
+                   presence_penalty=0.5, min_tokens=2),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, prompt_logprobs=2, ignore_eos=True),
+)
+MAX_STEPS = 1000  # a bound on the loop; the requests above take a handful of steps
+
+
+def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
+    """Run the warm-up requests to completion (sync: the peers' agreement, None: alone); seconds taken."""
+    start = time.perf_counter()
+    for length in PROMPT_LENGTHS:
+        prompt = [3 + (7 * i) % (engine.vocab_size - 3) for i in range(length)]
+        for j, params in enumerate(PARAMS):
+            engine.add_request(f"warm-up-{length}-{j}", prompt, params)
+    for _ in range(MAX_STEPS):
+        engine.step(sync)
+        if not engine.has_work() and (sync is None or not sync.plan.step):
+            break
+    else:
+        raise RuntimeError(f"warm-up: requests not done after {MAX_STEPS} steps")
+    engine.forget_history()
+    return time.perf_counter() - start
