@@ -8,15 +8,16 @@ tokens and prefill chunks mixed, from at most S = min(T, max_num_seqs) sequences
 first rows, each pointing (ForwardBatch.token_seqs) to its sequence's row of the block tables, so that
 attention reads everything it needs on the device (serving.models.paged_attention.TokenMetadata). The
 other rows are padding tokens of a sequence of their own (block table row S) that write their KV to a
-block of their own (one past the engine's blocks); the logits are those of each sequence's last token
-(S rows; padding rows are dropped). Expert-parallel ranks agree on the size (the largest rank's token
+block of their own (one past the engine's blocks). The graph ends at the final norm (the model's
+`hidden_states`); the lm_head runs after the replay on the rows the step needs (`compute_logits` on
+logits_indices, as vLLM computes logits outside its graphs), so padding rows cost no logits and a step
+with prompt logprobs replays too. Expert-parallel ranks agree on the size (the largest rank's token
 count, serving.engine.step_sync), and an idle rank replays it on padding alone, so its MoE layers still
 take part in the peers' dispatch and combine.
 
-Eager steps: steps with more tokens than the largest graph (normal-mode MoE steps among them), steps that
-compute prompt logprobs (more logits rows than sequences), and every step where graphs cannot be used
-(`why_eager`, --enforce-eager). On a GPU with Triton they use the same per-token attention as the
-graphs; elsewhere the host-layout attention (paged_attention.AttentionMetadata).
+Eager steps: steps with more tokens than the largest graph (normal-mode MoE steps among them), and every
+step where graphs cannot be used (`why_eager`, --enforce-eager). On a GPU with Triton they use the same
+per-token attention as the graphs; elsewhere the host-layout attention (paged_attention.AttentionMetadata).
 
 Graphs need a GPU, MoE layers whose Buffer backend is `cuda` (the reference backend synchronises with
 the host inside dispatch), and, without Triton's MLA kernel, max_model_len <= GRAPH_MAX_MODEL_LEN: the
@@ -41,7 +42,7 @@ from .scheduler import ScheduledBatch
 
 GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts run eagerly without Triton (module docstring)
 _TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "token_seqs")  # a graph's inputs, one row per token
-_SEQ_ROWS = ("block_tables", "seq_lens", "query_start", "logits_indices")  # ... per sequence (see _rows)
+_SEQ_ROWS = ("block_tables", "seq_lens", "query_start")  # ... per sequence row (see _rows)
 _LAYOUT = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 
@@ -68,15 +69,15 @@ def pending_inputs(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
 
 def logits_rows(batch: ScheduledBatch) -> list[int]:
     """How many logits rows each sequence of the batch gets, in order: all of its new tokens where it
-    computes prompt logprobs this step, else its last one (the row that gives its next token). A step
-    graph holds one row per sequence, so a batch with prompt logprobs runs eagerly."""
+    computes prompt logprobs this step, else its last one (the row that gives its next token)."""
     return [n if seq.prompt_logprob_positions(n) else 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
 
 
 class ModelRunner:
     """model: obeys serving.forward_batch's contract (forward(batch) -> float32 logits [num_logits, vocab],
-    allocate_kv_cache, config, and `ep_buffer` where it has MoE layers). graph_sizes: the step graphs to
-    capture (token counts, each at most max_tokens_per_rank; empty: every step runs eagerly)."""
+    allocate_kv_cache, config, and `ep_buffer` where it has MoE layers; for graphs also hidden_states and
+    compute_logits, forward's two halves). graph_sizes: the step graphs to capture (token counts, each at
+    most max_tokens_per_rank; empty: every step runs eagerly)."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, num_blocks: int, block_size: int,
                  max_model_len: int, max_tokens_per_rank: int, max_num_seqs: int,
@@ -158,15 +159,15 @@ class ModelRunner:
     def fits_graph(self, batch: ScheduledBatch, size: int) -> bool:
         """Whether `batch` can run as the step graph of `size` tokens (module docstring)."""
         tokens, seqs = self._rows(size)
-        return batch.num_tokens <= tokens and len(batch.seqs) <= seqs and sum(logits_rows(batch)) == len(batch.seqs)
+        return batch.num_tokens <= tokens and len(batch.seqs) <= seqs
 
     def graph_inputs(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
         """`batch` as the host inputs of the step graph of `size` tokens: its tokens first, then padding
         tokens (token 0 at position 0 of the padding sequence, row S of the block tables, whose one block
-        is the padding block); logits rows: each sequence's last token, then row 0 for the unused ones."""
+        is the padding block); logits_indices: the batch's own (logits_rows), never a padding token."""
         if not self.fits_graph(batch, size):
-            raise ValueError(f"batch: {batch.num_tokens} tokens of {len(batch.seqs)} sequences (logits rows "
-                             f"{sum(logits_rows(batch))}) do not fit the step graph of {size} tokens")
+            raise ValueError(f"batch: {batch.num_tokens} tokens of {len(batch.seqs)} sequences do not fit the "
+                             f"step graph of {size} tokens (at most {self._rows(size)[1]} sequences)")
         tokens, seqs = self._rows(size)
         bs = self.block_size
         ids = np.zeros(tokens, np.int64)
@@ -179,10 +180,10 @@ class ModelRunner:
         seq_lens[seqs] = 1
         query_start = np.full(seqs + 2, batch.num_tokens, np.int32)
         query_start[-1] = tokens
-        logits = np.zeros(seqs, np.int64)
+        logits: list[int] = []
         offset = 0
         # Filled in numpy, one sequence at a time (a decode token without numpy): this runs every step.
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for i, (seq, n, rows) in enumerate(zip(batch.seqs, batch.num_new_tokens, logits_rows(batch))):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
             tables[i, :len(table)] = table
@@ -199,12 +200,12 @@ class ModelRunner:
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
-            logits[i] = offset - 1
+            logits += range(offset - rows, offset)
         return ForwardBatch(
             input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
             query_start=torch.from_numpy(query_start), seq_lens=torch.from_numpy(seq_lens),
             block_tables=torch.from_numpy(tables), slot_mapping=torch.from_numpy(slots),
-            logits_indices=torch.from_numpy(logits), token_seqs=torch.from_numpy(token_seqs))
+            logits_indices=torch.tensor(logits, dtype=torch.int64), token_seqs=torch.from_numpy(token_seqs))
 
     # ------------------------------------------------------------------ CUDA graphs
     @property
@@ -222,7 +223,8 @@ class ModelRunner:
         capture executes the MoE layers' dispatch and combine with the peers."""
         padding = self.graph_inputs(ScheduledBatch(), max(sizes))
         self._static = ForwardBatch(**{name: getattr(padding, name).to(self.device)
-                                       for name in _TOKEN_ROWS + _SEQ_ROWS})
+                                       for name in _TOKEN_ROWS + _SEQ_ROWS},
+                                    logits_indices=padding.logits_indices.to(self.device))
         pool = None
         side = torch.cuda.Stream(self.device)
         start = time.perf_counter()
@@ -230,13 +232,13 @@ class ModelRunner:
             static = self._static_view(size)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), torch.inference_mode():
-                self.model(static)  # warm-up: lazy initialisation and Triton compilation happen outside capture
+                self.model.hidden_states(static)  # warm-up: lazy initialisation and Triton compilation
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                logits = self.model(static)
+                hidden = self.model.hidden_states(static)
             pool = graph.pool()
-            self._graphs[size] = (graph, logits)
+            self._graphs[size] = (graph, hidden)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
 
@@ -245,10 +247,10 @@ class ModelRunner:
         s = self._static
         assert s is not None
         tokens, seqs = self._rows(size)
-        lengths = {"block_tables": seqs + 1, "seq_lens": seqs + 1, "query_start": seqs + 2, "logits_indices": seqs}
+        lengths = {"block_tables": seqs + 1, "seq_lens": seqs + 1, "query_start": seqs + 2}
         rows = {name: getattr(s, name)[:tokens] for name in _TOKEN_ROWS}
         rows.update({name: getattr(s, name)[:n] for name, n in lengths.items()})
-        return ForwardBatch(**rows)
+        return ForwardBatch(**rows, logits_indices=s.logits_indices)
 
     def _replay(self, batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
         if size not in self._graphs:
@@ -258,9 +260,10 @@ class ModelRunner:
         for name in _TOKEN_ROWS + _SEQ_ROWS:
             getattr(static, name).copy_(getattr(host, name).pin_memory(), non_blocking=True)
         self._fill_pending(static.input_ids, batch, pending_tokens)
-        graph, logits = self._graphs[size]
+        graph, hidden = self._graphs[size]
         graph.replay()
-        return logits[:len(batch.seqs)]
+        rows = host.logits_indices.pin_memory().to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     # ------------------------------------------------------------------ running
     @torch.inference_mode()

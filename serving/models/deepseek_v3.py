@@ -145,6 +145,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         """One step: writes the new tokens' latent KV to their slots, attends (prefill chunks to their
         sequence's earlier tokens and causally to the chunk, decodes to the cache) and returns float32
         logits [len(logits_indices), vocab] (the rows serving.forward_batch names)."""
+        return self.compute_logits(self.hidden_states(batch).index_select(0, batch.logits_indices))
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step up to the final norm: [num_tokens, hidden] in the model dtype, every token's row (what a
+        step CUDA graph captures; serving.engine.model_runner applies compute_logits to the rows it needs)."""
         cache = self.kv_cache
         if cache is None:
             raise RuntimeError("forward: no KV cache; call allocate_kv_cache(num_blocks, block_size) first")
@@ -155,8 +160,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         cos, sin = self.model.rotary.cos_sin(batch.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache[i], meta, batch.moe_mode)
-        h = self.model.norm(x[batch.logits_indices])
-        return self.lm_head(h).float()
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of final-normed hidden states [rows, hidden]."""
+        return self.lm_head(hidden).float()
 
     def _check_batch(self, batch: ForwardBatch) -> None:
         t, s = batch.num_tokens, batch.num_seqs
