@@ -109,7 +109,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         """The flat ForwardBatch for `batch` (built on the host, copied to the device once)."""
         if not batch:
-            empty = ForwardBatch.empty(self.device, self.max_blocks_per_seq)
+            empty = ForwardBatch.empty(self.device)
             if self.token_attention:
                 empty.token_seqs = empty.positions
             return empty
@@ -130,6 +130,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits: list[int] = []
         bs = self.block_size
+        width = max(len(seq.block_table) for seq in batch.seqs)  # the block table columns this step reads
         for i, (seq, n, rows) in enumerate(zip(batch.seqs, batch.num_new_tokens, logits_rows(batch))):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids(start, end)
@@ -140,7 +141,7 @@ class ModelRunner:
             query_start.append(query_start[-1] + n)
             logits += range(query_start[-1] - rows, query_start[-1])
             seq_lens.append(end)
-            tables.append(table + [-1] * (self.max_blocks_per_seq - len(table)))
+            tables.append(table + [-1] * (width - len(table)))
         i64 = dict(dtype=torch.int64)
         i32 = dict(dtype=torch.int32)
         return ForwardBatch(
@@ -164,7 +165,9 @@ class ModelRunner:
     def graph_inputs(self, batch: ScheduledBatch, size: int) -> ForwardBatch:
         """`batch` as the host inputs of the step graph of `size` tokens: its tokens first, then padding
         tokens (token 0 at position 0 of the padding sequence, row S of the block tables, whose one block
-        is the padding block); logits_indices: the batch's own (logits_rows), never a padding token."""
+        is the padding block); logits_indices: the batch's own (logits_rows), never a padding token. The
+        block tables have the columns the step reads (at least 1): a replay writes those columns of the
+        graph's tables, whose later columns no token reads (each reads its key count's blocks only)."""
         if not self.fits_graph(batch, size):
             raise ValueError(f"batch: {batch.num_tokens} tokens of {len(batch.seqs)} sequences do not fit the "
                              f"step graph of {size} tokens (at most {self._rows(size)[1]} sequences)")
@@ -174,7 +177,8 @@ class ModelRunner:
         positions = np.zeros(tokens, np.int64)
         slots = np.full(tokens, self.pad_block * bs, np.int64)
         token_seqs = np.full(tokens, seqs, np.int64)
-        tables = np.full((seqs + 1, self.max_blocks_per_seq), -1, np.int32)
+        width = max([1] + [len(seq.block_table) for seq in batch.seqs])
+        tables = np.full((seqs + 1, width), -1, np.int32)
         tables[seqs, 0] = self.pad_block
         seq_lens = np.zeros(seqs + 1, np.int32)
         seq_lens[seqs] = 1
@@ -222,6 +226,9 @@ class ModelRunner:
         expert-parallel rank must capture the same sizes at the same time: the warm-up run before each
         capture executes the MoE layers' dispatch and combine with the peers."""
         padding = self.graph_inputs(ScheduledBatch(), max(sizes))
+        tables = torch.full((padding.block_tables.shape[0], self.max_blocks_per_seq), -1, dtype=torch.int32)
+        tables[:, :padding.block_tables.shape[1]] = padding.block_tables
+        padding.block_tables = tables  # every column a sequence may come to read (graph_inputs writes the used ones)
         self._static = ForwardBatch(**{name: getattr(padding, name).to(self.device)
                                        for name in _TOKEN_ROWS + _SEQ_ROWS},
                                     logits_indices=padding.logits_indices.to(self.device))
@@ -258,7 +265,11 @@ class ModelRunner:
         host = self.graph_inputs(batch, size)
         static = self._static_view(size)
         for name in _TOKEN_ROWS + _SEQ_ROWS:
-            getattr(static, name).copy_(getattr(host, name).pin_memory(), non_blocking=True)
+            source = getattr(host, name)
+            target = getattr(static, name)
+            if name == "block_tables":
+                target = target[:, :source.shape[1]]
+            target.copy_(source.pin_memory(), non_blocking=True)
         self._fill_pending(static.input_ids, batch, pending_tokens)
         graph, hidden = self._graphs[size]
         graph.replay()
