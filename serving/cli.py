@@ -153,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=human_int, default=None,
                    help="most tokens (prompt + completion) per request, e.g. 4096 or 4k (default: the model's "
                         "max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once per rank")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences running at once per rank (default: vLLM's 1024 on H100 and H200, capped as "
+                        "vLLM caps it by --max-num-batched-tokens, and by --max-tokens-per-rank: every running "
+                        "sequence decodes a token in each low-latency step; 256 with the defaults)")
     p.add_argument("--max-num-batched-tokens", type=human_int, default=None, metavar="N",
                    help="tokens a rank schedules per step (vLLM's per-engine budget: each data-parallel rank "
                         "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "

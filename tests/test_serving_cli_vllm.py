@@ -191,6 +191,18 @@ def test_start_up_refuses_what_the_checkpoint_cannot_run(fp8_checkpoint, bf16_ch
 
 
 # ---------------------------------------------------------------------------- sizes and memory
+def test_max_num_seqs_defaults_as_vllms_capped_by_the_step():
+    """vLLM's default (1024 on H100 and H200, vllm/engine/arg_utils.py) capped by the step budget as vLLM
+    caps it, and by T; a value given is kept, or refused above T."""
+    assert config().max_num_seqs == 256
+    assert config("--max-num-batched-tokens", "64").max_num_seqs == 64
+    assert config("--deepep-mode", "auto").max_num_seqs == 256  # a 2,048-token budget, T = 256
+    assert config("--deepep-mode", "auto", "--max-tokens-per-rank", "2K").max_num_seqs == 1024
+    assert config("--max-num-seqs", "8").max_num_seqs == 8
+    with pytest.raises(ValueError, match="max_num_seqs: expected at most max_tokens_per_rank=256"):
+        config("--max-num-seqs", "300")
+
+
 def test_max_num_batched_tokens_is_the_per_rank_step_budget(capsys):
     """In low-latency mode every step goes through the low-latency buffer: the budget is its T."""
     assert (config().max_tokens_per_rank, config().token_budget) == (256, 256)

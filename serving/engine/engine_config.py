@@ -14,6 +14,7 @@ EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, name
 DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
 DEFAULT_MAX_TOKENS_PER_RANK = 256
 DEFAULT_NORMAL_BUDGET = 2048  # tokens per step with normal mode (vLLM's default max_num_batched_tokens)
+DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's default on an H100 or H200, which it caps at the step budget as here
 # Step graph sizes (vLLM's capture sizes): 1, 2, 4, every multiple of 8 below 256, then of 16.
 LADDER_STEP, LADDER_WIDE_FROM, LADDER_WIDE_STEP = 8, 256, 16
 LOAD_FORMATS = ("auto", "dummy")
@@ -47,7 +48,7 @@ class EngineConfig:
     loader: str = DEFAULT_LOADER
     load_format: str = "auto"  # "auto": the safetensors; "dummy": random weights (serving.loading.checkpoint)
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # None: default_max_num_seqs (resolved at construction)
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     max_num_batched_tokens: int | None = None
     deepep_mode: str = "low_latency"
@@ -87,11 +88,15 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization}")
         if self.deepep_mode not in DEEPEP_MODES:
             raise ValueError(f"deepep_mode: expected one of {DEEPEP_MODES}, got {self.deepep_mode!r}")
-        for name in ("max_num_seqs", "max_tokens_per_rank", "block_size", "data_parallel_size"):
+        for name in ("max_tokens_per_rank", "block_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs is None:  # frozen: set once, here
+            object.__setattr__(self, "max_num_seqs", self.default_max_num_seqs)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: expected >= 1, got {self.max_num_seqs}")
         if self.deepep_mode == "low_latency" and self.token_budget > self.max_tokens_per_rank:
             raise ValueError(f"max_num_batched_tokens: expected at most max_tokens_per_rank={self.max_tokens_per_rank} "
                              f"with deepep_mode 'low_latency' (every step goes through the low-latency buffer), got "
@@ -160,6 +165,12 @@ class EngineConfig:
         if self.deepep_mode == "low_latency":
             return self.max_tokens_per_rank
         return max(self.max_tokens_per_rank, DEFAULT_NORMAL_BUDGET)
+
+    @property
+    def default_max_num_seqs(self) -> int:
+        """vLLM's default (1024 on H100 and H200) capped, as vLLM caps it, by the tokens of a step, and by T:
+        every running sequence decodes a token in every low-latency step."""
+        return min(DEFAULT_MAX_NUM_SEQS, self.token_budget, self.max_tokens_per_rank)
 
     @property
     def graph_budget(self) -> int:
