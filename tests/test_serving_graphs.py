@@ -158,12 +158,10 @@ def test_the_engine_picks_the_agreed_graph_or_runs_eagerly(checkpoint: str, monk
 
     engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
     monkeypatch.setattr(type(engine.runner), "captured_sizes", property(lambda self: [1, 2, 4, 8]))
-    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4))
-    batch = engine.schedule()
-    assert engine._graph_size(StepPlan(True, 3), batch) == 4
-    assert engine._graph_size(StepPlan(True, 7), batch) == 8  # a peer holds 7 tokens
-    assert engine._graph_size(StepPlan(True, 9), batch) is None  # past the largest graph: every rank eager
-    assert engine._graph_size(StepPlan(True, 1), ScheduledBatch()) == 1  # an idle rank replays padding
+    assert engine._graph_size(StepPlan(True, 3)) == 4
+    assert engine._graph_size(StepPlan(True, 7)) == 8  # a peer holds 7 tokens
+    assert engine._graph_size(StepPlan(True, 9)) is None  # past the largest graph: every rank eager
+    assert engine._graph_size(StepPlan(True, 0)) == 1  # where a rank steps alone on nothing
 
 
 def test_cpu_engine_runs_eagerly(checkpoint: str) -> None:

@@ -76,7 +76,9 @@ class PendingStep:
 
 class LLMEngine:
     """async_scheduling: see the module docstring. enable_prefix_caching: sequences start after the
-    longest prefix of theirs that earlier ones left in the KV cache (block_manager.py)."""
+    longest prefix of theirs that earlier ones left in the KV cache (block_manager.py). use_cuda_graphs:
+    capture step graphs of `graph_sizes` tokens (None: engine_config.capture_sizes up to the smaller of
+    the step budget and T; ModelRunner decides whether graphs can run here)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, *, num_blocks: int, block_size: int,
                  max_model_len: int, max_num_seqs: int, max_tokens_per_rank: int, device: torch.device,
@@ -155,8 +157,7 @@ class LLMEngine:
         sequences whose prompt is complete, and return their outputs; with async scheduling, the
         outputs of the step before instead (this step's come from the next execute or flush).
         graph_size: replay the step graph of that size (ModelRunner.graph_size; the batch must fit it),
-        None: eagerly. moe_mode: the MoE layers' dispatch mode, the same on
-        every rank (FusedMoE.forward)."""
+        None: eagerly. moe_mode: the MoE layers' dispatch mode, the same on every rank (FusedMoE.forward)."""
         start = time.perf_counter()
         kind = "empty" if not batch else "decode" if batch.is_decode_only else "prefill"
         before, self._pending = self._pending, None
@@ -212,7 +213,7 @@ class LLMEngine:
         if not plan.step:
             return self.flush()
         mode = self.moe_mode(plan)
-        return self.execute(batch, self._graph_size(plan, batch) if mode == "low_latency" else None, mode)
+        return self.execute(batch, self._graph_size(plan) if mode == "low_latency" else None, mode)
 
     def moe_mode(self, plan: StepPlan) -> str:
         """The MoE layers' dispatch mode for `plan` (every rank derives the same one from it): deepep_mode,
@@ -222,17 +223,16 @@ class LLMEngine:
             return "normal" if plan.max_num_tokens > self.max_tokens_per_rank else "low_latency"
         return self.deepep_mode
 
-    def _graph_size(self, plan: StepPlan, batch: ScheduledBatch) -> int | None:
-        """The step graph this rank replays for `plan` (None: eager): the captured size that holds the
-        agreed token count (every rank picks the same), where this rank's batch fits it (a batch with
-        prompt logprobs does not: it runs eagerly, its peers' dispatch and combine are the same)."""
-        size = self.runner.graph_size(plan.max_num_tokens)
-        return size if size is not None and self.runner.fits_graph(batch, size) else None
+    def _graph_size(self, plan: StepPlan) -> int | None:
+        """The step graph every rank replays for `plan` (None: eager): the captured size that holds the
+        agreed token count. Each rank's batch fits it: at most that many tokens, so at most that many
+        sequences, and the scheduler runs at most max_num_seqs (ModelRunner.fits_graph)."""
+        return self.runner.graph_size(plan.max_num_tokens)
 
     def graph_size_alone(self, batch: ScheduledBatch) -> int | None:
         """The step graph an engine without peers replays for `batch` (None: eager), for callers that
         `execute` batches themselves (benchmarks/profile_decode.py)."""
-        return self._graph_size(plan_alone(batch.num_tokens), batch) if batch else None
+        return self._graph_size(plan_alone(batch.num_tokens)) if batch else None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  max_steps: int = 100_000) -> list[str]:
