@@ -28,17 +28,18 @@ def test_warm_up_leaves_a_fresh_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     seconds = warm_up.warm_up(engine)
     assert seconds > 0 and not engine.has_work() and not engine.requests
     lengths = warm_up.PROMPT_LENGTHS
-    assert len(sampled) == len(lengths) * len(warm_up.PARAMS) * warm_up.MAX_TOKENS
+    # And one prompt that fills a step (no graphs on CPU: steps run eagerly).
+    assert len(sampled) == (len(lengths) * len(warm_up.PARAMS) + 1) * warm_up.MAX_TOKENS
     assert {p for p, _, _ in sampled} == set(warm_up.PARAMS)
     assert any(penalized for _, penalized, _ in sampled) and any(banned for _, _, banned in sampled)
-    assert engine.model.max_batch_tokens > 1 and engine.model.num_forwards > len(lengths)
+    assert engine.model.max_batch_tokens == engine.scheduler.token_budget and engine.model.num_forwards > len(lengths)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.reset()
     stats = engine.scheduler_stats()
     assert (stats.num_running, stats.num_waiting, stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0, 0, 0)
     assert engine._steps == {} and engine._step_seconds == {}
     # A warm-up prompt again: computed in full (nothing cached), and served as by a fresh engine.
-    prompt = [3 + (7 * i) % (engine.vocab_size - 3) for i in range(lengths[-1])]
+    prompt = warm_up.prompt_of(engine, lengths[-1])
     fresh = make_engine(budget=16, max_num_seqs=8, async_scheduling=True)
     got = {}
     for name, e in (("warm", engine), ("fresh", fresh)):

@@ -111,7 +111,7 @@ class ModelRunner:
         if not batch:
             empty = ForwardBatch.empty(self.device)
             if self.token_attention:
-                empty.token_seqs = empty.positions
+                empty.token_seqs = torch.empty(0, dtype=torch.int64, device=self.device)
             return empty
         host = self._host_batch(batch)
         if self.device.type == "cpu":

@@ -1,9 +1,11 @@
 """Warm-up before a rank reports ready: a few requests through the engine itself, so that every path a
 request can take runs once (and every kernel it launches is compiled, and every lazy initialisation done)
 before the first real request pays for it: greedy and sampled draws (temperature, min_p, top-k, top-p,
-seeded or not), penalties, min_tokens, logprobs, and prompt logprobs (an eager step), at prompt lengths
-that reach Triton's specialisations (1, a multiple of 16, another). Step graphs are captured before it;
-its steps replay them. Afterwards the prefix cache and the step counters are as at start.
+seeded or not), penalties, min_tokens, logprobs and prompt logprobs, at prompt lengths that reach
+Triton's specialisations (1, a multiple of 16, another). Step graphs are captured before it; its steps
+replay them. Where a step may hold more tokens than the largest graph (or no graphs run here), one more
+prompt fills a whole step, which runs eagerly (in normal mode with deepep_mode "auto"). Afterwards the
+prefix cache and the step counters are as at start.
 
 Expert-parallel ranks warm up together: every rank runs the same requests, stepping with its peers'
 agreement until no rank has work."""
@@ -33,9 +35,12 @@ def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
     """Run the warm-up requests to completion (sync: the peers' agreement, None: alone); seconds taken."""
     start = time.perf_counter()
     for length in PROMPT_LENGTHS:
-        prompt = [3 + (7 * i) % (engine.vocab_size - 3) for i in range(length)]
         for j, params in enumerate(PARAMS):
-            engine.add_request(f"warm-up-{length}-{j}", prompt, params)
+            engine.add_request(f"warm-up-{length}-{j}", prompt_of(engine, length), params)
+    budget, graphs = engine.scheduler.token_budget, engine.runner.captured_sizes
+    if not graphs or budget > graphs[-1]:
+        length = min(budget, engine.max_model_len - MAX_TOKENS)
+        engine.add_request("warm-up-eager", prompt_of(engine, length), PARAMS[0])
     for _ in range(MAX_STEPS):
         engine.step(sync)
         if not engine.has_work() and (sync is None or not sync.plan.step):
@@ -44,3 +49,8 @@ def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
         raise RuntimeError(f"warm-up: requests not done after {MAX_STEPS} steps")
     engine.forget_history()
     return time.perf_counter() - start
+
+
+def prompt_of(engine: LLMEngine, length: int) -> list[int]:
+    """A warm-up prompt of `length` token ids within the vocabulary."""
+    return [3 + (7 * i) % (engine.vocab_size - 3) for i in range(length)]
