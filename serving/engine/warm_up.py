@@ -29,6 +29,9 @@ PARAMS = (
     SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, prompt_logprobs=2, ignore_eos=True),
 )
 MAX_STEPS = 1000  # a bound on the loop; the requests above take a handful of steps
+# The ids warm-up prompts cycle through: low ones past the usual BOS, EOS and padding. Any id serves a real
+# model; test models keep their special ids at the top of the vocabulary.
+PROMPT_IDS = range(3, 32)
 
 
 def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
@@ -52,5 +55,6 @@ def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
 
 
 def prompt_of(engine: LLMEngine, length: int) -> list[int]:
-    """A warm-up prompt of `length` token ids within the vocabulary."""
-    return [3 + (7 * i) % (engine.vocab_size - 3) for i in range(length)]
+    """A warm-up prompt of `length` token ids (PROMPT_IDS over and over, within the vocabulary)."""
+    ids = [i for i in PROMPT_IDS if i < engine.vocab_size] or [0]
+    return [ids[i % len(ids)] for i in range(length)]
