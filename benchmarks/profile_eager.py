@@ -1,10 +1,17 @@
-"""Where the host time of an eager low-latency call goes, in the setting of DeepEP's own benchmark
+"""Where the host time of eager calls goes: host microseconds per call (median of many, launches only),
+then cProfile's top functions over the same calls.
+
+Default: a low-latency dispatch and combine in the setting of DeepEP's own benchmark
 (tests/test_low_latency.py: torch.set_default_device('cuda'), bfloat16 default dtype, the receive-count
-stats tensor, FP8 dispatch, no hook): host microseconds per call (median of many, launches only), then
-cProfile's top functions over the same calls.
+stats tensor, FP8 dispatch, no hook).
+
+--layer: one FusedMoE layer at DeepSeek-V3's shapes (bench_moe.py's: FP8 block weights, EP = 1, the cuda
+backend), its eager time (call to GPU done) beside its CUDA-graph replay, as bench_moe times them: the
+eager path's host overhead per layer, which a model pays on every eager step.
 
     python benchmarks/profile_eager.py                       # T = 128, H = 7168, E = 288, top-8, EP = 1
     python benchmarks/profile_eager.py --tokens 1 --top 25
+    python benchmarks/profile_eager.py --layer --tokens 1
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import argparse
 import cProfile
 import io
 import pstats
+from collections.abc import Callable
 
 import torch
 from bench_ll import host_time
@@ -22,6 +30,7 @@ from ep_layer import Buffer
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layer", action="store_true", help="profile one FusedMoE layer instead of a Buffer's calls")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=288)
@@ -29,6 +38,9 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--top", type=int, default=20, help="functions to list from cProfile")
     args = p.parse_args()
+    if args.layer:
+        profile_layer(args)
+        return
 
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("cuda")
@@ -56,21 +68,46 @@ def main() -> None:
         combine()
     rows = [("dispatch", host_time(dispatch, args.calls)), ("combine", host_time(combine, args.calls))]
 
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(args.calls):
-        dispatch()
-        combine()
-    profile.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
-    print(text.getvalue())
+    print_profile(lambda: (dispatch(), combine()), args.calls, args.top)
     print(f"{torch.cuda.get_device_name()}, T = {t}, H = {h}, E = {e}, top-{args.topk}, EP = 1, default device "
           f"cuda, bf16 default dtype, stats tensor")
     print(f"{'call':10s} {'host us':>8s}")
     for name, us in rows:
         print(f"{name:10s} {us:8.1f}")
+
+
+def profile_layer(args: argparse.Namespace) -> None:
+    """One FusedMoE layer's eager call against its graph replay, then where its host time goes."""
+    from bench_moe import Shape, cuda_buffers, hf_tensors, new_layer, require_gpu, time_eager, time_graph
+
+    require_gpu("profile_eager.py --layer")
+    shape, device, t = Shape(), torch.device("cuda"), args.tokens
+    size = Buffer.get_low_latency_rdma_size_hint(t, shape.hidden, 1, shape.num_experts)
+    layer = new_layer(shape, cuda_buffers(1, size)[0], t, device)
+    layer.load_weights(hf_tensors(shape, range(shape.num_experts), device, seed=0))
+    x = torch.randn(t, shape.hidden, device=device).to(torch.bfloat16)
+
+    def call() -> None:
+        layer(x)
+
+    eager, graph = time_eager(call, 20), time_graph(call, 20)
+    host = host_time(call, args.calls)
+    print_profile(call, args.calls, args.top)
+    print(f"{torch.cuda.get_device_name()}, FusedMoE at DeepSeek-V3's shapes, T = {t}, EP = 1, µs")
+    print(f"eager {eager:.1f} | graph {graph:.1f} | eager / graph {eager / graph:.2f} | host launch {host:.1f}")
+
+
+def print_profile(calls: Callable[[], object], n: int, top: int) -> None:
+    """cProfile's `top` functions by own time over n calls."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        calls()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue())
 
 
 if __name__ == "__main__":
