@@ -121,36 +121,13 @@ class ModelRunner:
         return ForwardBatch(**moved, host_layout=host.host_layout)
 
     def _host_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        token_seqs: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits: list[int] = []
-        bs = self.block_size
-        width = max(len(seq.block_table) for seq in batch.seqs)  # the block table columns this step reads
-        for i, (seq, n, rows) in enumerate(zip(batch.seqs, batch.num_new_tokens, logits_rows(batch))):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids += seq.token_ids(start, end)
-            positions += range(start, end)
-            table = seq.block_table
-            slots += [slot_of(table, p, bs) for p in range(start, end)]
-            token_seqs += [i] * n
-            query_start.append(query_start[-1] + n)
-            logits += range(query_start[-1] - rows, query_start[-1])
-            seq_lens.append(end)
-            tables.append(table + [-1] * (width - len(table)))
-        i64 = dict(dtype=torch.int64)
-        i32 = dict(dtype=torch.int32)
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, **i64), positions=torch.tensor(positions, **i64),
-            query_start=torch.tensor(query_start, **i32), seq_lens=torch.tensor(seq_lens, **i32),
-            block_tables=torch.tensor(tables, **i32), slot_mapping=torch.tensor(slots, **i64),
-            logits_indices=torch.tensor(logits, **i64),
-            token_seqs=torch.tensor(token_seqs, **i64) if self.token_attention else None,
-            host_layout=HostLayout(query_start, seq_lens, tables))
+        """The eager step's inputs on the host: `_layout` without padding, with the host lists the
+        host-layout attention reads, and token_seqs where the per-token attention runs."""
+        host = self._layout(batch, batch.num_tokens, len(batch.seqs), padded=False)
+        host.host_layout = HostLayout(host.query_start.tolist(), host.seq_lens.tolist(), host.block_tables.tolist())
+        if not self.token_attention:
+            host.token_seqs = None
+        return host
 
     def _rows(self, size: int) -> tuple[int, int]:
         """(token rows, sequence rows) of the step graph of `size` tokens: at most min(size, max_num_seqs)
@@ -172,22 +149,29 @@ class ModelRunner:
             raise ValueError(f"batch: {batch.num_tokens} tokens of {len(batch.seqs)} sequences do not fit the "
                              f"step graph of {size} tokens (at most {self._rows(size)[1]} sequences)")
         tokens, seqs = self._rows(size)
+        return self._layout(batch, tokens, seqs, padded=True)
+
+    def _layout(self, batch: ScheduledBatch, tokens: int, seqs: int, padded: bool) -> ForwardBatch:
+        """`batch`'s tokens in the first of `tokens` rows and its sequences in the first of `seqs` rows
+        (padded: then the padding sequence, whose tokens fill the rest; graph_inputs), on the host."""
         bs = self.block_size
         ids = np.zeros(tokens, np.int64)
         positions = np.zeros(tokens, np.int64)
         slots = np.full(tokens, self.pad_block * bs, np.int64)
         token_seqs = np.full(tokens, seqs, np.int64)
-        width = max([1] + [len(seq.block_table) for seq in batch.seqs])
-        tables = np.full((seqs + 1, width), -1, np.int32)
-        tables[seqs, 0] = self.pad_block
-        seq_lens = np.zeros(seqs + 1, np.int32)
-        seq_lens[seqs] = 1
-        query_start = np.full(seqs + 2, batch.num_tokens, np.int32)
+        width = max([1] + [len(seq.block_table) for seq in batch.seqs])  # the block table columns it reads
+        rows = seqs + 1 if padded else seqs
+        tables = np.full((rows, width), -1, np.int32)
+        seq_lens = np.zeros(rows, np.int32)
+        if padded:
+            tables[seqs, 0] = self.pad_block
+            seq_lens[seqs] = 1
+        query_start = np.full(rows + 1, batch.num_tokens, np.int32)
         query_start[-1] = tokens
         logits: list[int] = []
         offset = 0
         # Filled in numpy, one sequence at a time (a decode token without numpy): this runs every step.
-        for i, (seq, n, rows) in enumerate(zip(batch.seqs, batch.num_new_tokens, logits_rows(batch))):
+        for i, (seq, n, logit_rows) in enumerate(zip(batch.seqs, batch.num_new_tokens, logits_rows(batch))):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             table = seq.block_table
             tables[i, :len(table)] = table
@@ -204,7 +188,7 @@ class ModelRunner:
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = tables[i, pos // bs].astype(np.int64) * bs + pos % bs
             offset += n
-            logits += range(offset - rows, offset)
+            logits += range(offset - logit_rows, offset)
         return ForwardBatch(
             input_ids=torch.from_numpy(ids), positions=torch.from_numpy(positions),
             query_start=torch.from_numpy(query_start), seq_lens=torch.from_numpy(seq_lens),
