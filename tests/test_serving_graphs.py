@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ep_layer import native
 from serving.engine.engine import LLMEngine
 from serving.engine.engine_config import EngineConfig, capture_sizes
 from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, why_eager
@@ -19,6 +20,7 @@ from serving.models import mla_decode_triton
 from serving.tiny_model import write_tiny_checkpoint
 
 BLOCK_SIZE = 4
+NEEDS_KERNELS = pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
 MAX_MODEL_LEN = 64
 
 
@@ -183,13 +185,6 @@ def test_why_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--max-model-len" in why_eager(cuda, "cuda", GRAPH_MAX_MODEL_LEN + 1)
 
 
-def needs_cuda_backend() -> None:
-    from ep_layer import native
-
-    if not torch.cuda.is_available() or not native.available():
-        pytest.skip("needs a GPU and the cuda backend built")
-
-
 def long_late_prompts(seed: int) -> tuple[list[list[int]], list[int]]:
     """7 prompts: four short ones, then three of 20 to 40 tokens that arrive late (generate's `late`) and
     are computed in chunks beside the others' decodes; and each one's output length (4 to 16)."""
@@ -200,11 +195,11 @@ def long_late_prompts(seed: int) -> tuple[list[list[int]], list[int]]:
 
 
 @pytest.mark.gpu
+@NEEDS_KERNELS
 def test_graph_replays_equal_eager_steps_on_gpu(checkpoint: str) -> None:
     """7 requests, 3 of them long and late: every step replays a step graph (prompt chunks mixed with
     decodes too; none is past the largest graph of 32 tokens), at every replay the eager forward on the
     same inputs gives the same logits, and the greedy text equals an engine that never captured graphs."""
-    needs_cuda_backend()
     prompt_ids, lengths = long_late_prompts(seed=3)
     eager = make_engine(checkpoint, "cuda", use_cuda_graphs=False, backend="cuda")
     want = generate(eager, prompt_ids, lengths, late=3)
@@ -273,13 +268,13 @@ def _ep_graph_rank(rank: int, world_size: int, path: str, use_cuda_graphs: bool)
 
 
 @pytest.mark.gpu
+@NEEDS_KERNELS
 def test_expert_parallel_ranks_replay_the_same_step_graphs_on_one_gpu(checkpoint: str) -> None:
     """Two expert-parallel ranks (processes on one GPU, the cuda backend): with step graphs every step of
     both ranks replays one (the idle rank on padding), and each rank's greedy tokens equal those of the
     same two ranks without graphs."""
     from dist_harness import run_ranks
 
-    needs_cuda_backend()
     eager = run_ranks(_ep_graph_rank, 2, checkpoint, False, timeout_s=300)
     graphs = run_ranks(_ep_graph_rank, 2, checkpoint, True, timeout_s=300)
     for rank in range(2):
@@ -289,12 +284,12 @@ def test_expert_parallel_ranks_replay_the_same_step_graphs_on_one_gpu(checkpoint
 
 
 @pytest.mark.gpu
+@NEEDS_KERNELS
 def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:
     """Graph replays whose input tokens are the last step's samples, copied on the device (in order, and
     by index once sequences finish), give the tokens of an engine that reads every step's samples on
     the host first: greedy and seeded sampling, staggered lengths, batches 7 down to 1, and steps that mix
     the prompts of three late requests into the others' decodes."""
-    needs_cuda_backend()
     prompt_ids = prompts(7, seed=4)
     lengths = [3 + 3 * i for i in range(7)]
     seeded = {1: 11, 4: 7}  # request: seed (temperature 1); the others greedy
