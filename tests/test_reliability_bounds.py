@@ -5,7 +5,8 @@ DeepSeek-V3, 2 expert-parallel ranks, 127.0.0.1 only):
   takes one, without being tokenized;
 - while 4 clients keep the server tokenizing the longest prompts it takes, the event loop answers
   /health within 100 ms (p99), a normal request takes at most twice its unloaded time, and the server's
-  memory returns to within 10 % of where it started once they stop;
+  memory returns to within 10 % of where it started once they stop; the pool that tokenizes long texts runs
+  at a lower CPU priority than the server;
 - the choices of one request reach a rank in one message, their shared stop strings pickled once.
 """
 
@@ -23,7 +24,7 @@ import pytest
 from deploy_helpers import EPServe
 from test_serving_api import check_envelope, fake_config
 
-from serving.api.prompts import NORMALIZER_SLACK, longest_token_chars
+from serving.api.prompts import NORMALIZER_SLACK, TOKENIZE_NICE, longest_token_chars, make_tokenize_pool
 from serving.engine.dp_coordinator import DPCoordinator, Submission
 from serving.engine.messages import AddRequests
 from serving.engine.sequence import SamplingParams
@@ -139,6 +140,19 @@ def test_the_server_keeps_answering_while_it_tokenizes_the_longest_prompts(serve
     assert p99 < 0.1, f"/health p99 {p99 * 1e3:.0f} ms while tokenizing"
     assert loaded <= 2 * unloaded, f"a normal request took {loaded:.3f} s under load, {unloaded:.3f} s alone"
     assert rss_end <= 1.1 * rss_start, f"server RSS {rss_start:.0f} MB before the load, {rss_end:.0f} MB after"
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread CPU priorities on this platform")
+def test_the_tokenizing_pool_yields_the_cpu_to_the_server():
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    pool = make_tokenize_pool()
+    try:
+        in_pool = pool.submit(priority).result(10)
+    finally:
+        pool.shutdown()
+    assert in_pool == min(19, priority() + TOKENIZE_NICE), (priority(), in_pool)
 
 
 def test_a_requests_choices_reach_a_rank_in_one_message_sharing_their_stop_strings(seed):

@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,12 +35,23 @@ if TYPE_CHECKING:
 INLINE_CHARS = 4096  # texts up to this long are tokenized on the event loop
 # The pool that tokenizes longer texts: a quarter of the cores, 1 to 4, so that the engine's ranks keep theirs.
 TOKENIZE_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+TOKENIZE_NICE = 10  # the pool's threads' nice value increment (setpriority)
 NORMALIZER_SLACK = 4  # characters a normalizer may merge into one (Unicode composition: at most 3 into 1)
 _T = TypeVar("_T")
 
 
 def make_tokenize_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ep-serve-tokenize")
+    return ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="ep-serve-tokenize", initializer=_yield_cpu)
+
+
+def _yield_cpu() -> None:
+    """Lower this pool thread's CPU priority (Linux threads have their own nice value): long texts are
+    tokenized with the cores the engine's ranks and the event loop leave over, so that a client sending them
+    cannot slow other requests down."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICE)
+    except (AttributeError, OSError):  # no per-thread priorities here: the pool runs at the server's
+        pass
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:
