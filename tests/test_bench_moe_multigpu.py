@@ -37,6 +37,7 @@ def parse_table(stdout: str) -> tuple[list[str], list[dict[str, str]]]:
     return header, rows
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_prints_the_table() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)

@@ -255,6 +255,7 @@ def mixed_args(out: Path) -> list[str]:
             "--seed", "5"]
 
 
+@pytest.mark.slow
 def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> None:
     out = tmp_path / "mixed.json"
     env = {**os.environ, "EP_LAYER_CACHE": tiny_cache, "PYTHONPATH": str(ROOT)}
@@ -275,6 +276,7 @@ def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> N
     assert "# first request after ready" in proc.stdout
 
 
+@pytest.mark.slow
 def test_mixed_workload_as_an_openai_client(tiny_cache: str, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """--backend openai against ep-serve as any OpenAI server (an API key, Poisson arrivals); the prompts'

@@ -252,6 +252,7 @@ def _bound(buckets: tuple[float, ...], seconds: float) -> float:
 
 @pytest.mark.skipif(tool("prometheus") is None,
                     reason="prometheus not found: apt-get install prometheus (.ci/run does)")
+@pytest.mark.slow
 def test_prometheus_scrapes_a_live_server_under_load(server: EPServe, tmp_path: Path):
     prom = Prometheus(tool("prometheus"), server.url.removeprefix("http://"), tmp_path)
     try:

@@ -504,6 +504,7 @@ def test_vllm_deepep_high_throughput(version: str, world: int, seed: int) -> Non
     print(f"vLLM {version}: largest relative error per rank and format {results}")
 
 
+@pytest.mark.slow
 def test_vllm_deepep_high_throughput_four_ranks(seed: int) -> None:
     """The same on four ranks, with the newest release only (the rank count is our Buffer's business, and four
     ranks importing vLLM on a small machine take a while)."""

@@ -86,6 +86,7 @@ def test_a_prompt_no_model_could_hold_is_refused_unread(served):
         assert "maximum context length" in at["message"], at
 
 
+@pytest.mark.slow
 def test_the_server_keeps_answering_while_it_tokenizes_the_longest_prompts(served):
     server, checkpoint = served
     body = json.dumps({"prompt": longest_prompt(server.url, checkpoint), "max_tokens": 1}).encode()

@@ -67,6 +67,7 @@ def rank_stops_calling(rank: int, world: int, seed: int, quitter: int) -> dict[s
     return took
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_rank_that_stops_calling_makes_the_others_time_out(world: int, seed: int) -> None:
     took = run_ranks(rank_stops_calling, world, seed, world - 1, timeout_s=60)

@@ -131,6 +131,7 @@ def test_a_kept_alive_connection_is_closed_when_idle(server):
     assert time.monotonic() - answered > KEEP_ALIVE_S - 0.5, f"closed after {idle_s:.2f} s, before the timeout"
 
 
+@pytest.mark.slow
 def test_a_stalled_body_is_a_408(server):
     with connect(server.port) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

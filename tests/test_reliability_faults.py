@@ -161,6 +161,7 @@ def no_traceback(text: str) -> None:
 
 
 # ---------------------------------------------------------------------------- a rank dies
+@pytest.mark.slow
 def test_killed_rank_health_503_requests_fail_cleanly_and_sigterm_stops_the_tree(tiny_cache, tmp_path):
     with ep_serve(tiny_cache, tmp_path / "ep-serve.log", "--enable-expert-parallel", "--data-parallel-size", "2") as s:
         ranks = s.ranks()
@@ -218,6 +219,7 @@ def test_killed_rank_health_503_requests_fail_cleanly_and_sigterm_stops_the_tree
 
 
 # ---------------------------------------------------------------------------- the server dies
+@pytest.mark.slow
 @pytest.mark.parametrize("busy", [True, False], ids=["busy", "idle"])
 def test_ranks_exit_within_two_seconds_of_a_killed_server(tiny_cache, tmp_path, busy):
     """SIGKILL of the server process (no chance to stop its ranks): the ranks notice and exit, busy in a
@@ -255,6 +257,7 @@ def wait_for(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("busy", [True, False], ids=["mid-stream", "idle"])
 def test_a_stalled_rank_is_reported_and_the_server_recovers_when_it_moves_again(tiny_cache, tmp_path, busy):
     """SIGSTOP of one rank (mid-stream, or idle): after --rank-stall-timeout /health is a 503 naming that
@@ -301,6 +304,7 @@ def test_a_stalled_rank_is_reported_and_the_server_recovers_when_it_moves_again(
 
 
 # ---------------------------------------------------------------------------- SIGTERM, flags
+@pytest.mark.slow
 def test_sigterm_drains_requests_then_stops_the_tree_and_cli_flags_work(tiny_cache, tmp_path):
     args = ["--enable-expert-parallel", "--data-parallel-size", "2", "--api-key", "sekrit",
             "--api-key-exempt-paths", "/health", "--max-num-seqs", "1", "--max-waiting-seqs", "0"]

@@ -130,6 +130,7 @@ EDGE_BODY = st.fixed_dictionaries({
     "stream": st.booleans()}).map(lambda b: {**b, "stream_options": {"include_usage": True}} if b["stream"] else b)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, **FUZZ)
 @given(body=EDGE_BODY)
 def test_fuzzed_valid_bodies_at_the_edges_are_served(client, body):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import pytest
 from test_serving_api import NAME, check_envelope, expected, fake_config, http_server, scrape, sse_events, total
 
 from serving.api.server import ServerState, make_server_state
@@ -53,6 +54,7 @@ def idle(url: str, state: ServerState) -> None:
 
 
 # ---------------------------------------------------------------------------- load
+@pytest.mark.slow
 def test_burst_of_mixed_requests_each_gets_exactly_its_own_answer(seed):
     with served(model="fake", max_waiting_seqs=1000) as (url, state):
         report = load.run_load(url, BURST, seed=seed % (1 << 32))
@@ -78,6 +80,7 @@ def test_load_checks_see_swapped_and_malformed_answers():
 
 
 # ---------------------------------------------------------------------------- backpressure
+@pytest.mark.slow
 def test_full_queue_gets_503_with_retry_after_at_once_then_recovers():
     running, waiting, burst, max_tokens = 2, 1, 20, 100  # 10 ms a step: an admitted request takes >= 1 s
     with served(model="fake-slow", max_num_seqs=running, max_waiting_seqs=waiting) as (url, state):
@@ -118,6 +121,7 @@ def test_full_queue_gets_503_with_retry_after_at_once_then_recovers():
 
 
 # ---------------------------------------------------------------------------- cancellation
+@pytest.mark.slow
 def test_disconnected_clients_free_their_kv_blocks_and_others_are_untouched():
     with served(model="fake-slow") as (url, state), httpx.Client(base_url=url, timeout=30) as c:
         aborts = metric(url, "vllm:request_success_total", finished_reason="abort")

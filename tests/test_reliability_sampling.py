@@ -513,6 +513,7 @@ def check_served(resp: httpx.Response, body: dict, what: str) -> str:
     return choices[0].get("text", choices[0].get("message", {}).get("content"))
 
 
+@pytest.mark.slow
 def test_every_numeric_field_at_the_extremes_is_a_200_or_a_400_naming_it(tiny_server, seed: int):
     url, state = tiny_server
     rng = random.Random(seed)

@@ -24,11 +24,13 @@ def engines(url: str) -> set[str]:
                     reason="serve.sh runs the repo's .venv (made by scripts/bootstrap.sh)")
 @pytest.mark.parametrize("args,ranks", [(["--max-num-seqs", "4"], {"0", "1"}),
                                         (["--data-parallel-size", "1"], {"0"})])
+@pytest.mark.slow
 def test_serve_sh_adds_arguments_to_its_defaults(tmp_path: Path, args: list[str], ranks: set[str]) -> None:
     with ep_serve(args, tmp_path / "cache", tmp_path / "ep-serve.log", command=SERVE_SH) as server:
         assert engines(server.url) == ranks, server.log.read_text()
 
 
+@pytest.mark.slow
 def test_run_deepep_tests_runs_each_test_against_the_drop_in(tmp_path: Path) -> None:
     """A stand-in DeepEP checkout whose tests report what they see: `deep_ep` is the drop-in, the
     processes argument arrives, and one failing test fails the run while the others still run."""

@@ -421,6 +421,7 @@ def test_expert_parallel_fake_two_ranks_and_a_dead_rank():
 
 
 # ---------------------------------------------------------------------------- ep-serve on the tiny model
+@pytest.mark.slow
 def test_ep_serve_tiny_model_ep2_matches_ep1(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("tiny-cache"))
     from serving.tiny_model import tiny_checkpoint

@@ -370,6 +370,7 @@ def test_the_default_loader_reads_config_tokenizer(tmp_path):
 
 
 # ---------------------------------------------------------------------------- ep-serve on the tiny model
+@pytest.mark.slow
 def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
     from serving.tiny_model import tiny_checkpoint
 

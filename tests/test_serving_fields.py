@@ -249,6 +249,7 @@ def test_generation_defaults_apply_to_the_fields_a_request_leaves_unset(server):
             httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_request_id_names_the_response_and_one_in_flight_cannot_be_reused():
     with fake_server(model="fake-slow") as (url, _), httpx.Client(base_url=url, timeout=30) as c:
         assert complete(url, prompt="ab", max_tokens=2, request_id="mine-1")["id"] == "cmpl-mine-1"

@@ -39,6 +39,7 @@ def steps(url: str, engine: str) -> float:
     return total(scrape(url), "ep_layer:engine_steps_total", engine=engine)
 
 
+@pytest.mark.slow
 def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
     from serving.tiny_model import tiny_checkpoint
 
@@ -88,6 +89,7 @@ def test_two_processes_are_one_expert_parallel_job(tmp_path: Path):
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_lost_host_takes_the_job_down(tmp_path: Path):
     """A host killed outright (its server and ranks): the other host's ranks fail in their next
     collective, and its /health turns 503 (what a liveness probe restarts on)."""

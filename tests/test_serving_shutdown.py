@@ -70,6 +70,7 @@ def finish_reason(event: dict | str) -> str | None:
     return event["choices"][0]["finish_reason"] if isinstance(event, dict) and event.get("choices") else None
 
 
+@pytest.mark.slow
 def test_sigterm_ends_streams_in_flight_with_an_error_event_then_done(tiny_cache, tmp_path):
     server = EPServe([], tiny_cache, tmp_path / "ep-serve.log")
     try:

@@ -16,6 +16,7 @@ Bad input raises BadRequest naming the request field, which the server answers w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -48,10 +49,8 @@ def _yield_cpu() -> None:
     """Lower this pool thread's CPU priority (Linux threads have their own nice value): long texts are
     tokenized with the cores the engine's ranks and the event loop leave over, so that a client sending them
     cannot slow other requests down."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # none here: the pool runs at the server's priority
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICE)
-    except (AttributeError, OSError):  # no per-thread priorities here: the pool runs at the server's
-        pass
 
 
 def longest_token_chars(tokenizer: Any) -> int | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +53,8 @@ from .sequence import (
 from .step_sync import StepPlan, StepSync, plan_alone
 
 log = logging.getLogger(__name__)
+
+STEP_KINDS = ("prefill", "decode", "empty")  # the kinds of step the engine counts (EPStats.steps)
 
 
 def eos_token_ids(config: Any) -> frozenset[int]:
@@ -112,8 +113,9 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self._pending: PendingStep | None = None
         self._alone = StepSync()  # the agreement of a step without peers
-        self._steps: dict[str, int] = defaultdict(int)
-        self._step_seconds: dict[str, float] = defaultdict(float)
+        # Steps and their host seconds by kind, every kind from the start (so each exports a series at 0).
+        self._steps = dict.fromkeys(STEP_KINDS, 0)
+        self._step_seconds = dict.fromkeys(STEP_KINDS, 0.0)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -269,8 +271,8 @@ class LLMEngine:
             raise RuntimeError("forget_history: the engine still has requests")
         self.block_manager.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
-        self._steps.clear()
-        self._step_seconds.clear()
+        self._steps = dict.fromkeys(STEP_KINDS, 0)
+        self._step_seconds = dict.fromkeys(STEP_KINDS, 0.0)
 
     def ep_stats(self) -> EPStats:
         """Cumulative device counters (a device sync: call at scrape time only) and step timings."""
