@@ -118,3 +118,19 @@ def test_read_ep_stats_without_moe_layers_has_no_latency():
     stats = read_ep_stats(torch.nn.Linear(2, 2), 0, 1, {}, {})
     assert stats.dispatch_latency is None and stats.combine_latency is None
     assert "ep_layer:dispatch_latency_seconds_bucket" not in generate_latest(_registry_with(stats)).decode()
+
+
+def test_a_fresh_engine_exports_every_kind_of_step_at_zero():
+    """Before its first step an engine's step counters are series at 0 (a query of their rate or sum has
+    something to read), and a step counts under its kind."""
+    from test_serving_engine import GREEDY, make_engine
+
+    from serving.engine.engine import STEP_KINDS
+
+    engine = make_engine(budget=16, max_num_seqs=8)
+    steps = exposition([engine.ep_stats()])["ep_layer:engine_steps"]
+    assert {s.labels["kind"]: s.value for s in steps.samples} == dict.fromkeys(STEP_KINDS, 0)
+    engine.add_request("r", [3, 4, 5], GREEDY)
+    engine.step()
+    steps = exposition([engine.ep_stats()])["ep_layer:engine_steps"]
+    assert {s.labels["kind"]: s.value for s in steps.samples} == {"prefill": 1, "decode": 0, "empty": 0}

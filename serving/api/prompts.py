@@ -49,7 +49,7 @@ def _yield_cpu() -> None:
     """Lower this pool thread's CPU priority (Linux threads have their own nice value): long texts are
     tokenized with the cores the engine's ranks and the event loop leave over, so that a client sending them
     cannot slow other requests down."""
-    with contextlib.suppress(AttributeError, OSError):  # none here: the pool runs at the server's priority
+    with contextlib.suppress(AttributeError, OSError):  # no per-thread priorities here: it keeps the server's
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICE)
 
 
