@@ -13,13 +13,15 @@ the GPU time of a dispatch + combine pair with a cold L2. `--transport nvshmem` 
 on NVSHMEM's symmetric heap (nvshmem4py) instead of a cudaMalloc'd one, run by the kernels' NVSHMEM build;
 `nvshmem-puts` also reaches the rank through NVSHMEM puts (EP_LAYER_NVSHMEM_FORCE_PUTS=1: at EP = 1 its
 counts and hellos, as a rank on another node would be reached). Emulated ranks stay on their own
-buffers (NVSHMEM runs one PE per process).
+buffers (NVSHMEM runs one PE per process). Where DeepEP's own `deep_ep` is importable (never a dependency; not
+ep-layer's drop-in), a last table times it beside ours at EP = 1, on the same inputs in this process.
 
     python benchmarks/bench_ll.py                      # the full sweep of the issue
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288
     python benchmarks/bench_ll.py --ep 8 --tokens 1 32 --max-tokens 256   # a decode batch below the buffer's maximum
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288 --transport nvshmem
     python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288 --transport nvshmem-puts
+    python benchmarks/bench_ll.py --ep 1 --tokens 128 --experts 288   # with DeepEP installed: beside it too
 """
 
 from __future__ import annotations
@@ -169,13 +171,15 @@ class Case:
 
 
 class EagerCase:
-    """One rank's eager calls at EP = 1, as an engine without CUDA graphs makes them."""
+    """One rank's eager calls at EP = 1, as an engine without CUDA graphs makes them; on our Buffer, or on
+    `buf` (DeepEP's, for the side-by-side table: the same calls, the same inputs)."""
 
-    def __init__(self, tokens: int, hidden: int, experts: int, topk: int, seed: int) -> None:
+    def __init__(self, tokens: int, hidden: int, experts: int, topk: int, seed: int, buf=None) -> None:
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.tokens, self.experts = tokens, experts
-        self.buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(tokens, hidden, 1, experts),
-                          low_latency_mode=True, backend="cuda")
+        self.buf = buf if buf is not None else Buffer(
+            None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(tokens, hidden, 1, experts),
+            low_latency_mode=True, backend="cuda")
         self.x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
         self.idx = torch.rand(tokens, experts, device="cuda", generator=gen).topk(topk, dim=1).indices
         self.w = torch.rand(tokens, topk, device="cuda", generator=gen)
@@ -224,6 +228,60 @@ class EagerCase:
         return (self.tokens, self.experts, dispatch, combine[0], combine[1], hooked_dispatch, combine[2], *pairs)
 
 
+    def versus_row(self, name: str) -> tuple:
+        """What the side-by-side table compares: kernel GPU times (graph replay), host time per eager call,
+        and the eager pair with a cold L2 in the setting of DeepEP's own benchmark (default device cuda,
+        the stats tensor)."""
+        for _ in range(5):
+            self.combine(self.dispatch()[2])
+        handle = self.dispatch()[2]
+        disp, comb = time_graph(self.dispatch), time_graph(lambda: self.combine(handle))
+        host_disp = host_time(self.dispatch, 200)
+        handle = self.dispatch()[2]
+        host_comb = host_time(lambda: self.combine(handle), 200)
+        return (name, self.tokens, self.experts, disp, comb, host_disp, host_comb,
+                self.pair_us(stats=True, default_cuda=True))
+
+
+def importable_deep_ep():
+    """DeepEP's own `deep_ep` where one is importable, else None (ep-layer's drop-in, BACKEND "ep_layer", is not
+    DeepEP). Never a dependency: only the side-by-side table uses it."""
+    try:
+        import deep_ep
+    except ImportError:
+        return None
+    return None if getattr(deep_ep, "BACKEND", None) == "ep_layer" else deep_ep
+
+
+def deep_ep_buffer(deep_ep, tokens: int, hidden: int, experts: int):
+    """One low-latency Buffer of `deep_ep` for calls of up to `tokens` tokens and `experts` experts, on a
+    one-rank gloo group (DeepEP wants a process group; vLLM hands it a gloo one too). One per process:
+    DeepEP starts NVSHMEM with its first."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="bench_ll-"), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", world_size=1, rank=0)
+    size = deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, 1, experts)
+    return deep_ep.Buffer(dist.group.WORLD, num_rdma_bytes=size, low_latency_mode=True, num_qps_per_rank=experts)
+
+
+def beside_deep_ep(deep_ep, tokens: list[int], hidden: int, experts: list[int], topk: int) -> list[tuple]:
+    """Rows of ours and of `deep_ep` at EP = 1, on the same inputs, in this process."""
+    theirs = deep_ep_buffer(deep_ep, max(tokens), hidden, max(experts))
+    name = f"DeepEP {getattr(deep_ep, '__version__', '')}".strip()
+    rows = []
+    for e in experts:
+        for t in tokens:
+            rows.append(EagerCase(t, hidden, e, topk, seed=t).versus_row("ep-layer"))
+            theirs.clean_low_latency_buffer(t, hidden, e)  # its calls' T and E change here
+            rows.append(EagerCase(t, hidden, e, topk, seed=t, buf=theirs).versus_row(name))
+    return rows
+
+
+VERSUS_HEADER = ("impl", "T", "E", "disp_us", "comb_us", "host_disp_us", "host_comb_us", "pair_both_us")
 L2_FLUSH_BYTES = 512 << 20  # well past the H200's 60 MB of L2
 EAGER_HEADER = ("T", "E", "disp_us", "comb_us", "comb_out_us", "hook_disp_us", "hook_comb_us", "pair_us", "pair_dev_us",
                 "pair_stats_us", "pair_both_us")
@@ -264,6 +322,9 @@ def main() -> None:
                              "often below it")
     parser.add_argument("--serial-ranks", action="store_true",
                         help="run the emulated ranks' kernels one after another on one stream")
+    parser.add_argument("--deep-ep", action=argparse.BooleanOptionalAction, default=True,
+                        help="where DeepEP's own deep_ep is importable, time it beside ours at EP = 1 (the same "
+                             "inputs, this process)")
     parser.add_argument("--transport", choices=("ipc", "nvshmem", "nvshmem-puts"), default="ipc",
                         help="the EP = 1 Buffer's memory: cudaMalloc (ipc) or NVSHMEM's symmetric heap, its "
                              "rank reached by loads and stores or (nvshmem-puts) by NVSHMEM puts")
@@ -319,6 +380,13 @@ def main() -> None:
               "(CUDA events; pair_stats_us: with cumulative_local_expert_recv_stats; pair_dev_us: under "
               "torch.set_default_device('cuda'); pair_both_us: both)")
         print_table(EAGER_HEADER, eager)
+    deep_ep = importable_deep_ep() if args.deep_ep and 1 in args.ep else None
+    if deep_ep is not None:
+        print()
+        print(f"beside DeepEP ({deep_ep.__file__}), EP = 1: dispatch (FP8) and combine kernels by graph replay, "
+              "host time per eager call, and the eager pair with L2 flushed in DeepEP's benchmark setting (default "
+              "device cuda, the stats tensor)")
+        print_table(VERSUS_HEADER, beside_deep_ep(deep_ep, args.tokens, args.hidden, args.experts, args.topk))
 
 
 def print_table(header: tuple, rows: list[tuple]) -> None:
