@@ -7,7 +7,8 @@ stats tensor, FP8 dispatch, no hook).
 
 --layer: one FusedMoE layer at DeepSeek-V3's shapes (bench_moe.py's: FP8 block weights, EP = 1, the cuda
 backend), its eager time (call to GPU done) beside its CUDA-graph replay, as bench_moe times them: the
-eager path's host overhead per layer, which a model pays on every eager step.
+eager path's host overhead per layer, which a model pays on every eager step; and the CUDA runtime and
+driver calls one layer makes (launches, copies, waits, host synchronisations: torch.profiler).
 
     python benchmarks/profile_eager.py                       # T = 128, H = 7168, E = 288, top-8, EP = 1
     python benchmarks/profile_eager.py --tokens 1 --top 25
@@ -93,8 +94,31 @@ def profile_layer(args: argparse.Namespace) -> None:
     eager, graph = time_eager(call, 20), time_graph(call, 20)
     host = host_time(call, args.calls)
     print_profile(call, args.calls, args.top)
+    print_runtime_calls(call, 20)
     print(f"{torch.cuda.get_device_name()}, FusedMoE at DeepSeek-V3's shapes, T = {t}, EP = 1, µs")
     print(f"eager {eager:.1f} | graph {graph:.1f} | eager / graph {eager / graph:.2f} | host launch {host:.1f}")
+
+
+RUNTIME_CALLS = ("Launch", "Memcpy", "Memset", "Synchronize", "EventRecord", "StreamWaitEvent", "Malloc")
+
+
+def print_runtime_calls(calls: Callable[[], object], n: int) -> None:
+    """CUDA runtime and driver calls per call of `calls` (torch.profiler): kernel launches (ours through the
+    runtime, Triton's through the driver), copies, waits and host synchronisations, with their host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            calls()
+        torch.cuda.synchronize()
+    counts: dict[str, list[float]] = {}
+    for event in prof.events():
+        if any(word in event.name for word in RUNTIME_CALLS) and event.name != "cudaDeviceSynchronize":
+            counts.setdefault(event.name, []).append(event.cpu_time_total)
+    print(f"{'runtime call':32s} {'per call':>8s} {'host us each':>12s}")
+    for name, times in sorted(counts.items(), key=lambda kv: -len(kv[1])):
+        print(f"{name:32s} {len(times) / n:8.1f} {sum(times) / len(times):12.1f}")
+    print()
 
 
 def print_profile(calls: Callable[[], object], n: int, top: int) -> None:
