@@ -154,12 +154,14 @@ struct CombineShape {
   int num_tokens, num_topk, blocks_per_expert;
 };
 
+// The last five are the call's single-batch overlap (CombineCall: signals, ...), numbers but the first.
 enum CombinePointer {
   kCombineTicket, kCombineX, kXRow, kStageRow, kCombineRecvCount, kCombineMap, kCombineTopkIdx, kTopkWeights, kOut,
-  kCombineWaitStats, kNumCombinePointers
+  kCombineWaitStats, kSignals, kSignalRows, kSignalsPerExpert, kSignalThreshold, kSendSms, kNumCombinePointers
 };
 const char* const kCombinePointerNames[kNumCombinePointers] = {
-    "ticket", "x", "x_row", "stage_row", "recv_count", "combine_map", "topk_idx", "topk_weights", "out", "wait_stats"};
+    "ticket", "x", "x_row", "stage_row", "recv_count", "combine_map", "topk_idx", "topk_weights", "out", "wait_stats",
+    "signals", "signal_rows", "signals_per_expert", "signal_threshold", "send_sms"};
 using CombinePointers = std::array<long long, kNumCombinePointers>;
 
 ep::CombineCall combine_call(const Common& common, const CombineShape& s, const CombinePointers& p) {
@@ -178,6 +180,11 @@ ep::CombineCall combine_call(const Common& common, const CombineShape& s, const 
   call.topk_weights = ptr<const float>(p[kTopkWeights]);
   call.out = ptr<__nv_bfloat16>(p[kOut]);
   call.wait_stats = ptr<long long>(p[kCombineWaitStats]);
+  call.signals = ptr<const int>(p[kSignals]);
+  call.signal_rows = static_cast<int>(p[kSignalRows]);
+  call.signals_per_expert = static_cast<int>(p[kSignalsPerExpert]);
+  call.signal_threshold = static_cast<int>(p[kSignalThreshold]);
+  call.send_sms = static_cast<int>(p[kSendSms]);
   return call;
 }
 

@@ -60,6 +60,23 @@ __device__ __forceinline__ void put_row(const CombineCall& a, unsigned seq, long
 }
 #endif
 
+// Single-batch overlap: whether row `row` of local expert `expert` is complete, waiting for its signal to reach
+// the threshold (the expert GEMM, on another stream, counts its finished tiles there). Bounded: after the
+// timeout it records the error against this rank and says no (the row is not sent; its receiver times out too).
+__device__ __forceinline__ bool row_signalled(const CombineCall& a, int expert, int row) {
+  const auto* signal = reinterpret_cast<const unsigned*>(
+      a.signals + static_cast<long long>(expert) * a.signals_per_expert + row / a.signal_rows);
+  if (static_cast<int>(ld_acquire(a.c, signal)) >= a.signal_threshold) return true;
+  WaitClock clock;
+  while (static_cast<int>(ld_acquire(a.c, signal)) < a.signal_threshold) {
+    if (clock.expired(a.c.timeout_ns)) {
+      record_error(a.c, kCombine, kTimeout, 1u << a.c.rank);
+      return false;
+    }
+  }
+  return true;
+}
+
 // The send half's rows of one (expert, row group) work item: kCopies, rows of other ranks' tokens are
 // copied into their slots (a warp per row); else every row is read where it lies and only its flags go
 // out (a thread per row). `workers` rows per pass, `row_groups` groups per expert.
@@ -72,6 +89,13 @@ __device__ __forceinline__ void send_rows(const CombineCall& a, unsigned seq, in
   const int workers = kCopies ? blockDim.x / 32 : blockDim.x;
   const int worker = kCopies ? threadIdx.x / 32 : threadIdx.x, lane = kCopies ? threadIdx.x % 32 : 0;
   for (int row = group * workers + worker; row < count; row += row_groups * workers) {
+    if (a.signals != nullptr) {
+      // Each lane's own acquire makes the GEMM's rows visible to it; a warp's lanes share the row, and the
+      // vote keeps them together should one time out.
+      bool signalled = row_signalled(a, expert, row);
+      if constexpr (kCopies) signalled = __all_sync(0xffffffffu, signalled);
+      if (!signalled) continue;
+    }
     const long long in_row = static_cast<long long>(expert) * num_rows + row;
     const unsigned map = static_cast<unsigned>(a.combine_map[in_row]);
     const int i = static_cast<int>(map & ((1u << kMapTokenBits) - 1));
@@ -180,8 +204,9 @@ __device__ __forceinline__ void reduce_token(const CombineCall& a, unsigned seq,
 enum Phase : int { kSendPhase = 1, kRecvPhase = 2 };
 
 // The one combine kernel, as DeepEP's (a profiler shows one combine kernel whichever way it is called), on
-// a 1-D grid: its first `send_blocks` blocks send (blocks_per_expert blocks per local expert, each its
-// share of the expert's rows), the rest reduce (token, channel chunk) items in turn. `phases`:
+// a 1-D grid: its first `send_blocks` blocks send (the (local expert, row group) items, blocks_per_expert
+// groups per expert, each a share of the expert's rows: an item per block, or several in turn where
+// send_sms caps the blocks), the rest reduce (token, channel chunk) items in turn. `phases`:
 // - kSendPhase (hook mode's send launch): every block sends;
 // - kRecvPhase (its hook): no block sends, a block of kRecvThreads per item;
 // - both (one launch, no hook): senders never wait and come first in block order, and the grid is capped
@@ -204,7 +229,9 @@ __global__ void __launch_bounds__(kCopies ? kSendThreads : kFlagThreads)
       say_hello(a.c, kCombine, seq);
       if (!fused && threadIdx.x == 0) *a.c.ticket = seq;
     }
-    send_rows<kCopies>(a, seq, block / a.blocks_per_expert, block % a.blocks_per_expert, a.blocks_per_expert);
+    const int items = a.c.num_experts / a.c.num_ranks * a.blocks_per_expert;
+    for (int item = block; item < items; item += send_blocks)
+      send_rows<kCopies>(a, seq, item / a.blocks_per_expert, item % a.blocks_per_expert, a.blocks_per_expert);
     // A send launch's blocks settle its timing (block 0 after its rows: its hello went out first thing).
     if (threadIdx.x == 0) {
       if (fused)
@@ -237,7 +264,8 @@ bool copies_rows(const CombineCall& call) {
 }  // namespace
 
 void combine_send(const CombineCall& call, cudaStream_t stream) {
-  const int blocks = call.c.num_experts / call.c.num_ranks * call.blocks_per_expert;
+  const int items = call.c.num_experts / call.c.num_ranks * call.blocks_per_expert;
+  const int blocks = call.send_sms > 0 ? std::min(items, call.send_sms) : items;
   if (!copies_rows(call))
     combine<false><<<blocks, kFlagThreads, 0, stream>>>(call, kSendPhase, blocks);
   else
@@ -248,6 +276,10 @@ void combine_send(const CombineCall& call, cudaStream_t stream) {
 // the GPU holds at once (reducers then take several items each); at least one reducer, which with no
 // tokens waits for the peers' hellos as the receive kernel does.
 void combine_fused(const CombineCall& call, cudaStream_t stream) {
+  // Its senders would wait on the GEMM while its reducers hold the SMs the GEMM needs: overlap and a cap on
+  // the senders' SMs take the send and receive launches (ep_layer.backends.cuda does so).
+  if (call.signals != nullptr || call.send_sms > 0)
+    throw std::runtime_error("ep_layer._C: a combine with overlap signals or send_sms runs as two launches");
   const bool copies = copies_rows(call);
   const auto kernel = copies ? combine<true> : combine<false>;
   const int threads = copies ? kSendThreads : kFlagThreads;

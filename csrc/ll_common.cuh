@@ -525,6 +525,11 @@ struct CombineCall {
   const float* topk_weights;     // [N, K]
   __nv_bfloat16* out;            // [N, H]
   long long* wait_stats;         // [R] or null
+  // Single-batch overlap (DeepEP forks' overlap=True): x is still being written by the expert GEMM, and row m
+  // of local expert l is sent once signals[l * signals_per_expert + m / signal_rows] >= signal_threshold.
+  const int* signals;            // null: x is complete when the send starts (stream order)
+  int signal_rows, signals_per_expert, signal_threshold;
+  int send_sms;                  // at most this many send blocks (0: one per expert and row group)
 };
 
 void dispatch_send(const DispatchCall& call, cudaStream_t stream);

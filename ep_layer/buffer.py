@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import Backend, DispatchSpec, Handle, create_backend
+from .backends.base import SendSignals
 from .backends.exchange import group_rank_and_size
 from .checks import (
     MAX_TOKENS_PER_RANK,
@@ -43,12 +44,8 @@ DEFAULT_TIMEOUT_S = 100.0
 _OUTSTANDING = 2  # results that may be pending at once (double buffering, as in DeepEP)
 _MAX_CACHED_CHECKS = 256  # argument combinations remembered per op (a serving engine uses a handful)
 
-# Keyword arguments that only DeepEP forks know (NVFP4 dispatch, single-batch overlap): named in the error.
-_FORK_ONLY = {
-    "low_latency_dispatch": ("use_nvfp4", "x_global_scale"),
-    "low_latency_combine": ("overlap", "src_signals", "src_signal_expect_value", "packed_recv_count",
-                            "comp_signal", "block_m", "threshold", "num_sms"),
-}
+# Keyword arguments that only DeepEP forks know and ep-layer does not serve (NVFP4 dispatch): named in the error.
+_FORK_ONLY = {"low_latency_dispatch": ("use_nvfp4", "x_global_scale"), "low_latency_combine": ()}
 
 Hook = Callable[[], None]
 _no_torch_function = torch._C.DisableTorchFunction  # our tensors always name their device
@@ -95,13 +92,14 @@ class _DispatchRecord:
     dispatch two calls later replaces it. It names the handle without holding it: its tensors are the
     caller's to keep or drop (a backend may recycle outputs nobody holds)."""
 
-    __slots__ = ("handle_id", "private", "slot", "src_info")
+    __slots__ = ("handle_id", "private", "recv_count_ptr", "slot", "src_info")
 
-    def __init__(self, handle: Handle, slot: int, private: object) -> None:
+    def __init__(self, handle: Handle, slot: int, private: object, recv_count: torch.Tensor) -> None:
         self.handle_id = id(handle)  # unique while the caller holds the tuple, which is when it can pass it
         self.src_info = weakref.ref(handle[0])
         self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
         self.private = private  # backend state that combine needs (e.g. the cuda backend's output set)
+        self.recv_count_ptr = recv_count.data_ptr()  # the dispatch's recv_count (overlap's packed_recv_count)
 
     def matches(self, handle: tuple) -> bool:
         return id(handle) == self.handle_id and self.src_info() is handle[0]
@@ -353,7 +351,7 @@ class Buffer(NormalMode):
                 return self._dispatch_async(backend, x, topk_idx, spec, recv_stats, wait_stats, rows_in_place)
             result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=return_recv_hook,
                                       rows_in_place=rows_in_place)
-            self._remember(result.handle, result.private)
+            self._remember(result.handle, result.private, result.recv_count)
             if return_recv_hook:
                 return result.recv_x, result.recv_count, result.handle, None, _once(result.receive,
                                                                                     "low_latency_dispatch")
@@ -393,7 +391,7 @@ class Buffer(NormalMode):
         def call():
             result = backend.dispatch(x, topk_idx, spec, recv_stats, wait_stats, hook=False,
                                       rows_in_place=rows_in_place)
-            self._remember(result.handle, result.private)
+            self._remember(result.handle, result.private, result.recv_count)
             result.receive()
             return result
 
@@ -405,14 +403,30 @@ class Buffer(NormalMode):
                             handle: Handle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: torch.Tensor | None = None,
-                            combine_wait_recv_cost_stats: torch.Tensor | None = None, **unknown: object):
-        """Weighted sum of each token's expert outputs back on its rank; returns (combined_x, event, hook)."""
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None, *, overlap: bool = False,
+                            packed_recv_count: torch.Tensor | None = None, comp_signal: torch.Tensor | None = None,
+                            block_m: int = 64, threshold: int = 0, num_sms: int | None = None,
+                            src_signals: torch.Tensor | None = None, src_signal_expect_value: int = 0,
+                            **unknown: object):
+        """Weighted sum of each token's expert outputs back on its rank; returns (combined_x, event, hook).
+
+        Single-batch overlap, as DeepEP's forks take it (SGLang's `--enable-single-batch-overlap`): with
+        `overlap=True` the expert GEMM may still be writing x on another stream, and the send of each row
+        waits for its completion signal instead: on Hopper comp_signal (int32, ceil(R*T / block_m) per local
+        expert; rows [j * block_m, (j + 1) * block_m) of expert l are done once comp_signal[l * ceil(R*T /
+        block_m) + j] >= threshold) with packed_recv_count (the dispatch's recv_count); on Blackwell
+        src_signals (int32 or uint32 [E_l]; expert l is done once src_signals[l] >= src_signal_expect_value).
+        num_sms: at most this many SMs send (the rest stay with the GEMM). Waits are bounded by timeout_s."""
         if unknown:
             _refuse_unknown("low_latency_combine", unknown)
         wait_stats = combine_wait_recv_cost_stats
         with _no_torch_function():
             backend = self._live()
             record = self._record(handle)
+            signals = self._send_signals(record, handle, overlap, packed_recv_count, comp_signal, block_m, threshold,
+                                         src_signals, src_signal_expect_value) if overlap else None
+            if num_sms is not None:
+                check_positive_int(num_sms, "num_sms", 1 << 16)
             try:
                 key = (type(x), x.shape, x.dtype, x.device, type(topk_idx), topk_idx.shape, topk_idx.dtype,
                        topk_idx.device, type(topk_weights), topk_weights.shape, topk_weights.dtype,
@@ -436,13 +450,13 @@ class Buffer(NormalMode):
             if async_finish:
                 def call() -> None:
                     backend.combine(x, topk_idx, topk_weights, handle, record.private, combined, wait_stats,
-                                    hook=False, slot=record.slot)()
+                                    hook=False, slot=record.slot, signals=signals, send_sms=num_sms)()
 
                 # `out` too: written on the comm stream, it must not go back to the allocator before that write.
                 _, event = self._on_comm_stream(call, (x, topk_idx, topk_weights, out))
                 return out, event, None
             receive = backend.combine(x, topk_idx, topk_weights, handle, record.private, out, wait_stats,
-                                      hook=return_recv_hook, slot=record.slot)
+                                      hook=return_recv_hook, slot=record.slot, signals=signals, send_sms=num_sms)
             if return_recv_hook:
                 return out, None, _once(receive, "low_latency_combine")
             receive()
@@ -469,6 +483,37 @@ class Buffer(NormalMode):
             check_tensor(wait_stats, "combine_wait_recv_cost_stats", torch.int64, (self.group_size,), device)
         _check_modes(async_finish, return_recv_hook)
         return _CombineCheck(device, num_local)
+
+    def _send_signals(self, record: _DispatchRecord, handle: Handle, overlap: object, packed_recv_count: object,
+                      comp_signal: object, block_m: object, threshold: object, src_signals: object,
+                      expect_value: object) -> SendSignals:
+        """The checked overlap arguments of a combine (`overlap=True`), as the signals its send waits for."""
+        expect(overlap is True, "overlap", "a bool", overlap)
+        _, _, t, _, e = handle
+        num_local, rows = e // self.group_size, self.group_size * t
+        device = handle[0].device
+        hopper, blackwell = comp_signal is not None, src_signals is not None
+        expect(hopper != blackwell, "comp_signal", "with overlap=True, either comp_signal (with packed_recv_count, "
+               "block_m, threshold) or src_signals (with src_signal_expect_value), not both or neither",
+               "both" if hopper else "neither")
+        if blackwell:
+            expect(isinstance(src_signals, torch.Tensor) and src_signals.dtype in (torch.int32, torch.uint32),
+                   "src_signals", "an int32 or uint32 tensor", getattr(src_signals, "dtype", type(src_signals)))
+            signals = check_tensor(src_signals.view(torch.int32), "src_signals", torch.int32, (num_local,), device)
+            value = check_positive_int(expect_value, "src_signal_expect_value", (1 << 31) - 1)
+            return SendSignals(signals, rows, 1, value)
+        check_positive_int(block_m, "block_m", (1 << 31) - 1)
+        per_expert = -(-rows // block_m)
+        expect(isinstance(comp_signal, torch.Tensor) and comp_signal.dim() == 1
+               and comp_signal.numel() >= num_local * per_expert, "comp_signal",
+               f"an int32 tensor of at least {num_local} x {per_expert} signals (E_l x ceil(R*T / block_m))",
+               list(comp_signal.shape) if isinstance(comp_signal, torch.Tensor) else type(comp_signal).__name__)
+        check_tensor(comp_signal, "comp_signal", torch.int32, (comp_signal.shape[0],), device)
+        check_tensor(packed_recv_count, "packed_recv_count", torch.int32, (num_local,), device)
+        expect(packed_recv_count.data_ptr() == record.recv_count_ptr, "packed_recv_count",
+               "the recv_count of the dispatch that returned this handle", "another tensor")
+        value = check_positive_int(threshold, "threshold", (1 << 31) - 1)
+        return SendSignals(comp_signal, block_m, per_expert, value)
 
     def get_next_low_latency_combine_buffer(self, handle: Handle) -> torch.Tensor:
         """The bf16 [E_l, R*T, H] buffer that `low_latency_combine(..., zero_copy=True)` reads for `handle`."""
@@ -497,13 +542,13 @@ class Buffer(NormalMode):
             t.record_stream(stream)
         return result, EventOverlap(event, inputs)
 
-    def _remember(self, handle: Handle, private: object) -> None:
+    def _remember(self, handle: Handle, private: object, recv_count: torch.Tensor) -> None:
         slot = self._num_dispatches % _OUTSTANDING
         self._num_dispatches += 1
         for i, record in enumerate(self._records):  # a dead handle's id can come back: its record is stale
             if record is not None and record.handle_id == id(handle):
                 self._records[i] = None
-        self._records[slot] = _DispatchRecord(handle, slot, private)
+        self._records[slot] = _DispatchRecord(handle, slot, private, recv_count)
 
     def _record(self, handle: object) -> _DispatchRecord:
         """The dispatch that returned `handle` (the tuple itself: a later dispatch may return the same

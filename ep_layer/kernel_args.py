@@ -34,6 +34,12 @@ class CombinePointers(NamedTuple):
     topk_weights: int
     out: int
     wait_stats: int  # 0 = not given
+    # Single-batch overlap (backends.base.SendSignals; 0 = none): a pointer, then numbers.
+    signals: int
+    signal_rows: int
+    signals_per_expert: int
+    signal_threshold: int
+    send_sms: int  # at most this many send blocks (0 = no cap)
 
 
 class NormalPointers(NamedTuple):

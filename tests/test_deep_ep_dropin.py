@@ -2161,19 +2161,20 @@ def test_normal_mode_buffers_and_what_a_buffer_without_nvl_bytes_refuses() -> No
 
 
 def test_fork_only_and_unknown_arguments_are_refused() -> None:
-    """vLLM's NVFP4 dispatch (VLLM_DEEPEPLL_NVFP4_DISPATCH=1) and SGLang's single-batch-overlap combine (Hopper
-    form) pass keywords that only DeepEP forks know; a misspelt keyword is a TypeError."""
+    """vLLM's NVFP4 dispatch (VLLM_DEEPEPLL_NVFP4_DISPATCH=1) passes keywords that only DeepEP forks know (refused
+    by name); SGLang's single-batch-overlap combine (Hopper form) is served (tests/test_combine_overlap.py); a
+    misspelt keyword is a TypeError."""
     buf = deep_ep.Buffer(None, low_latency_mode=True, backend="reference")
     x, idx = torch.ones(2, 2048, dtype=torch.bfloat16), torch.tensor([[0, 1], [2, -1]])
     with pytest.raises(NotImplementedError, match=r"use_nvfp4, x_global_scale exist only in forks of DeepEP"):
         buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False, round_scale=False, use_ue8m0=False, use_nvfp4=True,
                                  x_global_scale=torch.ones(1), async_finish=False, return_recv_hook=True)
-    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
-    with pytest.raises(NotImplementedError, match=r"block_m, comp_signal, .*exist only in forks of DeepEP"):
-        buf.low_latency_combine(x=recv_x, topk_idx=idx, topk_weights=torch.ones(2, 2), handle=handle,
-                                async_finish=False, return_recv_hook=True, overlap=True,
-                                packed_recv_count=torch.zeros(4, dtype=torch.int32),
-                                comp_signal=torch.zeros(4, dtype=torch.int32), block_m=64, threshold=1, num_sms=3)
+    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
+    _, _, hook = buf.low_latency_combine(x=recv_x, topk_idx=idx, topk_weights=torch.ones(2, 2), handle=handle,
+                                         async_finish=False, return_recv_hook=True, overlap=True,
+                                         packed_recv_count=recv_count, comp_signal=torch.ones(4, dtype=torch.int32),
+                                         block_m=64, threshold=1, num_sms=3)
+    hook()
     with pytest.raises(TypeError, match="use_fp9"):
         buf.low_latency_dispatch(x, idx, 8, 4, use_fp9=True)
     with pytest.raises(TypeError, match="zero_cpy"):

@@ -31,7 +31,7 @@ EXPECTED = {"Buffer", "Config", "get_dispatch_config", "get_combine_config", "ge
             "clean_low_latency_buffer", "capture", "get_dispatch_layout", "dispatch", "combine",
             "low_latency_dispatch", "low_latency_combine"}
 # Keywords SGLang passes through **dict(...) only on other hardware, which the drop-in never sees on CUDA. (Those
-# of DeepEP forks, NVFP4 dispatch and single-batch overlap, it refuses by name.)
+# of DeepEP forks' NVFP4 dispatch it refuses by name; their single-batch overlap it serves.)
 ELSEWHERE = {"topk_weights": "Ascend NPU's low_latency_dispatch (_is_npu)",
              "use_fabric": "hybrid-ep's MNNVL fabric (CUDA 13 on GB200/GB300)"}
 

@@ -39,6 +39,22 @@ class RowsInPlace:
 RecvX = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
 
 
+@dataclass(frozen=True, eq=False)  # a tensor: compare fields, not the objects
+class SendSignals:
+    """Single-batch overlap (a combine with DeepEP forks' `overlap=True`): the expert GEMM, on another stream,
+    counts its finished tiles in `signals`, and the combine's send of row m of local expert l waits until
+    signals[l * per_expert + m // rows] >= threshold instead of relying on stream order for x's rows."""
+
+    signals: torch.Tensor  # int32, at least E_l * per_expert of them
+    rows: int  # an expert's rows per signal
+    per_expert: int  # signals per local expert
+    threshold: int
+
+    def index(self, expert: int, row: int) -> int:
+        """The signal that row `row` of local expert `expert` waits for."""
+        return expert * self.per_expert + row // self.rows
+
+
 class DispatchSpec(NamedTuple):
     """What every rank must agree on for one dispatch."""
 
@@ -106,10 +122,12 @@ class Backend(ABC):
     @abstractmethod
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None, *, hook: bool, slot: int) -> ReceiveHalf:
+                wait_stats: torch.Tensor | None, *, hook: bool, slot: int, signals: SendSignals | None = None,
+                send_sms: int | None = None) -> ReceiveHalf:
         """Launch the send half of combine; the returned callable writes the weighted sums to `out`. With
         `hook=False` the caller runs it right after, so a backend may do both halves at once here. `slot`
-        is the zero-copy combine buffer that belongs to the dispatch (combine_buffer)."""
+        is the zero-copy combine buffer that belongs to the dispatch (combine_buffer). `signals`: the send
+        waits for each row's signal (single-batch overlap); `send_sms`: at most this many SMs send."""
 
     # DeepEP's normal (high-throughput) mode: the Buffer checked the arguments (docs/design.md section 2).
     @abstractmethod

@@ -30,7 +30,7 @@ from ..kernel_args import CombinePointers, DispatchPointers
 from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
 from . import nvshmem_heap
-from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, RowsInPlace, SendSignals
 from .cuda_normal import CudaNormalMode
 from .device_errors import take_recorded_error
 from .device_tensor import device_tensor
@@ -512,7 +512,8 @@ class CudaBackend(Backend):
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None, *, hook: bool, slot: int) -> ReceiveHalf:
+                wait_stats: torch.Tensor | None, *, hook: bool, slot: int, signals: SendSignals | None = None,
+                send_sms: int | None = None) -> ReceiveHalf:
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
         _, _, t, h, e = handle
@@ -529,16 +530,23 @@ class CudaBackend(Backend):
             stage_row=self._stage_row(x, slot, handle) if self._put_ranks else -1,
             recv_count=outputs.pointers["recv_count"], combine_map=outputs.pointers["combine_map"],
             topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
-            out=out.data_ptr(), wait_stats=_data_ptr(wait_stats))
+            out=out.data_ptr(), wait_stats=_data_ptr(wait_stats),
+            signals=_data_ptr(signals.signals if signals is not None else None),
+            signal_rows=signals.rows if signals is not None else 0,
+            signals_per_expert=signals.per_expert if signals is not None else 0,
+            signal_threshold=signals.threshold if signals is not None else 0, send_sms=send_sms or 0)
         stream = self._stream()
         outputs.used_on(stream)  # the send reads recv_count and combine_map
-        if not hook:  # one kernel does both halves
+        # One kernel does both halves, unless its senders wait for the GEMM or are held to a few SMs: then its
+        # reducers could hold the SMs the GEMM needs (csrc/ll_combine.cu, combine_fused).
+        if not hook and signals is None and send_sms is None:
             self._c.combine_both_halves(plan.common, plan.shape, pointers, stream)
             return _nothing
         self._c.combine_send(plan.common, plan.shape, pointers, stream)
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
-        keep = _KeptForHook(stream, x, topk_idx, topk_weights, out, wait_stats)
+        keep = _KeptForHook(stream, x, topk_idx, topk_weights, out, wait_stats,
+                            signals.signals if signals is not None else None)
         outputs.pending += 1  # its receive reads the ticket in the dispatch's set
 
         def receive() -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..checks import check_topk_values
 from ..latency import HostLatencyRecorder, LatencyHistogram
 from ..quant import per_token_cast_to_fp8
-from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, empty_recv_x
+from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, SendSignals, empty_recv_x
 from .exchange import PeerExchange
 from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
 from .reference_normal import ReferenceNormalMode
@@ -211,11 +211,34 @@ class ReferenceBackend(Backend):
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
-                wait_stats: torch.Tensor | None, *, hook: bool, slot: int) -> ReceiveHalf:
-        del hook, slot  # the receive half is where the exchange completes either way; no zero-copy buffers
+                wait_stats: torch.Tensor | None, *, hook: bool, slot: int, signals: SendSignals | None = None,
+                send_sms: int | None = None) -> ReceiveHalf:
+        # The receive half is where the exchange completes either way; no zero-copy buffers; no SMs to spare.
+        del hook, slot, send_sms
         start = time.perf_counter_ns()
+        if signals is not None:
+            self._wait_for_signals(signals, handle)
         receive = self._combine(x, topk_idx, topk_weights, handle, out, wait_stats)
         return self._timed("combine", start, receive)
+
+    def _wait_for_signals(self, signals: SendSignals, handle: Handle) -> None:
+        """Single-batch overlap: before anything of x is read, every received row's signal has reached the
+        threshold (polled on the host: a GEMM on another stream may still be writing x), within timeout_s."""
+        layout_range = handle[1]
+        recv_count = (layout_range & 0xFFFFFFFF).sum(dim=1).tolist()
+        needed = [signals.index(expert, row) for expert, count in enumerate(recv_count)
+                  for row in range(0, count, signals.rows)]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            values = signals.signals.tolist()
+            if all(values[i] >= signals.threshold for i in needed):
+                return
+            if time.monotonic() > deadline:
+                late = [i for i in needed if values[i] < signals.threshold]
+                raise TimeoutError(f"rank {self.rank}: low_latency_combine: the overlap signals {late[:8]} stayed "
+                                   f"below the threshold {signals.threshold} for {self.timeout_s:g} s (comp_signal "
+                                   "or src_signals: the expert GEMM never signalled those rows)")
+            time.sleep(50e-6)
 
     def _combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
                  out: torch.Tensor, wait_stats: torch.Tensor | None) -> ReceiveHalf:
