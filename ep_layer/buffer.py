@@ -416,7 +416,10 @@ class Buffer(NormalMode):
         expert; rows [j * block_m, (j + 1) * block_m) of expert l are done once comp_signal[l * ceil(R*T /
         block_m) + j] >= threshold) with packed_recv_count (the dispatch's recv_count); on Blackwell
         src_signals (int32 or uint32 [E_l]; expert l is done once src_signals[l] >= src_signal_expect_value).
-        num_sms: at most this many SMs send (the rest stay with the GEMM). Waits are bounded by timeout_s."""
+        num_sms: at most this many SMs send (the rest stay with the GEMM). Waits are bounded by timeout_s.
+        The keywords and their meaning as SGLang 0.5.17 passes them (sglang/srt/layers/moe/token_dispatcher/
+        deepep.py, `_combine_core`; sglang/srt/batch_overlap/single_batch_overlap.py, `compute_overlap_args`)
+        and as sgl-project/DeepEP's deep_ep/buffers/legacy.py (66bdc39) names the Blackwell form."""
         if unknown:
             _refuse_unknown("low_latency_combine", unknown)
         wait_stats = combine_wait_recv_cost_stats
