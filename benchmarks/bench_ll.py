@@ -234,8 +234,9 @@ class EagerCase:
         the stats tensor)."""
         for _ in range(5):
             self.combine(self.dispatch()[2])
-        handle = self.dispatch()[2]
-        disp, comb = time_graph(self.dispatch), time_graph(lambda: self.combine(handle))
+        disp = time_graph(self.dispatch)
+        handle = self.dispatch()[2]  # a handle stays valid for two dispatches: combines of it, again and again
+        comb = time_graph(lambda: self.combine(handle))
         host_disp = host_time(self.dispatch, 200)
         handle = self.dispatch()[2]
         host_comb = host_time(lambda: self.combine(handle), 200)

@@ -221,6 +221,7 @@ class ModelRunner:
         start = time.perf_counter()
         for size in sorted(sizes, reverse=True):
             static = self._static_view(size)
+            self._write_inputs(self.graph_inputs(ScheduledBatch(), size), static)  # this size's padding
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), torch.inference_mode():
                 self.model.hidden_states(static)  # warm-up: lazy initialisation and Triton compilation
@@ -243,17 +244,22 @@ class ModelRunner:
         rows.update({name: getattr(s, name)[:n] for name, n in lengths.items()})
         return ForwardBatch(**rows, logits_indices=s.logits_indices)
 
-    def _replay(self, batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
-        if size not in self._graphs:
-            raise ValueError(f"graph_size: expected one of the captured sizes {self.captured_sizes}, got {size}")
-        host = self.graph_inputs(batch, size)
-        static = self._static_view(size)
+    @staticmethod
+    def _write_inputs(host: ForwardBatch, static: ForwardBatch) -> None:
+        """Copy a step graph's host inputs (graph_inputs) into its static ones, the block tables' used columns."""
         for name in _TOKEN_ROWS + _SEQ_ROWS:
             source = getattr(host, name)
             target = getattr(static, name)
             if name == "block_tables":
                 target = target[:, :source.shape[1]]
             target.copy_(source.pin_memory(), non_blocking=True)
+
+    def _replay(self, batch: ScheduledBatch, size: int, pending_tokens: torch.Tensor | None) -> torch.Tensor:
+        if size not in self._graphs:
+            raise ValueError(f"graph_size: expected one of the captured sizes {self.captured_sizes}, got {size}")
+        host = self.graph_inputs(batch, size)
+        static = self._static_view(size)
+        self._write_inputs(host, static)
         self._fill_pending(static.input_ids, batch, pending_tokens)
         graph, hidden = self._graphs[size]
         graph.replay()

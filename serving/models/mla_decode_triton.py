@@ -129,6 +129,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if q_pe.shape[:2] != (b, h) or cache.shape[-1] != d or q_pe.dtype != q_latent.dtype:
         raise ValueError(f"q_pe, cache: expected [{b}, {h}, rope] of {q_latent.dtype} and [..., {kv_lora_rank} + "
                          f"rope], got {list(q_pe.shape)} of {q_pe.dtype} and {list(cache.shape)}")
+    if b == 0:  # an idle expert-parallel rank's step
+        return q_latent.new_empty(0, h, kv_lora_rank)
     block_size = cache.shape[1]
     flat = cache.view(-1, d)
     splits = splits or num_splits(b, h, q_latent.device)
