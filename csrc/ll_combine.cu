@@ -62,15 +62,15 @@ __device__ __forceinline__ void put_row(const CombineCall& a, unsigned seq, long
 
 // Single-batch overlap: whether row `row` of local expert `expert` is complete, waiting for its signal to reach
 // the threshold (the expert GEMM, on another stream, counts its finished tiles there). Bounded: after the
-// timeout it records the error against this rank and says no (the row is not sent; its receiver times out too).
+// timeout it records which signal and says no (the row is not sent; its receiver times out too).
 __device__ __forceinline__ bool row_signalled(const CombineCall& a, int expert, int row) {
-  const auto* signal = reinterpret_cast<const unsigned*>(
-      a.signals + static_cast<long long>(expert) * a.signals_per_expert + row / a.signal_rows);
+  const int index = expert * a.signals_per_expert + row / a.signal_rows;
+  const auto* signal = reinterpret_cast<const unsigned*>(a.signals + index);
   if (static_cast<int>(ld_acquire(a.c, signal)) >= a.signal_threshold) return true;
   WaitClock clock;
   while (static_cast<int>(ld_acquire(a.c, signal)) < a.signal_threshold) {
     if (clock.expired(a.c.timeout_ns)) {
-      record_error(a.c, kCombine, kTimeout, 1u << a.c.rank);
+      record_error(a.c, kCombine, kSignalTimeout, 0u, index);
       return false;
     }
   }

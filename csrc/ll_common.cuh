@@ -29,14 +29,15 @@ constexpr float kFp8Max = 448.f;
 constexpr float kAmaxFloor = 1e-4f;
 
 enum Op : int { kDispatch = 0, kCombine = 1 };
-enum ErrorCode : int { kOk = 0, kTimeout = 1, kMismatch = 2, kBadExpert = 3 };
+// kSignalTimeout: a combine's overlap signal (detail: its index) stayed below the threshold for the timeout.
+enum ErrorCode : int { kOk = 0, kTimeout = 1, kMismatch = 2, kBadExpert = 3, kSignalTimeout = 4 };
 
 // Written by the device when a call fails; read by the host in Buffer.check().
 struct ErrorRecord {
   int code;         // first ErrorCode recorded
   int op;           // Op of that failure
   unsigned ranks;   // bitmask: ranks that did not arrive (timeout) or disagree (mismatch)
-  int detail;       // the offending expert id for kBadExpert
+  int detail;       // the offending expert id for kBadExpert, the signal's index for kSignalTimeout
 };
 
 // Latency of one call = send span + receive span (globaltimer, ns), accounted later (deferred) so that

@@ -164,3 +164,25 @@ def test_the_send_waits_for_a_gemm_on_another_stream(form: str, seed: int) -> No
     assert torch.equal(outputs[True], want)
     assert not torch.equal(outputs[False], want), "the combine without signals read the rows after the GEMM too"
     buf.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
+def test_a_gemm_that_never_signals_is_a_timeout_naming_the_signal(seed: int) -> None:
+    dev = torch.device("cuda")
+    t, h, e, k = 8, 7168, 16, 8
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(t, h, 1, e), low_latency_mode=True,
+                 backend="cuda", timeout_s=0.5)
+    x = torch.randn(t, h, device=dev, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(t, e, device=dev, generator=gen).topk(k, dim=1).indices
+    _, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    y = torch.randn(e, t, h, device=dev, generator=gen).to(torch.bfloat16)
+    signals = torch.zeros(e, dtype=torch.int32, device=dev)  # the GEMM never counts a tile
+    _, _, hook = buf.low_latency_combine(y, idx, torch.rand(t, k, device=dev, generator=gen), handle,
+                                         return_recv_hook=True, overlap=True, packed_recv_count=recv_count,
+                                         comp_signal=signals, block_m=t, threshold=1)
+    hook()
+    with pytest.raises(TimeoutError, match=r"rank 0: low_latency_combine: the overlap signals \[\d+\] stayed below"):
+        buf.check()

@@ -38,7 +38,7 @@ from .normal import NormalCombineArgs, NormalDispatchArgs, NormalDispatchResult
 
 MAX_HIDDEN = 16384
 _OPS = ("low_latency_dispatch", "low_latency_combine")  # by the kernels' Op; latency.OPS is in the same order
-_TIMEOUT, _MISMATCH, _BAD_EXPERT = 1, 2, 3
+_TIMEOUT, _MISMATCH, _BAD_EXPERT, _SIGNAL_TIMEOUT = 1, 2, 3, 4  # csrc/ll_common.cuh: ErrorCode
 _U64 = (1 << 64) - 1
 _bounds_on_device: dict[int, tuple[int, ...]] = {}  # device index -> bounds in the kernels' __constant__ tables
 
@@ -344,6 +344,10 @@ class CudaBackend(Backend):
         if code == _BAD_EXPERT:
             raise ValueError(f"topk_idx: expected expert ids in [-1, num_experts), got {detail} "
                              "(that entry was treated as -1)")
+        if code == _SIGNAL_TIMEOUT:
+            raise TimeoutError(f"rank {self.rank}: low_latency_combine: the overlap signals [{detail}] stayed below "
+                               f"the threshold for {self.timeout_s:g} s (comp_signal or src_signals: the expert "
+                               "GEMM never signalled those rows)")
 
     def check(self) -> None:
         torch.cuda.current_stream().synchronize()
