@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens a rank schedules per step (vLLM's per-engine budget: each data-parallel rank "
                         "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "
                         "--max-tokens-per-rank, or 2048 with --deepep-mode auto or normal)")
+    p.add_argument("--long-prefill-token-threshold", type=human_int, default=0, metavar="N",
+                   help="at most N of a prompt's tokens in one step (its later chunks in the steps after), so that "
+                        "sequences decoding beside a long prompt keep their step time; 0 (default): the step "
+                        "budget's")
     p.add_argument("--max-tokens-per-rank", type=human_int, default=None, metavar="T",
                    help="tokens per rank of a low-latency dispatch, the MoE layers' T (default: "
                         "--max-num-batched-tokens with --deepep-mode low_latency, else 256)")
@@ -391,7 +395,9 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         quantization=args.quantization, loader=loader, load_format=args.load_format,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_tokens_per_rank=low_latency_tokens(args),
-        max_num_batched_tokens=args.max_num_batched_tokens, deepep_mode=args.deepep_mode, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, deepep_mode=args.deepep_mode,
+        block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, ep_transport=args.ep_transport, device=args.device, seed=args.seed,

@@ -223,6 +223,19 @@ def test_max_num_batched_tokens_is_the_per_rank_step_budget(capsys):
         config("--max-num-batched-tokens", "0", "--deepep-mode", "auto")
 
 
+def test_long_prefill_token_threshold_as_vllms():
+    """vLLM's --long-prefill-token-threshold (vLLM 0.29.0's vllm/config/scheduler.py and v1/core/sched/
+    scheduler.py: 0, the default, caps nothing; at most max_model_len): a sequence's most tokens in one step,
+    human-readable ints too; a negative one or one past max_model_len is refused by name."""
+    assert config().long_prefill_token_threshold == 0
+    assert config("--long-prefill-token-threshold", "64").long_prefill_token_threshold == 64
+    assert config("--long-prefill-token-threshold", "1K").long_prefill_token_threshold == 1024
+    with pytest.raises(ValueError, match="long_prefill_token_threshold: expected an int >= 0, got -1"):
+        config("--long-prefill-token-threshold", "-1")
+    with pytest.raises(ValueError, match="long_prefill_token_threshold: expected at most max_model_len=512"):
+        config("--long-prefill-token-threshold", "513", "--max-model-len", "512")
+
+
 def test_deepep_mode_sets_the_step_budget_apart_from_the_low_latency_t(capsys):
     """SGLang's --deepep-mode: with normal mode a step may hold more tokens than the low-latency T."""
     assert config().deepep_mode == "low_latency"

@@ -27,13 +27,13 @@ BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 def make_engine(budget: int = 8, block_size: int = 4, num_blocks: int = 256, max_model_len: int = 128,
                 max_num_seqs: int = 8, eos_bias: float = -4.0, group=None, rank: int = 0,
                 num_ranks: int = 1, async_scheduling: bool = False, token_budget: int | None = None,
-                deepep_mode: str = "low_latency") -> LLMEngine:
+                deepep_mode: str = "low_latency", long_prefill_token_threshold: int = 0) -> LLMEngine:
     """budget: the low-latency T; token_budget: the tokens a step may hold (None: T)."""
     model = FakeModel(budget, group, eos_bias)
     return LLMEngine(model, TOK, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=budget, device=torch.device("cpu"),
                      rank=rank, num_ranks=num_ranks, async_scheduling=async_scheduling, token_budget=token_budget,
-                     deepep_mode=deepep_mode)
+                     deepep_mode=deepep_mode, long_prefill_token_threshold=long_prefill_token_threshold)
 
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
@@ -104,6 +104,44 @@ def test_chunked_prefill_steps_and_decode_alongside():
     assert engine.model.batches[1:] == [(2, 8), (2, 8), (2, 7), (2, 2)]
     assert [[o.request_id for o in s] for s in steps] == [["short"], ["short"], ["short", "long"], ["short", "long"]]
     check_blocks(engine)
+
+
+@BOTH_MODES
+def test_long_prefill_token_threshold_caps_each_sequences_chunk(async_scheduling: bool):
+    """vLLM's --long-prefill-token-threshold: prompts beside a decoding sequence go in chunks of at most 3
+    tokens each (two of them sharing a step), and every output is the reference's."""
+    engine = make_engine(budget=8, async_scheduling=async_scheduling, long_prefill_token_threshold=3)
+    steps: list[dict[str, int]] = []
+    execute = engine.runner.execute
+
+    def recorded(batch, *args, **kwargs):
+        steps.append({seq.request_id: n for seq, n in zip(batch.seqs, batch.num_new_tokens)})
+        return execute(batch, *args, **kwargs)
+
+    engine.runner.execute = recorded
+    engine.add_request("short", prompt_of(3), GREEDY)
+    got: dict[str, list[int]] = {"short": [], "long": [], "other": []}
+    for out in engine.step():  # short's prompt: 3 tokens, within the cap
+        got[out.request_id] += out.new_token_ids
+    engine.add_request("long", prompt_of(10, 1), GREEDY)
+    engine.add_request("other", prompt_of(5, 2), GREEDY)
+    while engine.has_work():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert all(n <= 3 for step in steps for n in step.values()), steps
+    assert {"short": 1, "long": 3, "other": 3} in steps, steps  # a decode beside two capped chunks
+    assert [step.get("long") for step in steps if step.get("long", 1) > 1] == [3, 3, 3], steps
+    for rid, prompt in (("short", prompt_of(3)), ("long", prompt_of(10, 1)), ("other", prompt_of(5, 2))):
+        assert got[rid] == reference_greedy(prompt, 12, ignore_eos=True), rid
+    check_blocks(engine)
+
+
+def test_long_prefill_token_threshold_keeps_the_outputs():
+    requests = {f"r{n}": (prompt_of(n, n), GREEDY) for n in (1, 9, 17, 30)}
+    for threshold in (0, 2, 5):
+        outs = run(make_engine(budget=8, long_prefill_token_threshold=threshold), requests)
+        for rid, (prompt, _) in requests.items():
+            assert tokens(outs[rid]) == reference_greedy(prompt, 12, ignore_eos=True), (threshold, rid)
 
 
 @BOTH_MODES

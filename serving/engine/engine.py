@@ -86,7 +86,7 @@ class LLMEngine:
                  seed: int = 0, rank: int = 0, num_ranks: int = 1, use_cuda_graphs: bool = False,
                  graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  token_budget: int | None = None, deepep_mode: str = "low_latency",
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0) -> None:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = eos_token_ids(cfg)
@@ -99,7 +99,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_tokens_per_rank, self.deepep_mode = max_tokens_per_rank, deepep_mode
         budget = token_budget or max_tokens_per_rank
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, budget, max_model_len)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, budget, max_model_len,
+                                   long_prefill_token_threshold)
         if not use_cuda_graphs or deepep_mode == "normal":
             graph_sizes = []
         elif graph_sizes is None:

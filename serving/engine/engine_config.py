@@ -51,6 +51,7 @@ class EngineConfig:
     max_num_seqs: int | None = None  # None: default_max_num_seqs (resolved at construction)
     max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
     max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0  # a sequence's most tokens in one step (0: no cap; vLLM's)
     deepep_mode: str = "low_latency"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -93,6 +94,12 @@ class EngineConfig:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold: expected an int >= 0, got {threshold!r}")
+        if self.max_model_len is not None and threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold: expected at most max_model_len={self.max_model_len}, "
+                             f"got {threshold}")
         if self.max_num_seqs is None:  # frozen: set once, here
             object.__setattr__(self, "max_num_seqs", self.default_max_num_seqs)
         if self.max_num_seqs < 1:

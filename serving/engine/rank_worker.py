@@ -137,7 +137,8 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
                            rank=rank, num_ranks=config.data_parallel_size,
                            use_cuda_graphs=not config.enforce_eager, graph_sizes=config.graph_sizes,
                            async_scheduling=config.async_scheduling, token_budget=config.token_budget,
-                           deepep_mode=config.deepep_mode, enable_prefix_caching=config.enable_prefix_caching)
+                           deepep_mode=config.deepep_mode, enable_prefix_caching=config.enable_prefix_caching,
+                           long_prefill_token_threshold=config.long_prefill_token_threshold)
         sync = StepSync(sync_group, beat)
         phases.done("KV cache and CUDA graphs")
         warm_up(engine, sync)

@@ -1,6 +1,8 @@
 """Continuous batching with chunked prefill: each step takes up to `token_budget` tokens (the MoE
 layer's T), running sequences first (one decode token each, or the next chunk of their prompt), then
 waiting ones, each starting after the longest prefix the prefix cache holds for it (block_manager.py).
+With `long_prefill_token_threshold` > 0 (vLLM's), no sequence takes more tokens than that in one step, so
+that a long prompt's chunks do not slow the steps of the sequences decoding beside it.
 When the KV cache runs out, the newest running sequence is preempted and recomputed later (its blocks
 stay in the prefix cache until they are reused). A running sequence whose pending tokens (async
 scheduling) will finish it is left out."""
@@ -36,9 +38,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.block_manager = block_manager
         self.max_num_seqs, self.token_budget, self.max_model_len = max_num_seqs, token_budget, max_model_len
+        # A sequence's most tokens in one step (0: the budget's).
+        self.chunk_cap = long_prefill_token_threshold or token_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -70,7 +75,7 @@ class Scheduler:
             if seq.at_limit(self.max_model_len):
                 i += 1
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, self.chunk_cap)
             target = seq.num_computed_tokens + n
             while not self.block_manager.can_grow(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
@@ -89,7 +94,7 @@ class Scheduler:
             hits = bm.lookup(seq)  # None: it does not read the cache (off, or it wants prompt logprobs)
             found = hits or []
             cached = len(found) * bm.block_size
-            n = min(seq.num_tokens - cached, budget)
+            n = min(seq.num_tokens - cached, budget, self.chunk_cap)
             if not bm.can_admit(seq, found, cached + n):
                 break
             self.waiting.popleft()
