@@ -227,7 +227,6 @@ class EagerCase:
         pairs = [self.pair_us(stats, dev) for stats in (False, True) for dev in (False, True)]
         return (self.tokens, self.experts, dispatch, combine[0], combine[1], hooked_dispatch, combine[2], *pairs)
 
-
     def versus_row(self, name: str) -> tuple:
         """What the side-by-side table compares: kernel GPU times (graph replay), host time per eager call,
         and the eager pair with a cold L2 in the setting of DeepEP's own benchmark (default device cuda,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .. import latency, layout, native
 from ..checks import expect
-from ..errors import EPTimeoutError
+from ..errors import EPTimeoutError, overlap_signal_timeout
 from ..kernel_args import CombinePointers, DispatchPointers
 from ..latency import LatencyHistogram
 from ..quant import FP8_GROUP, UE8M0_PACK
@@ -83,6 +83,14 @@ def _unaccounted_rows(timing: list[int]) -> list[list[int]]:
 
 def _nothing() -> None:
     """The receive half of a call whose one kernel did both halves."""
+
+
+def _signal_fields(signals: SendSignals | None) -> dict[str, int]:
+    """CombinePointers' single-batch-overlap fields (all 0 without overlap)."""
+    if signals is None:
+        return dict(signals=0, signal_rows=0, signals_per_expert=0, signal_threshold=0)
+    return dict(signals=signals.signals.data_ptr(), signal_rows=signals.rows, signals_per_expert=signals.per_expert,
+                signal_threshold=signals.threshold)
 
 
 def _data_ptr(t: torch.Tensor | None) -> int:
@@ -345,9 +353,7 @@ class CudaBackend(Backend):
             raise ValueError(f"topk_idx: expected expert ids in [-1, num_experts), got {detail} "
                              "(that entry was treated as -1)")
         if code == _SIGNAL_TIMEOUT:
-            raise TimeoutError(f"rank {self.rank}: low_latency_combine: the overlap signals [{detail}] stayed below "
-                               f"the threshold for {self.timeout_s:g} s (comp_signal or src_signals: the expert "
-                               "GEMM never signalled those rows)")
+            raise overlap_signal_timeout(self.rank, [detail], self.timeout_s)
 
     def check(self) -> None:
         torch.cuda.current_stream().synchronize()
@@ -534,11 +540,7 @@ class CudaBackend(Backend):
             stage_row=self._stage_row(x, slot, handle) if self._put_ranks else -1,
             recv_count=outputs.pointers["recv_count"], combine_map=outputs.pointers["combine_map"],
             topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
-            out=out.data_ptr(), wait_stats=_data_ptr(wait_stats),
-            signals=_data_ptr(signals.signals if signals is not None else None),
-            signal_rows=signals.rows if signals is not None else 0,
-            signals_per_expert=signals.per_expert if signals is not None else 0,
-            signal_threshold=signals.threshold if signals is not None else 0, send_sms=send_sms or 0)
+            out=out.data_ptr(), wait_stats=_data_ptr(wait_stats), send_sms=send_sms or 0, **_signal_fields(signals))
         stream = self._stream()
         outputs.used_on(stream)  # the send reads recv_count and combine_map
         # One kernel does both halves, unless its senders wait for the GEMM or are held to a few SMs: then its

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..checks import check_topk_values
+from ..errors import overlap_signal_timeout
 from ..latency import HostLatencyRecorder, LatencyHistogram
 from ..quant import per_token_cast_to_fp8
 from .base import Backend, DispatchResult, DispatchSpec, Handle, ReceiveHalf, SendSignals, empty_recv_x
@@ -235,9 +236,7 @@ class ReferenceBackend(Backend):
                 return
             if time.monotonic() > deadline:
                 late = [i for i in needed if values[i] < signals.threshold]
-                raise TimeoutError(f"rank {self.rank}: low_latency_combine: the overlap signals {late[:8]} stayed "
-                                   f"below the threshold {signals.threshold} for {self.timeout_s:g} s (comp_signal "
-                                   "or src_signals: the expert GEMM never signalled those rows)")
+                raise overlap_signal_timeout(self.rank, late[:8], self.timeout_s, signals.threshold)
             time.sleep(50e-6)
 
     def _combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: Handle,
