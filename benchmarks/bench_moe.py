@@ -1,6 +1,7 @@
 """Fused MoE layer benchmark at DeepSeek-V3's shapes (FP8 block weights): the reference backend vs our
-cuda backend, the plain vs the two-micro-batch schedule, eager vs CUDA-graph replay; the expert GEMMs
-against the HBM roofline; and the communication time that the two-micro-batch overlap hides.
+cuda backend, the plain schedule vs single-batch overlap (sbo) vs two micro-batches, eager vs CUDA-graph
+replay; the expert GEMMs against the HBM roofline; the communication time each overlap hides; and the
+cost model of ep_layer.moe.overlap beside the measurements, with what FusedMoE(overlap="auto") picks.
 
 EP = 1 is one real rank; larger EP sizes are emulated on one GPU (ep_layer.emulation): one layer per
 rank, each with its own experts (E / EP of them: the weights total the same ~11 GB at every EP size)
@@ -14,6 +15,9 @@ the share of the communication that the overlap hides (`hid%`); `hid_max%` is th
 communication runs beside the routed experts' GEMMs alone with no dependency at all (the schedule also
 has the gate, routing and shared expert to run it under, so it can hide more). The split itself costs
 time at decode sizes (each half reads every active expert's weights again); plain vs ovl shows that cost.
+Single-batch overlap runs one batch with each rank's combine queued before its down GEMM, sending rows as
+the GEMM signals them; it and the plain schedule are replayed in turn, and their difference over the
+communication's time alone is the share it hides (`sbo_hid%`).
 
 Weights are random (e4m3 codes with random 128x128 block scales, made on the GPU) and loaded by their
 HF names; routing is DeepSeek-V3's noaux_tc on random router weights, so load is near uniform.
@@ -45,6 +49,7 @@ from ep_layer.kernels import triton_support
 from ep_layer.layout import MAX_RANKS
 from ep_layer.moe import CommStreams, FusedMoE, run_interleaved
 from ep_layer.moe.layer import chain_steps, forward_two_microbatches, microbatches
+from ep_layer.moe.overlap import Prediction
 from ep_layer.moe.schedule import COMBINE_SENT, DISPATCH_SENT, Steps
 
 PROJECTIONS = ("gate", "up", "down")
@@ -266,6 +271,12 @@ class Case:
         current stream)."""
         return run_interleaved([chain_steps(layer, x, self.depth, streams) for layer, x in zip(self.layers, self.xs)])
 
+    def sbo(self, streams: CommStreams | None) -> list[torch.Tensor]:
+        """The single-batch overlap (FusedMoE(overlap="sbo")): each rank's combine sends an expert's rows as its
+        down GEMM signals them."""
+        return run_interleaved([chain_steps(layer, x, self.depth, streams, sbo=True)
+                                for layer, x in zip(self.layers, self.xs)])
+
     def overlap(self, streams: CommStreams | None) -> list[torch.Tensor]:
         """The two-micro-batch schedule (as FusedMoE.forward_two_microbatches runs it), its communication on
         `streams` (None: the current stream)."""
@@ -328,6 +339,8 @@ class Row:
     eager: float
     overlap_eager: float
     graph: float
+    sbo_graph: float
+    sbo_hidden: float  # median over rounds of graph - sbo_graph, the two replayed in turn
     overlap_graph: float
     one_stream_graph: float  # the two-micro-batch schedule with its communication on the compute stream
     hidden: float  # median over rounds of one_stream_graph - overlap_graph, the two replayed in turn
@@ -337,20 +350,26 @@ class Row:
     split_comm_graph: float  # the two micro-batches' dispatch + combine alone
     hideable: float  # gemm + split_comm_graph - the two run side by side without dependencies
     overlap_diff: float
+    sbo_diff: float
     ref_diff: float
+    predicted: Prediction  # the cost model's plain, sbo and dbo (ep_layer.moe.overlap), for all ranks
+    auto: str  # what FusedMoE(overlap="auto") runs here
 
     def cells(self, copy_bw: float) -> list[str]:
         gemm_bw = self.gemm_bytes / (self.gemm * 1e-6)
+        p = self.predicted
         values = [self.ep, self.tokens, self.experts, self.ref_eager, self.eager, self.overlap_eager, self.graph,
-                  self.overlap_graph, self.one_stream_graph, self.gemm, self.gemm_bytes / copy_bw * 1e6,
+                  self.sbo_graph, self.overlap_graph, self.one_stream_graph, self.gemm, self.gemm_bytes / copy_bw * 1e6,
                   gemm_bw / 1e9, 100 * gemm_bw / copy_bw, self.comm_graph, self.split_comm_graph,
-                  100 * self.hidden / self.split_comm_graph, 100 * self.hideable / self.split_comm_graph,
-                  self.overlap_diff, self.ref_diff]
+                  100 * self.sbo_hidden / self.comm_graph, 100 * self.hidden / self.split_comm_graph,
+                  100 * self.hideable / self.split_comm_graph, p.none, p.sbo, p.dbo, self.auto,
+                  self.sbo_diff, self.overlap_diff, self.ref_diff]
         return [format_cell(v) for v in values]
 
 
-HEADER = ("EP", "T", "experts", "ref_eager", "eager", "ovl_eager", "graph", "ovl_graph", "ovl_1stream", "gemm",
-          "gemm_floor", "gemm_GB/s", "%copy_bw", "comm", "comm_2mb", "hid%", "hid_max%", "ovl_diff", "ref_diff")
+HEADER = ("EP", "T", "experts", "ref_eager", "eager", "ovl_eager", "graph", "sbo_graph", "ovl_graph", "ovl_1stream",
+          "gemm", "gemm_floor", "gemm_GB/s", "%copy_bw", "comm", "comm_2mb", "sbo_hid%", "hid%", "hid_max%",
+          "model", "model_sbo", "model_ovl", "auto", "sbo_diff", "ovl_diff", "ref_diff")
 
 
 def format_cell(v: object) -> str:
@@ -364,11 +383,13 @@ def format_cell(v: object) -> str:
 def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
     streams = CommStreams.new()
     plain_out = case.plain(streams)
-    overlap_out = case.overlap(streams)
-    overlap_diff = relative_difference(overlap_out, plain_out)
+    overlap_diff = relative_difference(case.overlap(streams), plain_out)
+    sbo_diff = relative_difference(case.sbo(streams), plain_out)
     eager = time_eager(lambda: case.plain(streams), reps.eager)
     overlap_eager = time_eager(lambda: case.overlap(streams), reps.eager)
-    graph = time_graph(lambda: case.plain(streams), reps.graph)
+    graph_times, sbo_times = time_graphs_in_turn([lambda: case.plain(streams), lambda: case.sbo(streams)],
+                                                 2 * reps.graph)
+    sbo_hidden = statistics.median(plain - sbo for plain, sbo in zip(graph_times, sbo_times))
     overlap_times, one_stream_times = time_graphs_in_turn([lambda: case.overlap(streams), lambda: case.overlap(None)],
                                                           2 * reps.graph)
     hidden = statistics.median(one - side for one, side in zip(one_stream_times, overlap_times))
@@ -384,10 +405,15 @@ def measure(case: Case, setup: EpLayers, reps: Reps, reference: bool) -> Row:
         ref_eager = time_eager(lambda: ref(case.xs[0]), reps.reference, warmup=1)
         del ref
     gemm_bytes = case.depth * case.active_experts * setup.expert_bytes
-    return Row(setup.ep, case.tokens, case.active_experts, ref_eager, eager, overlap_eager, graph,
+    layer, device = setup.layers[0], case.xs[0].device
+    predicted, depth = layer.predict(case.tokens, device), case.depth
+    return Row(setup.ep, case.tokens, case.active_experts, ref_eager, eager, overlap_eager,
+               statistics.median(graph_times), statistics.median(sbo_times), sbo_hidden,
                statistics.median(overlap_times), statistics.median(one_stream_times), hidden,
                statistics.median(gemm_times), gemm_bytes, comm_graph, statistics.median(split_comm_times), hideable,
-               overlap_diff, ref_diff)
+               overlap_diff, sbo_diff, ref_diff,
+               Prediction(depth * predicted.none, depth * predicted.sbo, depth * predicted.dbo),
+               layer.auto_schedule(case.tokens, device))
 
 
 def print_table(rows: list[Row], copy_bw: float) -> None:
@@ -487,16 +513,20 @@ def main() -> None:
     print()
     print(f"Times in microseconds for all EP ranks together (EP > 1 emulated on one GPU) and {args.layers} layer "
           f"call(s), median of {args.reps.eager} eager calls or {args.reps.graph} graph replays ({2 * args.reps.graph} "
-          "for ovl_graph and ovl_1stream, replayed in turn). experts = routed "
+          "for graph and sbo_graph, and for ovl_graph and ovl_1stream, replayed in turn). experts = routed "
           "experts that got a token; ref_eager = reference backend (EP=1 only); eager/graph = cuda backend, plain "
-          "schedule; ovl_* = two micro-batches, communication on side streams; ovl_1stream = the same all on one "
-          "stream (graph); gemm = routed experts' GEMMs alone (CUDA graph); gemm_floor = their FP8 weights + block "
+          "schedule; sbo_graph = single-batch overlap (graph); ovl_* = two micro-batches, communication on side "
+          "streams; ovl_1stream = the same all on one stream (graph); gemm = routed experts' GEMMs alone (CUDA "
+          "graph); gemm_floor = their FP8 weights + block "
           "scales (experts that got a token) at the copy bandwidth; gemm_GB/s = those bytes / gemm; comm = "
-          "dispatch + combine alone (graph), of the whole batches; comm_2mb = of the two micro-batches; hid% = "
+          "dispatch + combine alone (graph), of the whole batches; comm_2mb = of the two micro-batches; sbo_hid% = "
+          "(graph - sbo_graph, median of the rounds' differences) / comm; hid% = "
           "(ovl_1stream - ovl_graph, median of the rounds' differences) / comm_2mb: the share of its "
           "communication that the overlap hides; hid_max% = (gemm + comm_2mb - the two run side by side with no "
-          "dependency) / comm_2mb: how much of it the GPU hides under the GEMMs alone; ovl_diff, "
-          "ref_diff = relative difference of the two-micro-batch and reference outputs from the plain one.")
+          "dependency) / comm_2mb: how much of it the GPU hides under the GEMMs alone; model, model_sbo, "
+          "model_ovl = the cost model's plain, sbo and two-micro-batch times (ep_layer.moe.overlap); auto = what "
+          "FusedMoE(overlap='auto') runs; sbo_diff, ovl_diff, ref_diff = relative difference of the single-batch, "
+          "two-micro-batch and reference outputs from the plain one.")
     print_table(rows, copy_bw)
     print(f"# {time.perf_counter() - started:.0f} s in all")
 

@@ -529,6 +529,17 @@ class Buffer(NormalMode):
         """Whether `low_latency_dispatch(..., rows_in_place=True)` works here (the cuda backend)."""
         return self._live().supports_rows_in_place
 
+    @property
+    def signals_waited_on_device(self) -> bool:
+        """Whether a combine with overlap signals may be queued before the GEMM that sets them (the cuda
+        backend waits for them on the device; the reference backend on the host)."""
+        return self._live().signals_waited_on_device
+
+    @property
+    def ranks_on_this_gpu(self) -> int:
+        """The group's ranks that share this rank's GPU, itself included (emulated ranks: all of them)."""
+        return self._live().ranks_on_this_gpu
+
     # ------------------------------------------------------------------ shared plumbing
     def _on_comm_stream(self, call: Callable, inputs: tuple[torch.Tensor, ...]) -> tuple[object, EventOverlap]:
         """`async_finish`: run both halves of `call` on the comm stream (GPU tensors) or now (CPU); the

@@ -26,6 +26,7 @@ from .engine.engine_config import (
     EP_BACKENDS,
     EP_TRANSPORTS,
     LOAD_FORMATS,
+    MOE_OVERLAPS,
     EngineConfig,
 )
 from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
@@ -253,6 +254,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="the MoE layers' dispatch and combine (SGLang's flag): 'low_latency' every step, 'normal' "
                         "(high-throughput) every step, or 'auto': normal mode for steps in which a rank holds "
                         "more than --max-tokens-per-rank tokens (long prefills), low-latency for the others")
+    p.add_argument("--moe-overlap", choices=MOE_OVERLAPS, default="none",
+                   help="how a low-latency MoE layer overlaps its dispatch and combine with its expert GEMMs: 'none' "
+                        "(beside the shared expert only), 'sbo' (single-batch overlap, SGLang's "
+                        "--enable-single-batch-overlap: the combine sends each expert's rows as the down GEMM "
+                        "finishes them), 'dbo' (two micro-batches, vLLM's --enable-dbo and SGLang's "
+                        "--enable-two-batch-overlap) or 'auto' ('sbo' where a cost model says it saves time)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
                    help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
                         "torch.distributed one, or 'auto' (cuda when built and on GPU, and across hosts only "
@@ -397,6 +404,7 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         max_num_seqs=args.max_num_seqs, max_tokens_per_rank=low_latency_tokens(args),
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, deepep_mode=args.deepep_mode,
+        moe_overlap=args.moe_overlap,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,

@@ -122,9 +122,13 @@ def random_tokens(cfg: MoeConfig, gen: torch.Generator, world: int, min_tokens: 
 
 
 # ------------------------------------------------------------------ rank functions (run in child processes)
+OVERLAPS = ("sbo", "dbo", "auto")  # layer_rank's forwards beside the plain and the two-micro-batch one
+
+
 def layer_rank(rank: int, world: int, cfg: MoeConfig, quant: str, weights: dict[str, torch.Tensor],
                tokens: list[torch.Tensor], own_only: bool) -> dict[str, np.ndarray]:
-    """FusedMoE on this rank's tokens: plain forward, two-micro-batch forward and its routing.
+    """FusedMoE on this rank's tokens: plain forward, two-micro-batch forward, a forward under each overlap of
+    OVERLAPS (as `overlap=<mode>`) and its routing.
 
     own_only: load only this rank's experts (plus router and shared experts), not every expert.
     Results travel back as numpy arrays (bf16 as its exact float32 value): torch would share tensor
@@ -137,7 +141,10 @@ def layer_rank(rank: int, world: int, cfg: MoeConfig, quant: str, weights: dict[
     x = tokens[rank]
     plain = layer(x)
     overlapped = layer.forward_two_microbatches(x)
+    results = {"plain": plain, "overlapped": overlapped}
+    for mode in OVERLAPS:
+        layer.overlap = mode
+        results[f"overlap={mode}"] = layer(x)
     topk_idx, topk_weights = layer.route(x)
-    results = {"plain": plain, "overlapped": overlapped, "topk_idx": topk_idx, "topk_weights": topk_weights,
-               "expert_load": layer.stats().expert_load}
+    results |= {"topk_idx": topk_idx, "topk_weights": topk_weights, "expert_load": layer.stats().expert_load}
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy().copy() for k, v in results.items()}

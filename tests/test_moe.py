@@ -26,6 +26,7 @@ import pytest
 import torch
 from dist_harness import run_ranks
 from moe_helpers import (
+    OVERLAPS,
     MoeConfig,
     dense_weights,
     dequant_loop,
@@ -202,11 +203,13 @@ def test_layer_matches_transformers(world: int, seed: int) -> None:
             assert_close(got["plain"], hf32(x.float()), TOL_HF_FP32, what + " vs float32 HF")
             assert_close(got["plain"], hf16(x), TOL_HF_BF16, what + " vs bf16 HF")
         assert torch.equal(got["plain"], got["overlapped"]), what + ": two micro-batches differ"
-    # Every routed (token, expert) pair arrived once at its expert, and was counted there (twice:
-    # the plain and the two-micro-batch forward each dispatch every token).
+        assert_overlaps_equal_plain(got, what)
+    # Every routed (token, expert) pair arrived once at its expert, and was counted there (once per forward:
+    # the plain one, the two-micro-batch one and one under each overlap mode each dispatch every token).
     load = torch.cat([r["expert_load"] for r in results])
     routed = torch.cat([r["topk_idx"] for r in results]).flatten()
-    assert torch.equal(load, 2 * torch.bincount(routed, minlength=cfg.num_experts).int()), f"seed={seed}"
+    forwards = 2 + len(OVERLAPS)
+    assert torch.equal(load, forwards * torch.bincount(routed, minlength=cfg.num_experts).int()), f"seed={seed}"
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -226,18 +229,27 @@ def test_fp8_layer_matches_float64(world: int, seed: int) -> None:
         per_token = (err.norm(dim=1) / want.norm(dim=1)).max().item()
         assert per_token <= TOL_FP8_TOKEN, f"{what}: worst token's relative error {per_token:.4f}"
         assert torch.equal(got["plain"], got["overlapped"]), what + ": two micro-batches differ"
+        assert_overlaps_equal_plain(got, what)
+
+
+def assert_overlaps_equal_plain(got: dict[str, torch.Tensor], what: str) -> None:
+    for mode in OVERLAPS:
+        assert torch.equal(got["plain"], got[f"overlap={mode}"]), f"{what}: overlap={mode!r} differs"
 
 
 @pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
 def test_two_microbatches_equal_plain_at_ep4(quant: str, seed: int) -> None:
-    """Bit for bit, with every rank's batch size different (odd, 1 and 0 included)."""
+    """Bit for bit, with every rank's batch size different (odd, 1 and 0 included); the same for every overlap
+    mode of FusedMoE."""
     gen = torch.Generator().manual_seed(seed)
     cfg = MoeConfig(intermediate=128, max_tokens=40)
     weights = hf_weights(cfg, gen, "bf16" if quant == "bf16" else "fp8")
     counts = [0, 1, int(torch.randint(2, 40, (1,), generator=gen)) | 1, 40]
     tokens = [torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16) for n in counts]
     for rank, got in enumerate(ranks_results(run_ranks(layer_rank, 4, cfg, quant, weights, tokens, True))):
-        assert torch.equal(got["plain"], got["overlapped"]), f"seed={seed} rank {rank} ({counts[rank]} tokens)"
+        what = f"seed={seed} rank {rank} ({counts[rank]} tokens)"
+        assert torch.equal(got["plain"], got["overlapped"]), what
+        assert_overlaps_equal_plain(got, what)
 
 
 def test_two_microbatches_interleave_communication() -> None:

@@ -331,6 +331,31 @@ def test_rows_past_recv_count_are_not_written(fp8: bool, seed: int) -> None:
         assert not out[e, :n].isnan().any(), f"expert {e}: garbage rows leaked into valid ones"
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_down_gemm_counts_each_finished_tile_in_its_signals(fp8: bool, seed: int) -> None:
+    """The down GEMM with completion signals writes what it writes without them, bit for bit, and leaves
+    each received row tile's signal at the number of column tiles (what the combine waits for), the
+    signals of tiles without rows at 0."""
+    gen = torch.Generator().manual_seed(seed)
+    counts, rows, hidden, inter = [0, 70, 128, 3, 65], 128, 384, 256
+    store = expert_store(gen, len(counts), hidden, inter, fp8, "cuda")
+    x = masked_inputs(gen, counts, rows, hidden, fp8, "cuda")
+    recv_count = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    kernels = triton_experts.TritonExperts()
+    act = kernels.gate_up(x, recv_count, store)
+    signals = kernels.completion_signals(len(counts), rows, hidden, recv_count.device)
+    got = kernels.down(act, recv_count, store, signals=signals)
+    want = kernels.down(act, recv_count, store)
+    for e, n in enumerate(counts):
+        assert torch.equal(got[e, :n], want[e, :n]), f"seed={seed} expert {e}"
+    tiles = -(-hidden // 128)
+    expected = torch.zeros(len(counts), signals.per_expert, dtype=torch.int32)
+    for e, n in enumerate(counts):
+        expected[e, :-(-n // signals.rows)] = tiles
+    assert signals.threshold == tiles
+    assert torch.equal(signals.signals.cpu().view(len(counts), -1), expected)
+
+
 def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
     """TritonExperts.cast_to_fp8 (one kernel) against ep_layer.quant's PyTorch cast, bit for bit on the
     rows below recv_count: groups whose magnitudes span 12 orders, and an all-zero group (the floor)."""
@@ -427,12 +452,14 @@ def test_layer_on_gpu_matches_cpu(quant: str, seed: int) -> None:
 
 @pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
 @pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
-@pytest.mark.parametrize("schedule", ["plain", "two-microbatches", "two-microbatches-side-streams"])
+@pytest.mark.parametrize("schedule", ["plain", "two-microbatches", "two-microbatches-side-streams",
+                                      "sbo-side-streams"])
 def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: int) -> None:
     """4 emulated EP ranks (cuda backend) step together; the whole step is captured in one CUDA graph and
     replayed on fresh tokens. Each replay equals the same schedule run eagerly with all communication on
     the current stream, bit for bit: the side streams (shared by the ranks) change when kernels run,
-    not what they compute."""
+    not what they compute. Single-batch overlap (each rank's combine queued before its down GEMM, sending
+    rows as the GEMM signals them) equals the plain schedule, bit for bit."""
     from ep_layer.emulation import emulated_buffers
 
     gen = torch.Generator().manual_seed(seed)
@@ -447,8 +474,10 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
     side_streams = CommStreams.new() if schedule.endswith("side-streams") else None
 
     def run(streams: CommStreams | None) -> list[torch.Tensor]:
-        if schedule == "plain":
+        if schedule == "plain" or (schedule.startswith("sbo") and streams is None):  # sbo's eager twin: plain
             return run_interleaved([layer.steps(x) for layer, x in zip(layers, xs)])
+        if schedule.startswith("sbo"):
+            return run_interleaved([layer.steps(x, streams, sbo=True) for layer, x in zip(layers, xs)])
         return forward_two_microbatches(layers, xs, streams)
 
     graph, outs = capture_after_warmup(lambda: run(side_streams))  # compiles and warms up outside the graph

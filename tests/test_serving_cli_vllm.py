@@ -248,6 +248,19 @@ def test_deepep_mode_sets_the_step_budget_apart_from_the_low_latency_t(capsys):
     assert "invalid choice: 'fast'" in usage_error(capsys, "--deepep-mode", "fast")
 
 
+def test_moe_overlap_reaches_the_config_with_the_layers_modes(capsys):
+    from ep_layer.moe.overlap import OVERLAP_MODES
+    from serving.engine.engine_config import MOE_OVERLAPS
+
+    assert MOE_OVERLAPS == OVERLAP_MODES
+    assert config().moe_overlap == "none"
+    for mode in OVERLAP_MODES:
+        assert config("--moe-overlap", mode).moe_overlap == mode
+    assert "invalid choice: 'tbo'" in usage_error(capsys, "--moe-overlap", "tbo")
+    with pytest.raises(ValueError, match="moe_overlap: expected one of"):
+        EngineConfig(model="m", moe_overlap="tbo")
+
+
 def test_gpu_memory_utilization_is_a_fraction_of_the_whole_gpu():
     assert config().gpu_memory_utilization == 0.9
     assert config("--gpu-memory-utilization", "0.5").gpu_memory_utilization == 0.5

@@ -36,6 +36,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from dist_harness import run_ranks
@@ -53,6 +54,7 @@ from serving_model_helpers import (
     script_tokens,
 )
 
+from serving.engine.engine_config import MOE_OVERLAPS
 from serving.forward_batch import ForwardBatch
 from serving.loading.checkpoint import CheckpointError, load_checkpoint, load_tensors, read_tokenizer
 from serving.model_config import ConfigError, ModelConfig
@@ -597,3 +599,35 @@ def test_normal_mode_step_matches_low_latency(checkpoints: dict[str, str]) -> No
     for rank, r in enumerate(results):
         assert r["error"] <= TOL_NORMAL_MODE, f"rank {rank}: relative error {r['error']:.2e}"
         assert r["big_tokens"] > 24 and r["big_error"] <= TOL_NORMAL_MODE, r
+
+
+# ---------------------------------------------------------------------------- the MoE layers' overlap
+def overlap_rank(rank: int, world: int, path: str) -> dict[str, object]:
+    """One prefill step of this rank's prompt (rank 1's holds one token) on the model loaded with each
+    moe_overlap: the logits, and the MoE layers' `overlap`."""
+    import torch.distributed as dist
+
+    from serving.engine.engine import LLMEngine
+    from serving.engine.sequence import SamplingParams
+
+    gen = torch.Generator().manual_seed(SEED + rank)
+    prompt = torch.randint(3, 500, ({0: 13, 1: 1}[rank],), generator=gen).tolist()
+    logits, overlaps = {}, {}
+    for mode in MOE_OVERLAPS:
+        model = load_checkpoint(path, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=16,
+                                dtype=torch.float32, progress=False, moe_overlap=mode)
+        engine = LLMEngine(model, read_tokenizer(path), num_blocks=16, block_size=16, max_model_len=64,
+                           max_num_seqs=2, max_tokens_per_rank=16, device=torch.device("cpu"))
+        engine.add_request("a", prompt, SamplingParams(max_tokens=1))
+        logits[mode] = engine.runner.execute(engine.schedule()).numpy().copy()
+        overlaps[mode] = {layer.mlp.overlap for layer in model.model.layers if layer.is_moe}
+    return {"logits": logits, "overlaps": overlaps}
+
+
+def test_every_moe_overlap_serves_the_plain_logits(checkpoints: dict[str, str]) -> None:
+    """--moe-overlap reaches every MoE layer, and each mode's step gives the plain forward's logits bit for bit
+    (EP = 2, one rank with a single token)."""
+    for rank, r in enumerate(run_ranks(overlap_rank, 2, checkpoints["bf16"])):
+        for mode in MOE_OVERLAPS:
+            assert r["overlaps"][mode] == {mode}, (rank, mode)
+            assert np.array_equal(r["logits"][mode], r["logits"]["none"]), f"rank {rank}: {mode} differs"

@@ -110,6 +110,14 @@ class Backend(ABC):
         """Where every tensor must live; None = any device, the same for all tensors of a call."""
 
     supports_rows_in_place = False  # dispatch(..., rows_in_place=True) returns RowsInPlace
+    # A combine's send waits for its overlap signals on the device, so it may be queued before the GEMM that
+    # sets them (else it waits on the host, and must come after it).
+    signals_waited_on_device = False
+
+    @property
+    def ranks_on_this_gpu(self) -> int:
+        """The group's ranks that run on this rank's GPU (sharing its memory and SMs), itself included."""
+        return 1
 
     @abstractmethod
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,

@@ -217,6 +217,7 @@ CUDA_TRANSPORTS = ("ipc", "nvshmem")  # create_backend resolves the Buffer's "au
 class CudaBackend(Backend):
     name = "cuda"
     supports_rows_in_place = True
+    signals_waited_on_device = True
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, num_ranks: int,
                  num_rdma_bytes: int, timeout_s: float, *, shrink: bool = False,
@@ -256,6 +257,7 @@ class CudaBackend(Backend):
         # H200: send blocks of four tokens instead of four waves of one-token blocks); a rank alone on the
         # GPU keeps all of it.
         self._gpu_share = gpu_share
+        self._ranks_here = num_ranks if peer_bases is not None else 1  # on this GPU (learnt from the peers)
         ll_bytes = layout.allocated_low_latency_bytes(num_rdma_bytes)
         if transport == "nvshmem":
             nvl_bytes = num_nvl_bytes and layout.normal_landing_offset(num_nvl_bytes) + layout.NORMAL_LANDING_BYTES
@@ -328,8 +330,12 @@ class CudaBackend(Backend):
         sizes = {r: g[1] for r, g in enumerate(gathered)}
         expect(len(set(sizes.values())) == 1, name, "the same on every rank", sizes)
         self._system_scope = len({g[2] for g in gathered}) > 1
-        self._gpu_share = sum(g[2] == device_id for g in gathered)
+        self._gpu_share = self._ranks_here = sum(g[2] == device_id for g in gathered)
         return [g[0] for g in gathered]
+
+    @property
+    def ranks_on_this_gpu(self) -> int:
+        return self._ranks_here
 
     @property
     def device(self) -> torch.device:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.base import RowsInPlace
+from ..backends.base import RowsInPlace, SendSignals
 from ..block_fp8 import WEIGHT_BLOCK
 from .triton_support import sm_count, tl, triton, unavailable_reason
 
@@ -37,16 +37,16 @@ if triton is not None:
 
     @triton.jit
     def _masked_gemm_kernel(
-            a_ptr, a_scale_ptr, a_rows_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr,
-            E, N, K, UP_OFFSET,
+            a_ptr, a_scale_ptr, a_rows_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr, signal_ptr,
+            E, N, K, UP_OFFSET, SIGNALS_PER_EXPERT,
             stride_ae, stride_am, stride_ak,
             stride_se, stride_sm, stride_sk,
             stride_re,
             stride_be, stride_bn, stride_bk,
             stride_te, stride_tn, stride_tk,
             stride_oe, stride_om, stride_on,
-            FP8: tl.constexpr, GATED: tl.constexpr, ROWS_IN_PLACE: tl.constexpr, E_PAD: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+            FP8: tl.constexpr, GATED: tl.constexpr, ROWS_IN_PLACE: tl.constexpr, SIGNAL: tl.constexpr,
+            E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[e, m, n] = sum_k a[e, m, k] * b[e, n, k] for m < count[e] (bf16 out, float32 accumulation).
 
         The (row tile, column tile) items of all experts' received rows go to programs pid, pid + grid, ...,
@@ -58,6 +58,9 @@ if triton is not None:
         BLOCK_K is 128 and BLOCK_N divides 128, so each tile step uses one scale of each kind.
         ROWS_IN_PLACE: row m of expert e is where dispatch left it (ep_layer.RowsInPlace): its K values at
         byte offset a_rows[e, m] from a_ptr (the scales are packed as without it).
+        SIGNAL: each finished item adds 1 to signal[e * SIGNALS_PER_EXPERT + its row tile], after its
+        stores and with release semantics, so a reader that sees the count at the number of column tiles
+        (with acquire) sees the rows of that tile (single-batch overlap: the combine sends them).
         """
         experts = tl.arange(0, E_PAD)
         counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
@@ -111,15 +114,29 @@ if triton is not None:
                 acc = acc / (1.0 + tl.exp(-acc)) * acc_up
             out_ptrs = out_ptr + expert * stride_oe + rows[:, None] * stride_om + cols[None, :] * stride_on
             tl.store(out_ptrs, acc.to(tl.bfloat16), mask=row_ok[:, None] & col_ok[None, :])
+            if SIGNAL:
+                tl.debug_barrier()  # every thread's stores of the tile come before the release below
+                tl.atomic_add(signal_ptr + expert * SIGNALS_PER_EXPERT + local % row_tiles, 1, sem="release",
+                              scope="gpu")
+
+
+def completion_signals(num_experts: int, rows: int, columns: int, device: torch.device) -> SendSignals:
+    """Zeroed signals for masked_grouped_gemm(..., signals=) on out [num_experts, rows, columns] (not gated,
+    BLOCK_N columns per program): one per BLOCK_M rows of an expert, complete at its number of column tiles."""
+    per_expert = max(-(-rows // BLOCK_M), 1)
+    return SendSignals(torch.zeros(num_experts * per_expert, dtype=torch.int32, device=device), BLOCK_M, per_expert,
+                       -(-columns // BLOCK_N))
 
 
 def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | None, b: torch.Tensor,
                         b_scales: torch.Tensor | None, recv_count: torch.Tensor, out: torch.Tensor,
-                        up_offset: int = 0, gated: bool = False, block_n: int | None = None) -> torch.Tensor:
+                        up_offset: int = 0, gated: bool = False, block_n: int | None = None,
+                        signals: SendSignals | None = None) -> torch.Tensor:
     """Launch the kernel: a [E, M, K] (bf16, or fp8 with a_scales [E, M, K/128]; or dispatch's rows in
     place, with their scales: a_scales None), b [E, rows, K] (with b_scales [E, rows/128, K/128] for FP8)
     into out bf16 [E, M, N]; rows >= recv_count[e] untouched.
-    block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N)."""
+    block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N).
+    signals: completion_signals(E, M, N) for this call, counted per finished tile (not gated only)."""
     if triton is None:
         raise RuntimeError(unavailable_reason())
     e, _, k = b.shape
@@ -129,6 +146,10 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
         a_scales = a.scales
     fp8 = a_scales is not None
     block_n = block_n or (BLOCK_N_GATED if gated else BLOCK_N)
+    if signals is not None and (gated or block_n != BLOCK_N or signals.rows != BLOCK_M
+                                or signals.threshold != -(-n // BLOCK_N)):
+        raise ValueError("masked_grouped_gemm: signals must come from completion_signals for this output, "
+                         "on a GEMM that is not gated, at the default column tile")
     block_k = WEIGHT_BLOCK if fp8 else BLOCK_K_BF16
     if fp8 and (b_scales is None or WEIGHT_BLOCK % block_n or up_offset % WEIGHT_BLOCK):
         raise ValueError("masked_grouped_gemm: FP8 needs block scales for b, column tiles that divide 128 "
@@ -143,8 +164,10 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     b_s = b_scales if b_scales is not None else b
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
     _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sm_count(out.device),)](
-        a, a_s, a_rows, b, b_s, out, recv_count, e, n, k, up_offset,
+        a, a_s, a_rows, b, b_s, out, recv_count, signals.signals if signals is not None else recv_count, e, n, k,
+        up_offset, signals.per_expert if signals is not None else 0,
         *a_st, *a_ss, r_s, *b.stride(), *b_ss, *out.stride(),
-        FP8=fp8, GATED=gated, ROWS_IN_PLACE=in_place, E_PAD=triton.next_power_of_2(e), BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES, maxnreg=GEMM_MAX_REGISTERS)
+        FP8=fp8, GATED=gated, ROWS_IN_PLACE=in_place, SIGNAL=signals is not None, E_PAD=triton.next_power_of_2(e),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        maxnreg=GEMM_MAX_REGISTERS)
     return out

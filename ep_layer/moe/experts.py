@@ -14,13 +14,14 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from ..backends.base import RecvX, RowsInPlace
+from ..backends.base import RecvX, RowsInPlace, SendSignals
 from ..quant import FP8_GROUP, per_token_cast_back, per_token_cast_to_fp8
 from .routing import RoutingConfig, route
 from .tiles import map_row_tiles
 from .weights import ExpertWeights
 
 EXPERT_KERNELS = ("auto", "torch", "triton")
+Activation = tuple[torch.Tensor, torch.Tensor | None]  # gate_up's output: bf16 [E, M, I], or FP8 with scales
 
 
 class ExpertKernels(ABC):
@@ -29,15 +30,34 @@ class ExpertKernels(ABC):
 
     name: str
 
-    @abstractmethod
     def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
         """bf16 [E, M, H] (`out` when given, e.g. a zero-copy combine buffer): row m of expert e is expert
         e's MLP of x[e, m] for m < recv_count[e]; later rows are unspecified (and should cost nothing).
 
         x is bf16 [E, M, H], or (float8_e4m3fn [E, M, H], float32 scales [E, M, H/128]) with any
         strides (dispatch's scales are column-major), or dispatch's RowsInPlace where the implementation
-        reads rows where they lie (`reads_rows_in_place`)."""
+        reads rows where they lie (`reads_rows_in_place`). signals: see `down`."""
+        return self.down(self.gate_up(x, recv_count, weights), recv_count, weights, out, signals)
+
+    @abstractmethod
+    def gate_up(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> Activation:
+        """The MLP's first half on the received rows (x as for __call__): SiLU(gate) * up, in the form
+        `down` takes (for FP8 weights already cast, as the contract says)."""
+
+    @abstractmethod
+    def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,
+             out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
+        """The MLP's second half: the down projection of gate_up's output, bf16 [E, M, H] (into `out`).
+        With `signals` (from `completion_signals`, zeroed) it also counts its finished rows there, so that
+        a combine on another stream can send each row as soon as it is written (single-batch overlap):
+        rows [j * signals.rows, (j + 1) * signals.rows) of expert e are written once signal
+        e * signals.per_expert + j reaches signals.threshold."""
+
+    @abstractmethod
+    def completion_signals(self, num_experts: int, rows: int, hidden: int, device: torch.device) -> SendSignals:
+        """Zeroed signals for one `down` call on [num_experts, rows, hidden], in this implementation's
+        granularity (its tile of rows, and how many writes complete one)."""
 
     reads_rows_in_place = False
 
@@ -119,20 +139,16 @@ def split_recv_x(x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights
     return data, scales
 
 
-def swiglu_fp32(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, fp8: bool) -> torch.Tensor:
-    """bf16 [..., M, H] = down(SiLU(gate) * up) of float32 rows x [..., M, H] with float32 weights
-    gate_up [..., 2I, H] and down [..., H, I], per the module contract."""
-    return down_proj(gate_up_act(x, gate_up), down, fp8)
-
-
 def gate_up_act(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """swiglu_fp32's first half: SiLU(gate) * up rounded to bf16, [..., M, I]."""
+    """The MLP's first half on float32 rows x [..., M, H] with float32 weights gate_up [..., 2I, H]: SiLU(gate) * up
+    rounded to bf16, [..., M, I] (the module contract)."""
     gate, up = torch.matmul(x, gate_up.transpose(-1, -2)).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(torch.bfloat16)
 
 
 def down_proj(act: torch.Tensor, down: torch.Tensor, fp8: bool) -> torch.Tensor:
-    """swiglu_fp32's second half: the down projection of bf16 act [..., M, I] (FP8-cast first), bf16."""
+    """The MLP's second half: the down projection of bf16 act [..., M, I] (FP8-cast first) by float32 weights
+    down [..., H, I], bf16 [..., M, H]."""
     if fp8:
         flat = act.reshape(-1, act.shape[-1])
         a = per_token_cast_back(*per_token_cast_to_fp8(flat)).view(act.shape)
@@ -153,27 +169,44 @@ class TorchExperts(ExpertKernels):
 
     name = "torch"
 
-    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def gate_up(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> Activation:
         data, scales = split_recv_x(x, recv_count, weights)
-        fp8 = weights.fp8
         if data.is_cuda:
-            every = slice(None)
-            y = swiglu_fp32(rows_fp32(data, scales), weights.gate_up_fp32(every), weights.down_fp32(every), fp8)
-            return y if out is None else out.copy_(y)
+            return gate_up_act(rows_fp32(data, scales), weights.gate_up_fp32(slice(None))), None
+        e, m, _ = data.shape
+        act = torch.empty(e, m, weights.padded_intermediate, dtype=torch.bfloat16)  # rows past a count unread
+        for expert, count in enumerate(recv_count.tolist()):
+            if count:
+                gate_up = weights.gate_up_fp32(expert)
+                received = (data[expert, :count],) if scales is None else (data[expert, :count],
+                                                                            scales[expert, :count])
+                act[expert, :count] = map_row_tiles(
+                    lambda d, s=None: gate_up_act(rows_fp32(d, s), gate_up), *received)  # noqa: B023 - used at once
+        return act, None
+
+    def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,
+             out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
+        a = act[0]
+        if a.is_cuda:  # every row, in one go: the signals all complete together
+            y = down_proj(a, weights.down_fp32(slice(None)), weights.fp8)
+            out = y if out is None else out.copy_(y)
+            if signals is not None:
+                signals.signals.add_(signals.threshold)
+            return out
         if out is None:
-            out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
-        for e, count in enumerate(recv_count.tolist()):
-            if count == 0:
-                continue
-            gate_up, down = weights.gate_up_fp32(e), weights.down_fp32(e)
-
-            def tile(d: torch.Tensor, s: torch.Tensor | None = None) -> torch.Tensor:
-                return swiglu_fp32(rows_fp32(d, s), gate_up, down, fp8)  # noqa: B023 - used at once
-
-            received = (data[e, :count],) if scales is None else (data[e, :count], scales[e, :count])
-            out[e, :count] = map_row_tiles(tile, *received)
+            out = torch.empty(*a.shape[:2], weights.hidden, dtype=torch.bfloat16)
+        for expert, count in enumerate(recv_count.tolist()):
+            if count:
+                down = weights.down_fp32(expert)
+                out[expert, :count] = map_row_tiles(lambda rows: down_proj(rows, down, weights.fp8),  # noqa: B023
+                                                    a[expert, :count])
+                if signals is not None:  # one signal per expert (completion_signals)
+                    signals.signals[signals.index(expert, 0)] += signals.threshold
         return out
+
+    def completion_signals(self, num_experts: int, rows: int, hidden: int, device: torch.device) -> SendSignals:
+        # An expert's rows are written together: one signal each, complete at its first write.
+        return SendSignals(torch.zeros(num_experts, dtype=torch.int32, device=device), max(rows, 1), 1, 1)
 
     def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
         count = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)

@@ -14,8 +14,9 @@ exchanges run beside the shared expert, the overlapped one's under the other hal
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from ..quant import FP8_GROUP
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
 from .normal_forward import normal_forward
+from .overlap import SBO_SEND_SMS, GpuRates, LayerCost, Prediction, check_overlap, predict
 from .routing import RoutingConfig
 from .schedule import (
     COMBINE_HOOKED,
@@ -76,6 +78,9 @@ class FusedMoE(nn.Module):
     quant: "bf16" (bf16 weights, bf16 dispatch) or "fp8-block" (e4m3 weights with 128x128 block scales,
     FP8 dispatch, per-token-per-128 activation scales). buffer: an existing low-latency Buffer, else one
     is made for `group`. expert_kernels: "auto" (Triton on GPU, PyTorch on CPU), "torch" or "triton".
+    overlap: the low-latency forward's schedule (ep_layer.moe.overlap): "none", "sbo" (the combine sends
+    each expert's rows as the down GEMM finishes them), "dbo" (two micro-batches) or "auto" (per call, "sbo"
+    where the cost model says it saves time, else "none"). Every rank of a layer must pass the same.
     Move the layer with `.to(device)` only: a dtype cast would convert its FP8 weights too.
     """
 
@@ -83,9 +88,11 @@ class FusedMoE(nn.Module):
                  group: dist.ProcessGroup | None, *, n_group: int, topk_group: int,
                  routed_scaling_factor: float, quant: str = "bf16", n_shared_experts: int = 1,
                  buffer: Buffer | None = None, max_tokens_per_rank: int = 128, norm_topk_prob: bool = True,
-                 expert_kernels: str = "auto", device: torch.device | str | None = None) -> None:
+                 expert_kernels: str = "auto", device: torch.device | str | None = None,
+                 overlap: str = "none") -> None:
         super().__init__()
         _check_sizes(hidden, intermediate, n_shared_experts, max_tokens_per_rank, quant)
+        self.overlap = check_overlap(overlap)
         if expert_kernels not in EXPERT_KERNELS:
             raise ValueError(f"expert_kernels: expected one of {EXPERT_KERNELS}, got {expert_kernels!r}")
         self.routing = RoutingConfig(num_experts, top_k, n_group, topk_group, float(routed_scaling_factor),
@@ -119,6 +126,7 @@ class FusedMoE(nn.Module):
         # Where the backend and the expert kernels allow it, the GEMMs read the dispatched rows where they
         # arrived (Buffer.low_latency_dispatch(rows_in_place=True)): no packed copy of them. False: a copy.
         self.read_rows_in_place = True
+        self._auto_schedules: dict[tuple[int, torch.device], str] = {}  # overlap="auto"'s choice per batch size
 
     # ------------------------------------------------------------------ metrics
     def stats(self) -> MoEStats:
@@ -148,7 +156,27 @@ class FusedMoE(nn.Module):
         if mode != "low_latency":
             raise ValueError(f"mode: expected one of {DISPATCH_MODES}, got {mode!r}")
         x = self._check_input(hidden_states)
-        return run_to_end(self.steps(x, self.comm_streams(x.device)))
+        schedule = self.schedule(x.shape[0], x.device)
+        if schedule == "dbo":
+            return forward_two_microbatches([self], [x], self.comm_streams(x.device))[0]
+        return run_to_end(self.steps(x, self.comm_streams(x.device), sbo=schedule == "sbo"))
+
+    def schedule(self, tokens: int, device: torch.device) -> str:
+        """The schedule a low-latency forward of `tokens` tokens on `device` runs: "none", "sbo" or "dbo"."""
+        return self.auto_schedule(tokens, device) if self.overlap == "auto" else self.overlap
+
+    def auto_schedule(self, tokens: int, device: torch.device) -> str:
+        """What overlap="auto" runs: the cost model's choice between "none" and "sbo" (a choice each rank makes
+        alone: both run the same exchanges); "none" where the send cannot wait for signals on the device.
+        It never picks "dbo": ranks with different batch sizes would disagree on the number of exchanges
+        (where the model says it would pay, pass overlap="dbo")."""
+        choice = self._auto_schedules.get((tokens, device))
+        if choice is None:
+            choice = "none"
+            if device.type == "cuda" and self.buffer.signals_waited_on_device:
+                choice = self.predict(tokens, device).best(("sbo",))
+            self._auto_schedules[(tokens, device)] = choice
+        return choice
 
     def forward_two_microbatches(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """forward with the batch split in two halves whose communication overlaps the other's compute;
@@ -156,6 +184,12 @@ class FusedMoE(nn.Module):
         communication runs on the layer's side streams (CommStreams), concurrently with the compute."""
         x = self._check_input(hidden_states)
         return forward_two_microbatches([self], [x], self.comm_streams(x.device))[0]
+
+    def predict(self, tokens: int, device: torch.device) -> Prediction:
+        """The cost model's times of each schedule for `tokens` tokens per rank on `device` (ep_layer.moe.overlap)."""
+        cost = LayerCost(self.hidden, self.intermediate, self.num_experts, self.top_k, self.num_ranks, self.fp8,
+                         self.shared_experts.intermediate if self.shared_experts else 0, self.buffer.ranks_on_this_gpu)
+        return predict(cost, tokens, GpuRates.for_device(device))
 
     def comm_streams(self, device: torch.device) -> CommStreams | None:
         """This layer's side streams for communication on `device` (None on CPU)."""
@@ -167,7 +201,7 @@ class FusedMoE(nn.Module):
         return streams
 
     def steps(self, hidden_states: torch.Tensor, streams: CommStreams | None = None,
-              shared_under: str = "both") -> Steps[torch.Tensor]:
+              shared_under: str = "both", sbo: bool = False) -> Steps[torch.Tensor]:
         """One micro-batch's forward as a generator that yields after routing, after each send, after the
         shared expert and after each hook is queued, and returns the output (see ep_layer.moe.schedule).
         With `streams` the dispatch and combine kernels run on those side streams (layers of emulated ranks
@@ -176,7 +210,9 @@ class FusedMoE(nn.Module):
         the dispatch, its down projection under the combine: the plain forward, where both exchanges wait
         for it), "dispatch" or "combine" (the overlapped schedule's first and second micro-batch: the
         second one's dispatch already runs under the first one's experts, and its combine would
-        otherwise have nothing to run under)."""
+        otherwise have nothing to run under).
+        sbo: single-batch overlap (`_combine_under_down`): the combine's send goes out expert by expert under
+        the down GEMM; the same results, bit for bit."""
         if shared_under not in SHARED_UNDER:
             raise ValueError(f"shared_under: expected one of {SHARED_UNDER}, got {shared_under!r}")
         x = self._check_input(hidden_states)
@@ -203,11 +239,15 @@ class FusedMoE(nn.Module):
         wait_received()
         # Zero-copy combine: the down GEMM writes where the combine reads (on the cuda backend, peers on
         # this GPU read the rows there: nothing is copied into their slots).
-        y = self.run_experts(recv_x, recv_count, self.buffer.get_next_low_latency_combine_buffer(handle))
-        with send_on(combine_stream):
-            combined, _, combine_hook = self.buffer.low_latency_combine(
-                y, topk_idx, topk_weights, handle, zero_copy=True, return_recv_hook=True,
-                combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
+        y = self.buffer.get_next_low_latency_combine_buffer(handle)
+        combine = partial(self.buffer.low_latency_combine, y, topk_idx, topk_weights, handle, zero_copy=True,
+                          return_recv_hook=True, combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
+        if sbo:
+            combined, combine_hook = self._combine_under_down(combine, recv_x, recv_count, y, combine_stream)
+        else:
+            self.run_experts(recv_x, recv_count, y)
+            with send_on(combine_stream):
+                combined, _, combine_hook = combine()
         yield COMBINE_SENT
         # Queued before the hook: on one stream too it runs while the rows travel.
         if shared_under == "combine":
@@ -220,6 +260,28 @@ class FusedMoE(nn.Module):
         yield COMBINE_HOOKED
         wait_combined()
         return combined if shared is None else combined + shared
+
+    def _combine_under_down(self, combine: Callable, recv_x: RecvX, recv_count: torch.Tensor, y: torch.Tensor,
+                            stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Single-batch overlap: the routed experts into y with the combine's send waiting for the down GEMM's
+        completion signals, so that each expert's rows leave as soon as they are written. The send goes first,
+        on its side stream, where the backend waits for signals on the device; elsewhere (one stream, or a
+        backend that waits on the host) it must follow the GEMM, and sends rows whose signals are all set.
+        Returns combine's output and hook."""
+        kernels = self._kernels_for(recv_count.device)
+        act = kernels.gate_up(recv_x, recv_count, self.experts)
+        signals = kernels.completion_signals(self.num_local_experts, y.shape[1], self.hidden, recv_count.device)
+        send = partial(combine, overlap=True, packed_recv_count=recv_count, comp_signal=signals.signals,
+                       block_m=signals.rows, threshold=signals.threshold)
+        early = stream is not None and self.buffer.signals_waited_on_device
+        if early:
+            with send_on(stream):  # behind the zeroed signals; not behind the down GEMM
+                combined, _, hook = send(num_sms=SBO_SEND_SMS)
+        kernels.down(act, recv_count, self.experts, y, signals)
+        if not early:
+            with send_on(stream):
+                combined, _, hook = send()
+        return combined, hook
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx int64 [N, K], topk_weights float32 [N, K]) by DeepSeek-V3's noaux_tc routing."""
@@ -308,10 +370,10 @@ def forward_two_microbatches(layers: Sequence[FusedMoE], inputs: Sequence[torch.
 
 
 def chain_steps(layer: FusedMoE, hidden_states: torch.Tensor, depth: int, streams: CommStreams | None = None,
-                shared_under: str = "both") -> Steps[torch.Tensor]:
+                shared_under: str = "both", sbo: bool = False) -> Steps[torch.Tensor]:
     """`depth` forwards of `layer` in a row as one generator of steps, each on the last one's output."""
     for _ in range(depth):
-        hidden_states = yield from layer.steps(hidden_states, streams, shared_under)
+        hidden_states = yield from layer.steps(hidden_states, streams, shared_under, sbo)
     return hidden_states
 
 

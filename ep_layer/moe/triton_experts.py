@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.base import RowsInPlace
+from ..backends.base import RowsInPlace, SendSignals
 from ..kernels.fp8_cast import cast_rows_to_fp8
 from ..kernels.fp8_linear import fp8_block_linear
-from ..kernels.masked_gemm import masked_grouped_gemm
+from ..kernels.masked_gemm import completion_signals, masked_grouped_gemm
 from . import triton_routing
-from .experts import ExpertKernels, RecvX, check_rows_in_place, split_recv_x
+from .experts import Activation, ExpertKernels, RecvX, check_rows_in_place, split_recv_x
 from .routing import RoutingConfig
 from .weights import ExpertWeights
 
@@ -35,32 +35,41 @@ def _bf16_one_expert(x: torch.Tensor, weight: torch.Tensor, columns: int, gated:
 
 class TritonExperts(ExpertKernels):
     """The expert MLP in two kernel launches (gate_up with SiLU * up, then down), plus the FP8 cast of
-    the intermediate activation between them for FP8 weights. No host sync. The shared experts' MLP
+    the intermediate activation between them for FP8 weights. No host sync. The down GEMM counts each
+    finished (row tile, column tile) in its completion signals. The shared experts' MLP
     (dense_gate_up, dense_down) takes the split-K GEMM at decode sizes."""
 
     name = "triton"
     reads_rows_in_place = True
 
-    def __call__(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def gate_up(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> Activation:
         if isinstance(x, RowsInPlace):  # the GEMM reads the rows where dispatch left them
             e, m = check_rows_in_place(x, recv_count, weights)
             a, a_scales, device = x, None, recv_count.device
         else:
             a, a_scales = split_recv_x(x, recv_count, weights)
             (e, m, _), device = a.shape, a.device
-        h, i = weights.hidden, weights.padded_intermediate
+        act = torch.empty(e, m, weights.padded_intermediate, dtype=torch.bfloat16, device=device)
+        if m == 0:
+            return act, None
+        masked_grouped_gemm(a, a_scales, weights.gate_up, weights.gate_up_scale, recv_count, act,
+                            up_offset=weights.padded_intermediate, gated=True)
+        if weights.fp8:  # only received rows are cast; the down GEMM never reads the others
+            return cast_rows_to_fp8(act, recv_count)
+        return act, None
+
+    def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,
+             out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
+        data, scales = act
+        e, m, _ = data.shape
         if out is None:
-            out = torch.empty(e, m, h, dtype=torch.bfloat16, device=device)
+            out = torch.empty(e, m, weights.hidden, dtype=torch.bfloat16, device=data.device)
         if m == 0:
             return out
-        act = torch.empty(e, m, i, dtype=torch.bfloat16, device=device)
-        masked_grouped_gemm(a, a_scales, weights.gate_up, weights.gate_up_scale, recv_count, act,
-                            up_offset=i, gated=True)
-        act_scales = None
-        if weights.fp8:  # only received rows are cast; the down GEMM never reads the others
-            act, act_scales = cast_rows_to_fp8(act, recv_count)
-        return masked_grouped_gemm(act, act_scales, weights.down, weights.down_scale, recv_count, out)
+        return masked_grouped_gemm(data, scales, weights.down, weights.down_scale, recv_count, out, signals=signals)
+
+    def completion_signals(self, num_experts: int, rows: int, hidden: int, device: torch.device) -> SendSignals:
+        return completion_signals(num_experts, rows, hidden, device)
 
     def route(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
               config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:

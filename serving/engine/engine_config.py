@@ -12,6 +12,7 @@ DEFAULT_LOADER = "serving.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
 EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, named here without importing torch
 DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
+MOE_OVERLAPS = ("none", "sbo", "dbo", "auto")  # ep_layer.moe.overlap.OVERLAP_MODES, named here without importing torch
 DEFAULT_MAX_TOKENS_PER_RANK = 256
 DEFAULT_NORMAL_BUDGET = 2048  # tokens per step with normal mode (vLLM's default max_num_batched_tokens)
 DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's default on an H100 or H200, which it caps at the step budget as here
@@ -28,7 +29,8 @@ class EngineConfig:
     serving.loading). max_tokens_per_rank: the low-latency dispatch's T (tokens per rank).
     deepep_mode: which Buffer calls the MoE layers use (SGLang's --deepep-mode): "low_latency" for every
     step, "normal" for every step, "auto" normal mode for steps where some rank holds more than
-    max_tokens_per_rank tokens and low-latency for the others. max_num_batched_tokens: the tokens a rank
+    max_tokens_per_rank tokens and low-latency for the others. moe_overlap: FusedMoE's `overlap` (how a
+    low-latency step's exchanges overlap its experts). max_num_batched_tokens: the tokens a rank
     schedules per step (None: max_tokens_per_rank, or with normal mode DEFAULT_NORMAL_BUDGET).
     max_model_len / num_kv_blocks: None = from the model / from memory. tokenizer, dtype, quantization,
     gpu_memory_utilization and chat_template mean what vLLM's flags of those names mean (serving.cli).
@@ -53,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0  # a sequence's most tokens in one step (0: no cap; vLLM's)
     deepep_mode: str = "low_latency"
+    moe_overlap: str = "none"  # the MoE layers' low-latency schedule (ep_layer.moe.overlap.OVERLAP_MODES)
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9  # of each GPU's whole memory, for this server's ranks on it (vLLM's)
@@ -89,6 +92,8 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization}")
         if self.deepep_mode not in DEEPEP_MODES:
             raise ValueError(f"deepep_mode: expected one of {DEEPEP_MODES}, got {self.deepep_mode!r}")
+        if self.moe_overlap not in MOE_OVERLAPS:
+            raise ValueError(f"moe_overlap: expected one of {MOE_OVERLAPS}, got {self.moe_overlap!r}")
         for name in ("max_tokens_per_rank", "block_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")

@@ -27,7 +27,7 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
     model = load_checkpoint(config.model, ep_buffer=make_ep_buffer(config, checkpoint, group, device),
                             max_tokens_per_rank=config.max_tokens_per_rank, device=device, progress=rank == 0,
                             load_format=config.load_format, dtype=dtype,
-                            normal_mode=config.deepep_mode != "low_latency")
+                            normal_mode=config.deepep_mode != "low_latency", moe_overlap=config.moe_overlap)
     return model.eval(), load_tokenizer(config)
 
 

@@ -74,7 +74,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = 
                group: dist.ProcessGroup | None = None, backend: str = "auto", max_tokens_per_rank: int = 128,
                device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
                expert_kernels: str = "auto", progress: bool = True,
-               load_format: str = "auto", normal_mode: bool = False) -> DeepseekV3ForCausalLM:
+               load_format: str = "auto", normal_mode: bool = False,
+               moe_overlap: str = "none") -> DeepseekV3ForCausalLM:
     """Build DeepseekV3ForCausalLM from the checkpoint's config.json and load this rank's weights
     (arguments as DeepseekV3ForCausalLM's; progress: show a progress bar on stderr; load_format:
     "auto" reads the safetensors, "dummy" draws random weights instead)."""
@@ -83,7 +84,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = 
     config = load_config(path)
     model = DeepseekV3ForCausalLM(config, ep_buffer=ep_buffer, group=group, backend=backend,
                                   max_tokens_per_rank=max_tokens_per_rank, device=device, dtype=dtype,
-                                  expert_kernels=expert_kernels, normal_mode=normal_mode)
+                                  expert_kernels=expert_kernels, normal_mode=normal_mode, moe_overlap=moe_overlap)
     if load_format == "dummy":
         load_tensors(model, random_weights(config, DUMMY_SEED, model.device, wanted=partial(needs_tensor, model)))
     else:

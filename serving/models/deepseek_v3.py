@@ -45,7 +45,8 @@ class DecoderLayer(nn.Module):
     mlp: DenseMLP | FusedMoE
 
     def __init__(self, config: ModelConfig, index: int, buffer: Buffer | None, max_tokens_per_rank: int,
-                 expert_kernels: str, dtype: torch.dtype, device: torch.device | str | None) -> None:
+                 expert_kernels: str, dtype: torch.dtype, device: torch.device | str | None,
+                 moe_overlap: str = "none") -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
@@ -58,7 +59,8 @@ class DecoderLayer(nn.Module):
                                 routed_scaling_factor=c.routed_scaling_factor,
                                 quant="fp8-block" if c.fp8 else "bf16", n_shared_experts=c.n_shared_experts,
                                 buffer=buffer, max_tokens_per_rank=max_tokens_per_rank,
-                                norm_topk_prob=c.norm_topk_prob, expert_kernels=expert_kernels, device=device)
+                                norm_topk_prob=c.norm_topk_prob, expert_kernels=expert_kernels, device=device,
+                                overlap=moe_overlap)
         else:
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, fp8=c.fp8, dtype=dtype, device=device)
 
@@ -75,11 +77,12 @@ class DeepseekV3Model(nn.Module):
     """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
 
     def __init__(self, config: ModelConfig, buffer: Buffer | None, max_tokens_per_rank: int, expert_kernels: str,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, moe_overlap: str = "none") -> None:
         super().__init__()
         c = config
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, buffer, max_tokens_per_rank, expert_kernels, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, buffer, max_tokens_per_rank, expert_kernels, dtype, device,
+                                                 moe_overlap)
                                     for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(c, device)
@@ -91,10 +94,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     ep_buffer: the ep_layer low-latency Buffer all MoE layers share; without one, a Buffer is made for
     `group` (None: the default process group if torch.distributed is initialised, else one rank)
     with `backend` ("auto" | "cuda" | "reference"). max_tokens_per_rank: the most tokens a low-latency
-    step may hold (every rank dispatches with this T); normal_mode: the Buffer serves normal-mode steps
-    too (ForwardBatch.moe_mode "normal", of any size). dtype: activations and unquantised weights; FP8
-    checkpoints keep e4m3 weights with their block scales. Weights start at zero: serving.loading.checkpoint loads
-    them (load_tensors by checkpoint name, load_weights from a checkpoint directory).
+    step may hold (every rank dispatches with this T); moe_overlap: the MoE layers' FusedMoE `overlap`;
+    normal_mode: the Buffer serves normal-mode steps too (ForwardBatch.moe_mode "normal", of any size).
+    dtype: activations and unquantised weights; FP8 checkpoints keep e4m3 weights with their block scales.
+    Weights start at zero: serving.loading.checkpoint loads them (load_tensors by checkpoint name,
+    load_weights from a checkpoint directory).
     """
 
     kv_cache: torch.Tensor | None
@@ -102,7 +106,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, *, ep_buffer: Buffer | None = None,
                  group: dist.ProcessGroup | None = None, backend: str = "auto", max_tokens_per_rank: int = 128,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
-                 expert_kernels: str = "auto", normal_mode: bool = False) -> None:
+                 expert_kernels: str = "auto", normal_mode: bool = False, moe_overlap: str = "none") -> None:
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"dtype: expected torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
@@ -119,7 +123,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"n_routed_experts={config.n_routed_experts} is not a multiple of the expert-parallel "
                              f"size {self.ep_size}")
         self.experts_per_rank = config.n_routed_experts // self.ep_size
-        self.model = DeepseekV3Model(config, ep_buffer, max_tokens_per_rank, expert_kernels, dtype, self.device)
+        self.model = DeepseekV3Model(config, ep_buffer, max_tokens_per_rank, expert_kernels, dtype, self.device,
+                                     moe_overlap)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, fp8=False, dtype=dtype, device=self.device)
         self.kv_cache = None
 
