@@ -1,5 +1,6 @@
-"""Fused MoE layer with real expert parallelism, one process per GPU: how much of the dispatch/combine
-time the two-micro-batch overlap hides when the other ranks really run at the same time.
+"""Fused MoE layer with real expert parallelism, one process per GPU (or all on one, --one-gpu): how much
+of the dispatch/combine time single-batch overlap and two micro-batches hide when the other ranks really
+run at the same time, beside what the cost model of ep_layer.moe.overlap predicts.
 
 bench_moe.py emulates EP on one GPU, the ranks' work time-multiplexed on it. Here each of
 EP ranks is a process on its own GPU holding E / EP experts (random FP8 block weights, DeepSeek-V3
@@ -7,6 +8,7 @@ shapes) and a cuda-backend Buffer whose peers are mapped through CUDA IPC; every
 random T tokens (noaux_tc on random router weights, as bench_moe.py does). Per T and per rank:
 
     plain        FusedMoE.forward (dispatch send, shared expert, hook, routed GEMMs, combine)
+    sbo          FusedMoE(overlap="sbo"): the combine sends each expert's rows as the down GEMM signals them
     overlap      FusedMoE.forward_two_microbatches (each half's communication under the other's compute)
     comm         dispatch + combine alone, plain schedule, same tokens, no expert compute
     compute      routing + shared expert + routed GEMMs on tokens received once beforehand, no communication
@@ -16,18 +18,24 @@ timed from CUDA-graph replay (each rank captures GRAPH_CALLS back-to-back calls;
 together after a barrier; per-call time) and eagerly (one call after a barrier, from an idle GPU). A
 time is the slowest rank's median. Derived, in % of comm:
 
+    sbo_hid%    = (plain - sbo) / comm: what single-batch overlap saves
     hid%        = (plain - overlap) / comm: what the overlap saves, net of what splitting costs
     hid_ovl%    = (comm + compute_2mb - overlap) / comm: the share of comm that the overlapped layer hides
                   under its own compute (100: none of it shows)
     hid_plain%  = (comm + compute - plain) / comm: the same for the plain schedule (the shared expert
                   already runs while the dispatch travels)
 
+and beside them the model's plain, sbo and two-micro-batch times (for the slowest rank) and what
+FusedMoE(overlap="auto") runs.
+
+--one-gpu puts every rank's process on GPU 0 (ranks sharing a GPU, as the multi-rank tests run them).
 --cpu runs the same logic without GPUs (for CI): CPU processes over gloo, the reference backend,
 PyTorch experts, the smoke shape, eager timing only.
 
     PYTHONPATH=. python3 benchmarks/bench_moe_multigpu.py --smoke        # tiny layer on all GPUs: run this first
     PYTHONPATH=. python3 benchmarks/bench_moe_multigpu.py                # DeepSeek-V3 shapes, T = 1 32 128 256
     PYTHONPATH=. python3 benchmarks/bench_moe_multigpu.py --ep 2 --tokens 128 --quick
+    PYTHONPATH=. python3 benchmarks/bench_moe_multigpu.py --one-gpu --ep 4
     PYTHONPATH=. python3 benchmarks/bench_moe_multigpu.py --cpu          # 2 CPU ranks, no GPU needed
 """
 
@@ -68,11 +76,12 @@ from ep_layer.layout import MAX_RANKS
 from ep_layer.moe import FusedMoE
 from ep_layer.moe.experts import RecvX
 from ep_layer.moe.layer import microbatches
+from ep_layer.moe.overlap import Prediction
 
 GRAPH_CALLS = 20  # layer calls per captured graph: spreads the ranks' start skew after the barrier thin
 WARMUP = 2  # eager calls before timing (the first compiles the Triton kernels)
 CPU_KERNELS = "torch"  # FusedMoE's expert_kernels for --cpu
-VARIANTS = ("plain", "overlap", "comm", "compute", "compute_2mb")
+VARIANTS = ("plain", "sbo", "overlap", "comm", "compute", "compute_2mb")
 
 
 @dataclass(frozen=True)
@@ -167,6 +176,9 @@ class RankResult:
     gemm: float
     gemm_floor: float
     overlap_diff: float
+    sbo_diff: float
+    predicted: Prediction  # the cost model's times for this rank
+    auto: str  # what FusedMoE(overlap="auto") runs here
     active_experts: int  # this rank's experts that received a token
     routed: list[bool]  # experts that this rank's tokens chose (global ids)
 
@@ -179,12 +191,15 @@ def measure_rank(setup: EpLayers, tokens: int, seed: int, reps: Reps, cuda: bool
     streams = layer.comm_streams(x.device)  # as FusedMoE's forwards run them (None on CPU)
     variants = {
         "plain": lambda: case.plain(streams),
+        "sbo": lambda: case.sbo(streams),
         "overlap": lambda: case.overlap(streams),
         "comm": case.communication,
         "compute": compute_only(layer, [(x, *case.recv[0])]),
         "compute_2mb": compute_only(layer, [(h, *r) for h, r in zip(microbatches(x), half_recv)]),
     }
-    overlap_diff = relative_difference(case.overlap(streams), case.plain(streams))
+    plain_out = case.plain(streams)
+    overlap_diff = relative_difference(case.overlap(streams), plain_out)
+    sbo_diff = relative_difference(case.sbo(streams), plain_out)
     eager = {name: eager_time(fn, reps.eager, cuda) for name, fn in variants.items()}
     graph = {name: graph_time(fn, reps.replays) for name, fn in variants.items()} if cuda else {}
     gemm = graph_time(case.gemms, reps.replays) if cuda else float("nan")
@@ -192,20 +207,21 @@ def measure_rank(setup: EpLayers, tokens: int, seed: int, reps: Reps, cuda: bool
     idx = case.routes[0][0].flatten().cpu()
     routed[idx[idx >= 0]] = True
     return RankResult(eager, graph, gemm, case.active_experts * setup.expert_bytes / copy_bw * 1e6, overlap_diff,
+                      sbo_diff, layer.predict(tokens, x.device), layer.auto_schedule(tokens, x.device),
                       case.active_experts, routed.tolist())
 
 
 # ---------------------------------------------------------------------------- the table (rank 0)
-HEADER = ("EP", "T", "experts", "timing", *VARIANTS, "gemm", "gemm_floor", "hid%", "hid_ovl%", "hid_plain%",
-          "ovl_diff")
+HEADER = ("EP", "T", "experts", "timing", *VARIANTS, "gemm", "gemm_floor", "sbo_hid%", "hid%", "hid_ovl%",
+          "hid_plain%", "model", "model_sbo", "model_ovl", "auto", "sbo_diff", "ovl_diff")
 NAN = float("nan")
 
 
-def hidden(t: dict[str, float]) -> tuple[float, float, float]:
-    """(hid%, hid_ovl%, hid_plain%) from one set of times (see the module docstring)."""
+def hidden(t: dict[str, float]) -> tuple[float, float, float, float]:
+    """(sbo_hid%, hid%, hid_ovl%, hid_plain%) from one set of times (see the module docstring)."""
     comm = t["comm"]
-    return (100 * (t["plain"] - t["overlap"]) / comm, 100 * (comm + t["compute_2mb"] - t["overlap"]) / comm,
-            100 * (comm + t["compute"] - t["plain"]) / comm)
+    return (100 * (t["plain"] - t["sbo"]) / comm, 100 * (t["plain"] - t["overlap"]) / comm,
+            100 * (comm + t["compute_2mb"] - t["overlap"]) / comm, 100 * (comm + t["compute"] - t["plain"]) / comm)
 
 
 @dataclass
@@ -220,17 +236,24 @@ class Row:
     gemm: float
     gemm_floor: float
     overlap_diff: float  # the largest over ranks
+    sbo_diff: float  # the largest over ranks
+    predicted: Prediction  # the slowest rank's
+    auto: str  # "auto"'s choices over ranks (each rank chooses alone)
     per_rank_hidden: list[float]  # hid% from each rank's own times
 
     def cells(self) -> list[str]:
+        p = self.predicted
         values = [self.ep, self.tokens, self.experts, self.timing, *(self.times[v] for v in VARIANTS),
-                  self.gemm, self.gemm_floor, *hidden(self.times), self.overlap_diff]
+                  self.gemm, self.gemm_floor, *hidden(self.times), p.none, p.sbo, p.dbo, self.auto, self.sbo_diff,
+                  self.overlap_diff]
         return [format_cell(v) for v in values]
 
 
 def rows_of(results: list[RankResult], ep: int, tokens: int) -> list[Row]:
     experts = sum(r.active_experts for r in results)
-    diff = max(r.overlap_diff for r in results)
+    diff, sbo_diff = max(r.overlap_diff for r in results), max(r.sbo_diff for r in results)
+    predicted = max((r.predicted for r in results), key=lambda p: p.none)
+    auto = "/".join(sorted({r.auto for r in results}))
     rows = []
     for timing in ("graph", "eager"):
         per_rank = [getattr(r, timing) for r in results]
@@ -239,8 +262,8 @@ def rows_of(results: list[RankResult], ep: int, tokens: int) -> list[Row]:
         times = {v: max(t[v] for t in per_rank) for v in VARIANTS}
         graph = timing == "graph"
         rows.append(Row(ep, tokens, experts, timing, times, max(r.gemm for r in results) if graph else NAN,
-                        max(r.gemm_floor for r in results) if graph else NAN, diff,
-                        [hidden(t)[0] for t in per_rank]))
+                        max(r.gemm_floor for r in results) if graph else NAN, diff, sbo_diff, predicted, auto,
+                        [hidden(t)[1] for t in per_rank]))
     return rows
 
 
@@ -248,15 +271,19 @@ LEGEND = (
     "Times in microseconds per layer call on one rank: the slowest rank's median of {eager} eager calls "
     "(timing=eager: all ranks start after a barrier, from an idle GPU) or of {replays} replays of a CUDA graph "
     "of {calls} calls (timing=graph: all ranks replay together after a barrier). experts = routed experts that "
-    "got a token (all ranks); plain = FusedMoE.forward; overlap = forward_two_microbatches; comm = dispatch + "
+    "got a token (all ranks); plain = FusedMoE.forward; sbo = FusedMoE(overlap='sbo'); overlap = "
+    "forward_two_microbatches; comm = dispatch + "
     "combine alone (plain schedule, no expert compute); compute = routing + shared expert + routed GEMMs on "
     "tokens received beforehand (no communication); compute_2mb = the same for the two micro-batches; gemm = "
     "routed GEMMs alone; gemm_floor = the FP8 weights + block scales of that rank's experts that got a token "
-    "at the copy bandwidth; hid% = (plain - overlap) / comm (what the overlap saves; negative: splitting "
+    "at the copy bandwidth; sbo_hid% = (plain - sbo) / comm; hid% = (plain - overlap) / comm (what the overlap "
+    "saves; negative: splitting "
     "costs more, e.g. reading the expert weights twice, than it hides); hid_ovl% = (comm + compute_2mb - "
     "overlap) / comm (the share of comm hidden under the overlapped layer's own compute); hid_plain% = "
-    "(comm + compute - plain) / comm (the same for the plain schedule); ovl_diff = relative difference of the "
-    "two-micro-batch output from the plain one (largest over ranks).")
+    "(comm + compute - plain) / comm (the same for the plain schedule); model, model_sbo, model_ovl = the cost "
+    "model's plain, sbo and two-micro-batch times (ep_layer.moe.overlap; the slowest rank's); auto = what "
+    "FusedMoE(overlap='auto') runs; sbo_diff, ovl_diff = relative difference of the single-batch and "
+    "two-micro-batch outputs from the plain one (largest over ranks).")
 
 
 # ---------------------------------------------------------------------------- one rank's process
@@ -264,7 +291,7 @@ def run(rank: int, world: int, rendezvous: str, args: argparse.Namespace) -> Non
     """One EP rank: its device first, then the gloo group, the layer with its experts, every T."""
     cuda = not args.cpu
     if cuda:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(0 if args.one_gpu else rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the cores
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -277,7 +304,7 @@ def run(rank: int, world: int, rendezvous: str, args: argparse.Namespace) -> Non
 def bench(rank: int, world: int, args: argparse.Namespace, cuda: bool) -> None:
     started = time.perf_counter()
     shape: Shape = args.shape
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     copy_bw = NAN
     if cuda:
         copy_bw = copy_bandwidth()
@@ -331,7 +358,8 @@ def report(results: list[RankResult], world: int, tokens: int) -> list[Row]:
 
 
 def print_header(world: int, shape: Shape, args: argparse.Namespace, cuda: bool, copy_bw: float) -> None:
-    where = (f"{world} x {torch.cuda.get_device_name()} (one process per GPU, cuda backend over CUDA IPC), "
+    placement = "all processes on GPU 0" if args.one_gpu else "one process per GPU"
+    where = (f"{world} x {torch.cuda.get_device_name()} ({placement}, cuda backend over CUDA IPC), "
              f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)" if cuda else
              f"{world} CPU processes (gloo, reference backend, {CPU_KERNELS} experts)")
     print(f"# {where}; EP={world}; {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; command: {args.command}")
@@ -353,6 +381,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true",
                         help=f"a tiny layer (H={SMOKE.hidden}, {SMOKE.num_experts} experts, I={SMOKE.intermediate}, "
                              f"top-{SMOKE.top_k}) to check that everything runs")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help="every rank's process on GPU 0 (ranks sharing a GPU) instead of one GPU each")
     parser.add_argument("--cpu", action="store_true",
                         help="no GPU: CPU ranks over gloo, reference backend, PyTorch experts, tiny layer, eager only")
     parser.add_argument("--seed", type=int, default=0)
@@ -372,11 +402,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shape = SMOKE if small else DEEPSEEK_V3
     if not args.cpu:
         require_gpu("bench_moe_multigpu.py")
-    most = MAX_RANKS if args.cpu else min(MAX_RANKS, torch.cuda.device_count())
+    most = MAX_RANKS if args.cpu or args.one_gpu else min(MAX_RANKS, torch.cuda.device_count())
     if args.ep is None:
         args.ep = 2 if args.cpu else most
     if not 2 <= args.ep <= most or args.shape.num_experts % args.ep:
-        where = "" if args.cpu else f" ({torch.cuda.device_count()} GPUs visible, one per rank)"
+        where = "" if args.cpu or args.one_gpu else f" ({torch.cuda.device_count()} GPUs visible, one per rank)"
         parser.error(f"--ep: expected 2 to {most} ranks dividing {args.shape.num_experts} experts{where}, "
                      f"got {args.ep}")
     args.reps = QUICK_REPS if args.quick or args.cpu else FULL_REPS

@@ -58,17 +58,20 @@ def test_cpu_smoke_run_prints_the_table() -> None:
             assert float(row[name]) > 0, (name, row)
         for name in ("gemm", "gemm_floor"):  # CUDA-graph only
             assert row[name] == "-", (name, row)
-        for name in ("hid%", "hid_ovl%", "hid_plain%"):
+        for name in ("sbo_hid%", "hid%", "hid_ovl%", "hid_plain%"):
             assert math.isfinite(float(row[name])), (name, row)
-        # On CPU the two-micro-batch schedule equals the plain one bit for bit (ep_layer.moe.tiles).
-        assert float(row["ovl_diff"]) <= 1e-6, row
+        for name in ("model", "model_sbo", "model_ovl"):
+            assert float(row[name]) > 0, (name, row)
+        assert row["auto"] == "none", row  # on CPU "auto" always runs the plain forward
+        # On CPU both overlaps equal the plain schedule bit for bit (ep_layer.moe.tiles).
+        assert float(row["ovl_diff"]) == 0 and float(row["sbo_diff"]) == 0, row
     # T=1 sends at most 2 ranks x top-k token-expert pairs.
     assert int(rows[0]["experts"]) <= 2 * bench.SMOKE.top_k
 
 
 def test_hidden_shares() -> None:
-    times = {"plain": 10.0, "overlap": 8.0, "comm": 4.0, "compute": 7.0, "compute_2mb": 9.0}
-    assert bench.hidden(times) == pytest.approx((50.0, 125.0, 25.0))
+    times = {"plain": 10.0, "sbo": 9.0, "overlap": 8.0, "comm": 4.0, "compute": 7.0, "compute_2mb": 9.0}
+    assert bench.hidden(times) == pytest.approx((25.0, 50.0, 125.0, 25.0))
 
 
 def test_cpu_defaults() -> None:
