@@ -193,16 +193,20 @@ class ReferenceBackend(Backend):
             token = _from_bytes(fields[0], torch.int64).squeeze(1)
             mask = fields[1].bool()
             payload = [_from_bytes(f, c.dtype).view(-1, *c.shape[2:]) for f, c in zip(fields[2:], out_columns)]
-            for expert in range(num_local):
-                picked = mask[:, expert].nonzero().squeeze(1)  # keeps the (source, token) order
-                count = len(picked)
-                recv_count[expert] = count
-                src_info[expert, :count] = token[picked].to(torch.int32)
-                per_source = torch.bincount(source[picked], minlength=num_ranks)
-                begin = torch.cumsum(per_source, 0) - per_source
-                layout_range[expert] = (begin << 32) | per_source
-                for out, values in zip(out_columns, payload):
-                    out[expert, :count] = values[picked]
+            # A received row per (message row, local expert of its mask): an expert's rows in (source, token)
+            # order, each at its rank among them.
+            row, expert = mask.nonzero(as_tuple=True)  # by message row, then expert
+            order = torch.sort(expert, stable=True).indices
+            row, expert = row[order], expert[order]
+            counts = torch.bincount(expert, minlength=num_local)
+            place = torch.arange(len(expert), device=device) - (torch.cumsum(counts, 0) - counts)[expert]
+            recv_count.copy_(counts)
+            src_info[expert, place] = token[row].to(torch.int32)
+            per_source = torch.bincount(expert * num_ranks + source[row], minlength=num_local * num_ranks)
+            per_source = per_source.view(num_local, num_ranks)
+            layout_range.copy_((torch.cumsum(per_source, 1) - per_source) << 32 | per_source)
+            for out, values in zip(out_columns, payload):
+                out[expert, place] = values[row]
             if recv_stats is not None:
                 recv_stats.add_(recv_count)
 
@@ -247,19 +251,21 @@ class ReferenceBackend(Backend):
         num_local = num_experts // num_ranks
         device = x.device
 
-        # Send each source rank back, for every row it dispatched here: (token, global expert, y).
-        ranges = layout_range.cpu()
-        begins, counts = (ranges >> 32).tolist(), (ranges & 0xFFFFFFFF).tolist()
+        # Send each source rank back, for every row it dispatched here: (token, global expert, y). An expert's
+        # rows hold its sources' ranges in source order (layout_range), so the received rows, expert by
+        # expert, come from the sources that repeat_interleave names.
+        counts = layout_range & 0xFFFFFFFF  # [E_l, R]
+        per_expert = counts.sum(1)
+        expert = torch.repeat_interleave(torch.arange(num_local, device=device), per_expert)
+        place = torch.arange(len(expert), device=device) - (torch.cumsum(per_expert, 0) - per_expert)[expert]
+        source_of = torch.repeat_interleave(torch.arange(num_ranks, device=device).repeat(num_local),
+                                            counts.flatten())
         sends, rows_to = [], []
         for source in range(num_ranks):
-            parts = []
-            for expert in range(num_local):
-                rows = slice(begins[expert][source], begins[expert][source] + counts[expert][source])
-                n = rows.stop - rows.start
-                ids = torch.stack([src_info[expert, rows].to(torch.int64),
-                                   torch.full((n,), self.rank * num_local + expert, device=device)], 1)
-                parts.append(torch.cat([_as_bytes(ids), _as_bytes(x[expert, rows])], dim=1))
-            sends.append(torch.cat(parts))
+            mine = source_of == source
+            e, p = expert[mine], place[mine]
+            ids = torch.stack([src_info[e, p].to(torch.int64), self.rank * num_local + e], 1)
+            sends.append(torch.cat([_as_bytes(ids), _as_bytes(x[e, p])], dim=1))
             rows_to.append(sends[-1].shape[0])
 
         rows_from = self._exchange_headers(
@@ -273,20 +279,21 @@ class ReferenceBackend(Backend):
             ids = _from_bytes(got[:, :16], torch.int64)
             y = _from_bytes(got[:, 16:], torch.bfloat16)
             keys, order = torch.sort(ids[:, 0] * num_experts + ids[:, 1])
-            tokens = torch.arange(topk_idx.shape[0], device=device)
-            acc = torch.zeros(topk_idx.shape[0], h, dtype=torch.float32, device=device)
+            num_tokens, top_k = topk_idx.shape
             # A masked rank's experts count as -1 (rank masking: their outputs never come).
             live = torch.tensor([not self._is_masked(r) for r in range(num_ranks)], device=device)
-            for k in range(topk_idx.shape[1]):  # ascending k, float32, rounded once at the end
-                valid = (topk_idx[:, k] >= 0) & live[topk_idx[:, k].clamp_min(0) // num_local]
-                want = tokens[valid] * num_experts + topk_idx[valid, k]
-                if len(want) == 0:
-                    continue
-                pos = torch.searchsorted(keys, want).clamp_max(max(len(keys) - 1, 0))
-                if len(keys) == 0 or not bool((keys[pos] == want).all()):
-                    raise ValueError("topk_idx: does not match the dispatch that produced `handle` "
-                                     "(a token's expert received no row)")
-                acc[valid] += topk_weights[valid, k:k + 1] * y[order[pos]].float()
+            valid = (topk_idx >= 0) & live[topk_idx.clamp_min(0) // num_local]  # [N, K]
+            want = (torch.arange(num_tokens, device=device)[:, None] * num_experts + topk_idx)[valid]
+            pos = torch.searchsorted(keys, want).clamp_max(max(len(keys) - 1, 0))
+            if len(want) and (len(keys) == 0 or not bool((keys[pos] == want).all())):
+                raise ValueError("topk_idx: does not match the dispatch that produced `handle` "
+                                 "(a token's expert received no row)")
+            row_of = torch.zeros(num_tokens, top_k, dtype=torch.int64, device=device)
+            row_of[valid] = order[pos]  # where (token, k)'s expert output lies in y
+            acc = torch.zeros(num_tokens, h, dtype=torch.float32, device=device)
+            for k in range(top_k):  # ascending k, float32, rounded once at the end
+                mine = valid[:, k]
+                acc[mine] += topk_weights[mine, k:k + 1] * y[row_of[mine, k]].float()
             out.copy_(acc)
 
         return receive
