@@ -31,23 +31,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+from serving_workloads import WORDS  # this script's folder is on sys.path
 
-WORDS = ("the", "of", "and", "to", "in", "is", "that", "it", "for", "on", "with", "as", "was", "at", "by", "be",
-         "this", "from", "or", "have", "an", "they", "which", "one", "you", "had", "not", "but", "what", "all",
-         "were", "when", "we", "there", "can", "more", "if", "no", "out", "so", "said", "use", "each", "she", "do",
-         "how", "their", "will", "up", "about", "many", "then", "them", "these", "some", "her", "would", "make",
-         "like", "him", "into", "time", "has", "look", "two", "go", "see", "way", "could", "people", "than", "first",
-         "water", "been", "call", "who", "now", "find", "long", "down", "day", "did", "get", "come", "made", "may",
-         "part", "over", "new", "sound", "take", "only", "little", "work", "know", "place", "year", "live", "back",
-         "give", "most", "very", "after", "thing", "our", "just", "name", "good", "man", "think", "say", "great",
-         "where", "help", "through", "much", "before", "line", "right", "too", "mean", "old", "any", "same", "tell",
-         "boy", "follow", "came", "want", "show", "also", "around", "form", "three", "small", "set", "put", "end",
-         "does", "another", "well", "large", "must", "big", "even", "such", "because", "turn", "here", "why", "ask",
-         "went", "men", "read", "need", "land", "different", "home", "move", "try", "kind", "hand", "picture",
-         "again", "change", "off", "play", "spell", "air", "away", "animal", "house", "point", "page", "letter",
-         "mother", "answer", "found", "study", "still", "learn", "should", "world", "high", "every", "near", "add",
-         "food", "between", "own", "below", "country", "plant", "last", "school", "father", "keep", "tree", "never",
-         "start", "city", "earth", "eye", "light", "thought", "head", "under", "story")
 RETRY_LIMIT_S = 30.0  # a request still refused (503) after this long counts as failed
 
 

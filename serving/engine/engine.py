@@ -35,7 +35,7 @@ import torch
 from ..forward_batch import HostCopy, to_device
 from .block_manager import BlockManager, PrefixCacheStats
 from .detokenizer import Codec, OutputText, as_codec
-from .engine_config import capture_sizes
+from .engine_config import capture_sizes, graph_budget
 from .ep_stats import read_ep_stats
 from .messages import EPStats, RequestOutput, SchedulerStats, TokenLogprobs
 from .model_runner import ModelRunner, logits_rows
@@ -104,7 +104,7 @@ class LLMEngine:
         if not use_cuda_graphs or deepep_mode == "normal":
             graph_sizes = []
         elif graph_sizes is None:
-            graph_sizes = capture_sizes(min(budget, max_tokens_per_rank))
+            graph_sizes = capture_sizes(graph_budget(budget, max_tokens_per_rank))
         self.runner = ModelRunner(model, device, num_blocks, block_size, max_model_len, max_tokens_per_rank,
                                   max_num_seqs, graph_sizes)
         self.sampler = Sampler(device, seed)

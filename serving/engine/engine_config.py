@@ -186,8 +186,7 @@ class EngineConfig:
 
     @property
     def graph_budget(self) -> int:
-        """The most tokens a step graph can hold: a step's, and a low-latency dispatch's."""
-        return min(self.token_budget, self.max_tokens_per_rank)
+        return graph_budget(self.token_budget, self.max_tokens_per_rank)
 
     @property
     def graph_sizes(self) -> list[int]:
@@ -239,6 +238,11 @@ class EngineConfig:
     def expert_parallel(self) -> bool:
         """Ranks form one group for the MoE layers and step together."""
         return self.enable_expert_parallel and self.data_parallel_size > 1
+
+
+def graph_budget(token_budget: int, max_tokens_per_rank: int) -> int:
+    """The most tokens a step graph can hold: a step's, and a low-latency dispatch's."""
+    return min(token_budget, max_tokens_per_rank)
 
 
 def capture_sizes(max_size: int) -> list[int]:
