@@ -42,8 +42,8 @@ class ExpertKernels(ABC):
 
     @abstractmethod
     def gate_up(self, x: RecvX, recv_count: torch.Tensor, weights: ExpertWeights) -> Activation:
-        """The MLP's first half on the received rows (x as for __call__): SiLU(gate) * up, in the form
-        `down` takes (for FP8 weights already cast, as the contract says)."""
+        """The MLP's first half on the received rows (x as for __call__): SiLU(gate) * up rounded to bf16, in
+        the form this implementation's `down` takes (the Triton one's already FP8-cast for FP8 weights)."""
 
     @abstractmethod
     def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,

@@ -9,7 +9,10 @@ combine hook. Running the steps to the end is the plain forward; interleaving tw
 the overlapped one, with bit-identical results on CPU. There the first micro-batch runs its whole shared
 expert under its dispatch and the second under its combine, the exchanges that nothing else overlaps. On
 a GPU both forwards queue the communication on side streams (CommStreams): the plain forward's
-exchanges run beside the shared expert, the overlapped one's under the other half's compute.
+exchanges run beside the shared expert, the overlapped one's under the other half's compute. Single-batch
+overlap (`steps(..., sbo=True)`) is the plain forward with the combine's send queued before the down GEMM,
+sending each row once the GEMM signals it written. `FusedMoE(overlap=...)` picks the schedule
+(ep_layer.moe.overlap).
 """
 
 from __future__ import annotations
@@ -148,7 +151,8 @@ class FusedMoE(nn.Module):
         mode "low_latency": N <= max_tokens_per_rank. On a GPU the dispatch and combine run on the layer's
         side streams (CommStreams), so the shared expert computes while they run (its gate_up projection
         under the dispatch, its down projection under the combine); on one stream it would wait for the
-        send kernel, which moves the rows itself (CUDA IPC, and ranks sharing a GPU).
+        send kernel, which moves the rows itself (CUDA IPC, and ranks sharing a GPU). The layer's `overlap`
+        (`schedule`) says whether the combine also runs under the down GEMM, or the batch in two halves.
         mode "normal": any N, through the Buffer's normal mode (a Buffer made with num_nvl_bytes > 0:
         make_buffer(..., normal_mode=True)); the host waits for the dispatch's counts."""
         if mode == "normal":
