@@ -568,6 +568,8 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     else:
         dispatch = (f", dispatch auto: low-latency up to {config.max_tokens_per_rank} tokens a rank, normal mode "
                     f"above (up to {config.token_budget} a step)")
+    if backend is not None and config.deepep_mode != "normal" and config.moe_overlap != "none":
+        dispatch += f", MoE overlap {config.moe_overlap}"
     weights = ", FP8 block weights" if checkpoint.fp8 else ""
     caching = "on" if config.enable_prefix_caching else "off (--no-enable-prefix-caching)"
     return (f"ep-serve ready at {url}: model {config.served_model_name} ({config.model}), dtype {config.dtype}"

@@ -373,6 +373,10 @@ def test_startup_summary_states_the_layout():
     assert "CUDA graphs off (--enforce-eager)" in line
     alone = startup_summary(config().resolved(tiny()), tiny(), info, "http://h:1")
     assert "1 data-parallel rank, all 16 experts on each, Buffer backend reference (a rank alone" in alone
+    assert "overlap" not in alone
+    sbo = config("--enable-expert-parallel", "-dp", "2", "--moe-overlap", "sbo").resolved(tiny())
+    assert "low-latency dispatch of up to 256 tokens a rank, MoE overlap sbo," in startup_summary(sbo, tiny(), info,
+                                                                                                  "http://h:1")
 
 
 # ---------------------------------------------------------------------------- what the ranks load
