@@ -1,5 +1,6 @@
 """Where the host time of eager calls goes: host microseconds per call (median of many, launches only),
-then cProfile's top functions over the same calls.
+then cProfile's top functions over the same calls and their Python calls per call by where the code lives
+(this repository's files, Triton, torch, ...).
 
 Default: a low-latency dispatch and combine in the setting of DeepEP's own benchmark
 (tests/test_low_latency.py: torch.set_default_device('cuda'), bfloat16 default dtype, the receive-count
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 from collections.abc import Callable
 
@@ -122,7 +124,8 @@ def print_runtime_calls(calls: Callable[[], object], n: int) -> None:
 
 
 def print_profile(calls: Callable[[], object], n: int, top: int) -> None:
-    """cProfile's `top` functions by own time over n calls."""
+    """cProfile's `top` functions by own time over n calls, then its Python calls and own time per call by
+    where the code lives (calls_by_area)."""
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(n):
@@ -130,8 +133,43 @@ def print_profile(calls: Callable[[], object], n: int, top: int) -> None:
     profile.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
     print(text.getvalue())
+    print(f"{'where':40s} {'calls':>8s} {'own us':>8s}   (per call)")
+    for area, count, own_us in calls_by_area(stats, n):
+        print(f"{area:40s} {count:8.1f} {own_us:8.1f}")
+    print()
+
+
+def calls_by_area(stats: pstats.Stats, n: int) -> list[tuple[str, float, float]]:
+    """(area, function calls, own microseconds) per call of n, most calls first: an area is this repository's
+    file (ep_layer/moe/layer.py, ...), an installed package's name (triton, torch, ...), or "builtins" (C
+    functions, e.g. torch's operators, as cProfile names them)."""
+    totals: dict[str, list[float]] = {}
+    for (filename, _, _), (_, calls, own_s, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        area = code_area(filename)
+        entry = totals.setdefault(area, [0.0, 0.0])
+        entry[0] += calls / n
+        entry[1] += own_s * 1e6 / n
+    return sorted(((a, c, t) for a, (c, t) in totals.items()), key=lambda row: -row[1])
+
+
+def code_area(filename: str) -> str:
+    """Where a profiled function's code lives (calls_by_area)."""
+    if filename == "~" or filename.startswith("<"):
+        return "builtins"
+    path = os.path.abspath(filename)
+    if path.startswith(REPO + os.sep):
+        return os.path.relpath(path, REPO)
+    parts = path.split(os.sep)
+    for marker in ("site-packages", "dist-packages"):
+        if marker in parts and parts.index(marker) + 1 < len(parts):
+            return parts[parts.index(marker) + 1].removesuffix(".py")
+    return "python"  # the standard library
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""benchmarks/profile_eager.py's breakdown of Python calls by where their code lives, on CPU: a profiled
+call of this repository's code is counted under its file, torch's operators under builtins, an installed
+package under its name and the standard library as python."""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import sys
+
+import torch
+
+_BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+if _BENCHMARKS not in sys.path:
+    sys.path.insert(0, _BENCHMARKS)  # the script imports its neighbours by name
+
+import profile_eager  # noqa: E402
+
+from ep_layer.quant import per_token_cast_to_fp8  # noqa: E402
+
+
+def test_calls_are_counted_per_call_by_area() -> None:
+    x = torch.randn(4, 256)
+    n = 5
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        per_token_cast_to_fp8(x)
+    profile.disable()
+    table = profile_eager.calls_by_area(pstats.Stats(profile), n)
+    rows = {area: (calls, own) for area, calls, own in table}
+    assert rows["ep_layer/quant.py"][0] >= 1  # per_token_cast_to_fp8 itself, once per call at least
+    assert rows["builtins"][0] > rows["ep_layer/quant.py"][0]  # the torch operators it calls
+    assert all(own >= 0 for _, own in rows.values())
+    calls = [calls for _, calls, _ in table]
+    assert calls == sorted(calls, reverse=True)  # most calls first
+
+
+def test_code_areas() -> None:
+    assert profile_eager.code_area(os.path.join(profile_eager.REPO, "ep_layer", "moe", "layer.py")) == \
+        "ep_layer/moe/layer.py"
+    assert profile_eager.code_area("/x/lib/python3.12/site-packages/triton/runtime/jit.py") == "triton"
+    assert profile_eager.code_area("/x/lib/python3.12/dist-packages/six.py") == "six"
+    assert profile_eager.code_area("/usr/lib/python3.12/contextlib.py") == "python"
+    assert profile_eager.code_area("~") == "builtins"
