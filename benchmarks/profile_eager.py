@@ -160,12 +160,12 @@ def code_area(filename: str) -> str:
     if filename == "~" or filename.startswith("<"):
         return "builtins"
     path = os.path.abspath(filename)
-    if path.startswith(REPO + os.sep):
-        return os.path.relpath(path, REPO)
     parts = path.split(os.sep)
-    for marker in ("site-packages", "dist-packages"):
+    for marker in ("site-packages", "dist-packages"):  # installed packages, a virtual environment's in the repo too
         if marker in parts and parts.index(marker) + 1 < len(parts):
             return parts[parts.index(marker) + 1].removesuffix(".py")
+    if path.startswith(REPO + os.sep):
+        return os.path.relpath(path, REPO)
     return "python"  # the standard library
 
 

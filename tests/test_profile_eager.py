@@ -42,5 +42,7 @@ def test_code_areas() -> None:
         "ep_layer/moe/layer.py"
     assert profile_eager.code_area("/x/lib/python3.12/site-packages/triton/runtime/jit.py") == "triton"
     assert profile_eager.code_area("/x/lib/python3.12/dist-packages/six.py") == "six"
+    in_repo_venv = os.path.join(profile_eager.REPO, ".venv", "lib", "python3.11", "site-packages", "torch", "x.py")
+    assert profile_eager.code_area(in_repo_venv) == "torch"
     assert profile_eager.code_area("/usr/lib/python3.12/contextlib.py") == "python"
     assert profile_eager.code_area("~") == "builtins"
