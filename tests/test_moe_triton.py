@@ -579,3 +579,51 @@ def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, splits: 
     with pytest.raises(ValueError, match="q_pe, cache"):
         mla_decode_triton.mla_decode(q_gpu[..., :lora], q_gpu[:, :-1, lora:], cache.to(dtype).cuda(), tables.cuda(),
                                      lens.cuda(), scale, splits)
+
+
+# ---------------------------------------------------------------------------- single-batch overlap across processes
+def _sbo_rank(rank: int, world_size: int, quant: str, weights: dict, counts: list[int], seed: int) -> None:
+    """This rank's layer (cuda backend over CUDA IPC, processes sharing the GPU) with overlap="sbo" against
+    the plain forward, eagerly and replayed from a CUDA graph on fresh tokens: bit for bit."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    cfg = SBO_CONFIG
+    size = Buffer.get_low_latency_rdma_size_hint(cfg.max_tokens, cfg.hidden, world_size, cfg.num_experts)
+    buffer = Buffer(dist.group.WORLD, 0, size, low_latency_mode=True, backend="cuda", timeout_s=20)
+    layer = loaded_layer(cfg, quant, weights, buffer, "cuda")
+    gen = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(counts[rank], cfg.hidden, generator=gen).to(torch.bfloat16).cuda()
+    layer.overlap = "none"
+    plain = layer(x)
+    layer.overlap = "sbo"
+    assert torch.equal(layer(x), plain), f"seed={seed} rank {rank}: eager sbo != plain"
+    static_x = x.clone()
+    graph, out = capture_after_warmup(lambda: layer(static_x))
+    for replay in range(3):
+        fresh = torch.randn(counts[rank], cfg.hidden, generator=gen).to(torch.bfloat16).cuda()
+        static_x.copy_(fresh)
+        graph.replay()
+        layer.overlap = "none"
+        want = layer(fresh)
+        layer.overlap = "sbo"
+        assert torch.equal(out, want), f"seed={seed} rank {rank} replay {replay}: sbo graph != plain"
+    buffer.check()
+    dist.barrier()
+    buffer.destroy()
+
+
+SBO_CONFIG = MoeConfig(hidden=512, intermediate=256, num_experts=16, top_k=4, n_group=4, topk_group=2, max_tokens=32)
+
+
+@pytest.mark.skipif(not native.available(), reason="ep_layer._C (the CUDA kernels) is not built")
+@pytest.mark.parametrize("quant", ["bf16", "fp8-block"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sbo_equals_plain_with_processes_on_one_gpu(world_size: int, quant: str, seed: int) -> None:
+    """EP = 2 and 4 as processes (one with no tokens), single-batch overlap against the plain forward."""
+    from dist_harness import run_ranks
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = hf_weights(SBO_CONFIG, gen, "bf16" if quant == "bf16" else "fp8")
+    counts = [SBO_CONFIG.max_tokens, 0, 1, 17][:world_size]
+    run_ranks(_sbo_rank, world_size, quant, weights, counts, seed, timeout_s=300)
