@@ -118,6 +118,10 @@ def test_overlap_mode_is_checked_and_auto_runs_plain_on_cpu() -> None:
         check_overlap(None)
     for mode in ("none", "sbo", "dbo"):
         assert cfg.layer(None, "bf16", overlap=mode).schedule(16, torch.device("cpu")) == mode
+    layer = cfg.layer(None, "bf16")
+    with pytest.raises(ValueError, match="overlap: expected one of"):
+        layer.overlap = "sbo "
+    assert layer.overlap == "none"
     assert cfg.layer(None, "bf16", overlap="auto").schedule(16, torch.device("cpu")) == "none"
 
 

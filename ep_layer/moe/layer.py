@@ -95,7 +95,7 @@ class FusedMoE(nn.Module):
                  overlap: str = "none") -> None:
         super().__init__()
         _check_sizes(hidden, intermediate, n_shared_experts, max_tokens_per_rank, quant)
-        self.overlap = check_overlap(overlap)
+        self._overlap = check_overlap(overlap)
         if expert_kernels not in EXPERT_KERNELS:
             raise ValueError(f"expert_kernels: expected one of {EXPERT_KERNELS}, got {expert_kernels!r}")
         self.routing = RoutingConfig(num_experts, top_k, n_group, topk_group, float(routed_scaling_factor),
@@ -164,6 +164,15 @@ class FusedMoE(nn.Module):
         if schedule == "dbo":
             return forward_two_microbatches([self], [x], self.comm_streams(x.device))[0]
         return run_to_end(self.steps(x, self.comm_streams(x.device), sbo=schedule == "sbo"))
+
+    @property
+    def overlap(self) -> str:
+        """The low-latency forward's schedule, as FusedMoE(overlap=...) takes it; may be set between calls."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, overlap: str) -> None:
+        self._overlap = check_overlap(overlap)
 
     def schedule(self, tokens: int, device: torch.device) -> str:
         """The schedule a low-latency forward of `tokens` tokens on `device` runs: "none", "sbo" or "dbo"."""
