@@ -258,8 +258,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="how a low-latency MoE layer overlaps its dispatch and combine with its expert GEMMs: 'none' "
                         "(beside the shared expert only), 'sbo' (single-batch overlap, SGLang's "
                         "--enable-single-batch-overlap: the combine sends each expert's rows as the down GEMM "
-                        "finishes them), 'dbo' (two micro-batches, vLLM's --enable-dbo and SGLang's "
-                        "--enable-two-batch-overlap) or 'auto' ('sbo' where a cost model says it saves time)")
+                        "finishes them), 'dbo' (two micro-batches in every step, as SGLang's "
+                        "--enable-two-batch-overlap; vLLM's --enable-dbo splits only past its token thresholds) or "
+                        "'auto' ('sbo' where a cost model says it saves time)")
     p.add_argument("--ep-backend", choices=EP_BACKENDS, default="auto",
                    help="ep_layer.Buffer backend for dispatch/combine: 'cuda' kernels, the 'reference' "
                         "torch.distributed one, or 'auto' (cuda when built and on GPU, and across hosts only "

@@ -7,8 +7,8 @@
   for the signals on the device (the cuda backend); elsewhere it runs in plain order, with the signals.
 - "dbo", two micro-batches: each half's exchange under the other half's compute. Each half reads every
   active expert's weights again, so it pays only where the exchange outweighs that second read.
-- "auto": the cheapest of the three by `predict`, taking an overlap only where it saves at least
-  AUTO_MARGIN of the plain forward's time.
+- "auto": "sbo" where `predict` says it saves at least AUTO_MARGIN of the plain forward's time, else
+  "none" (FusedMoE.auto_schedule; never "dbo", which every rank would have to choose alike).
 
 The model (docs/design.md section 4, "Choosing an overlap"): the expert GEMMs cost the larger of their
 weight reads over HBM and their FP8 math; an exchange costs a fixed latency plus its bytes over the link
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 OVERLAP_MODES = ("none", "sbo", "dbo", "auto")
-SCHEDULES = ("none", "sbo", "dbo")  # what "auto" resolves to
 AUTO_MARGIN = 0.05  # "auto" overlaps only where the model says it saves at least this share of plain's time
 SBO_SEND_SMS = 8  # the SMs the combine's send may hold while it waits for the down GEMM's signals
 
