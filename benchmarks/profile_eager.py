@@ -155,6 +155,9 @@ def calls_by_area(stats: pstats.Stats, n: int) -> list[tuple[str, float, float]]
     return sorted(((a, c, t) for a, (c, t) in totals.items()), key=lambda row: -row[1])
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # code_area: files of ours
+
+
 def code_area(filename: str) -> str:
     """Where a profiled function's code lives (calls_by_area)."""
     if filename == "~" or filename.startswith("<"):
@@ -167,9 +170,6 @@ def code_area(filename: str) -> str:
     if path.startswith(REPO + os.sep):
         return os.path.relpath(path, REPO)
     return "python"  # the standard library
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 if __name__ == "__main__":
