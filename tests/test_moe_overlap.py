@@ -10,6 +10,9 @@ counts for the GEMMs and the exchange.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from moe_helpers import MoeConfig, hf_weights
@@ -24,6 +27,7 @@ from ep_layer.moe.overlap import (
     check_overlap,
     predict,
 )
+from ep_layer.moe.schedule import COMBINE_HOOKED
 from ep_layer.moe.weights import ExpertWeights
 
 H200 = GpuRates(4.2e6, 1.2e9, 0.4e6)
@@ -148,6 +152,33 @@ def test_sbo_tells_the_combine_to_wait_for_the_down_gemms_signals(seed: int) -> 
     layer.buffer.low_latency_combine = combine
     layer.overlap = "none"
     assert torch.equal(got, layer(x))
+
+
+def test_sbo_holds_the_signals_until_the_combine_is_waited_for(seed: int) -> None:
+    """The send reads the signals on its own stream: freed at the hook's launch, their memory could go to the
+    compute stream's next kernels (another rank's, between two steps) while the send still polls it (a GPU
+    run hung so). The layer holds them until its last step, which waits for the combine."""
+    cfg = MoeConfig(max_tokens=16)
+    layer: FusedMoE = cfg.layer(None, "bf16", overlap="sbo")
+    layer.load_weights(hf_weights(cfg, torch.Generator().manual_seed(seed), "bf16").items())
+    kernels = layer._kernels_for(torch.device("cpu"))
+    made = []
+
+    def tracked_signals(*args):
+        signals = type(kernels).completion_signals(kernels, *args)
+        made.append(weakref.ref(signals.signals))
+        return signals
+
+    kernels.completion_signals = tracked_signals
+    x = torch.randn(5, cfg.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    steps = layer.steps(x, sbo=True)
+    stage = None
+    while stage != COMBINE_HOOKED:
+        stage = next(steps)
+    gc.collect()
+    assert made and made[0]() is not None, "the signals were freed before the combine was waited for"
+    with pytest.raises(StopIteration):
+        next(steps)
 
 
 def test_torch_experts_signal_each_expert_with_rows_once_written(seed: int) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..backends import resolve_backend
+from ..backends.base import SendSignals
 from ..backends.exchange import group_rank_and_size
 from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
@@ -255,8 +256,9 @@ class FusedMoE(nn.Module):
         y = self.buffer.get_next_low_latency_combine_buffer(handle)
         combine = partial(self.buffer.low_latency_combine, y, topk_idx, topk_weights, handle, zero_copy=True,
                           return_recv_hook=True, combine_wait_recv_cost_stats=self.combine_wait_recv_cost_stats)
+        signals = None  # single-batch overlap's completion signals, held until the combine is waited for
         if sbo:
-            combined, combine_hook = self._combine_under_down(combine, recv_x, recv_count, y, combine_stream)
+            combined, combine_hook, signals = self._combine_under_down(combine, recv_x, recv_count, y, combine_stream)
         else:
             self.run_experts(recv_x, recv_count, y)
             with send_on(combine_stream):
@@ -272,15 +274,19 @@ class FusedMoE(nn.Module):
         wait_combined = run_hook(combine_hook, combine_stream)
         yield COMBINE_HOOKED
         wait_combined()
+        # Made on this stream and read by the combine on its own: freed only now that this stream has waited for
+        # it, or the allocator could hand the memory to this stream's next kernels (other ranks' steps run in
+        # between) while the send still polls it.
+        del signals
         return combined if shared is None else combined + shared
 
     def _combine_under_down(self, combine: Callable, recv_x: RecvX, recv_count: torch.Tensor, y: torch.Tensor,
-                            stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, Callable[[], None]]:
+                            stream: torch.cuda.Stream | None) -> tuple[torch.Tensor, Callable[[], None], SendSignals]:
         """Single-batch overlap: the routed experts into y with the combine's send waiting for the down GEMM's
         completion signals, so that each expert's rows leave as soon as they are written. The send goes first,
         on its side stream, where the backend waits for signals on the device; elsewhere (one stream, or a
         backend that waits on the host) it must follow the GEMM, and sends rows whose signals are all set.
-        Returns combine's output and hook."""
+        Returns combine's output, its hook and the signals, which the caller holds until the combine is waited for."""
         kernels = self._kernels_for(recv_count.device)
         act = kernels.gate_up(recv_x, recv_count, self.experts)
         signals = kernels.completion_signals(self.num_local_experts, y.shape[1], self.hidden, recv_count.device)
@@ -294,7 +300,7 @@ class FusedMoE(nn.Module):
         if not early:
             with send_on(stream):
                 combined, _, hook = send()
-        return combined, hook
+        return combined, hook, signals
 
     def route(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_idx int64 [N, K], topk_weights float32 [N, K]) by DeepSeek-V3's noaux_tc routing."""
