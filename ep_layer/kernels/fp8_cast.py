@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import AMAX_FLOOR, FP8_GROUP, FP8_MAX
+from .launch import Launcher, cdiv, next_power_of_2
 from .triton_support import sm_count, tl, triton
 
 CAST_ROWS = 32  # rows per item of the cast
@@ -32,6 +33,7 @@ if triton is not None:
         return tl.where(s == float("inf"), q0, q)
 
 
+    @Launcher
     @triton.jit
     def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, E, M, I, GROUPS, E_PAD: tl.constexpr,
                           BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, ALL_ROWS: tl.constexpr,
@@ -69,8 +71,8 @@ def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor | None) -> tuple[
     q = torch.empty(e, m, i, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(e, m, i // FP8_GROUP, dtype=torch.float32, device=x.device)
     groups = i // FP8_GROUP
-    programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * triton.cdiv(m, CAST_ROWS) * groups)
-    _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=triton.next_power_of_2(e),
+    programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * cdiv(m, CAST_ROWS) * groups)
+    _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=next_power_of_2(e),
                                            BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP, ALL_ROWS=recv_count is None,
                                            FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX, num_warps=NUM_WARPS)
     return q, s

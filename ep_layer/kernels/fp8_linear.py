@@ -12,6 +12,7 @@ import torch
 from ..block_fp8 import WEIGHT_BLOCK
 from ..quant import FP8_GROUP
 from .fp8_cast import cast_rows_to_fp8
+from .launch import Launcher, cdiv
 from .masked_gemm import BLOCK_M, BLOCK_N, BLOCK_N_GATED, masked_grouped_gemm
 from .triton_support import sm_count, tl, triton
 
@@ -27,6 +28,7 @@ NUM_WARPS = 4
 
 if triton is not None:
 
+    @Launcher
     @triton.jit
     def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
                            stride_am, stride_sm, stride_bn, stride_tn,
@@ -55,6 +57,7 @@ if triton is not None:
         tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
+    @Launcher
     @triton.jit
     def _sum_parts_kernel(part_ptr, out_ptr, M, N, SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
         """out [M, N] = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32).
@@ -111,7 +114,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
 def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
     """Whether one expert's [rows, columns] output makes fewer masked-GEMM tiles than the GPU has SMs: then
     the split-K GEMM is the faster (dense projections and the shared expert at decode sizes)."""
-    return triton.cdiv(columns, block_n) * triton.cdiv(rows, BLOCK_M) < sm_count(device)
+    return cdiv(columns, block_n) * cdiv(rows, BLOCK_M) < sm_count(device)
 
 
 def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
@@ -124,14 +127,14 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     n = weight.shape[0]
     k_blocks = k // FP8_GROUP
     block_m = SPLITK_MAX_ROWS if m <= SPLITK_MAX_ROWS else BLOCK_M
-    tiles = triton.cdiv(n, SPLITK_BLOCK_N) * triton.cdiv(m, block_m)
-    split = max(1, min(k_blocks, triton.cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), tiles)))
+    tiles = cdiv(n, SPLITK_BLOCK_N) * cdiv(m, block_m)
+    split = max(1, min(k_blocks, cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), tiles)))
     parts = torch.empty(split, m, n, dtype=torch.float32, device=data.device)
-    _fp8_splitk_kernel[(triton.cdiv(n, SPLITK_BLOCK_N), split, triton.cdiv(m, block_m))](
+    _fp8_splitk_kernel[(cdiv(n, SPLITK_BLOCK_N), split, cdiv(m, block_m))](
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
-    block = SUM_BLOCK if triton.cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
-    _sum_parts_kernel[(triton.cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
+    block = SUM_BLOCK if cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
+    _sum_parts_kernel[(cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
                                                           BLOCK=block, num_warps=NUM_WARPS)
     return out

@@ -17,6 +17,7 @@ import torch
 
 from ..backends.base import RowsInPlace, SendSignals
 from ..block_fp8 import WEIGHT_BLOCK
+from .launch import Launcher, next_power_of_2
 from .triton_support import sm_count, tl, triton, unavailable_reason
 
 BLOCK_M = 64  # rows (tokens) per program
@@ -35,6 +36,7 @@ GEMM_MAX_REGISTERS = 224
 
 if triton is not None:
 
+    @Launcher
     @triton.jit
     def _masked_gemm_kernel(
             a_ptr, a_scale_ptr, a_rows_ptr, b_ptr, b_scale_ptr, out_ptr, count_ptr, signal_ptr,
@@ -167,7 +169,7 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
         a, a_s, a_rows, b, b_s, out, recv_count, signals.signals if signals is not None else recv_count, e, n, k,
         up_offset, signals.per_expert if signals is not None else 0,
         *a_st, *a_ss, r_s, *b.stride(), *b_ss, *out.stride(),
-        FP8=fp8, GATED=gated, ROWS_IN_PLACE=in_place, SIGNAL=signals is not None, E_PAD=triton.next_power_of_2(e),
+        FP8=fp8, GATED=gated, ROWS_IN_PLACE=in_place, SIGNAL=signals is not None, E_PAD=next_power_of_2(e),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         maxnreg=GEMM_MAX_REGISTERS)
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.launch import Launcher, cdiv, next_power_of_2
 from ..kernels.triton_support import tl, triton
 from .routing import NORM_EPS, RoutingConfig
 
@@ -35,6 +36,7 @@ GEMM_PART_CHANNELS = 256  # past GEMV_MAX_TOKENS: channels per part of cuBLAS's 
 if triton is not None:
     from triton.language.extra.cuda import libdevice
 
+    @Launcher
     @triton.jit
     def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, N, E, H, stride_x, stride_w,
                             BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -53,6 +55,7 @@ if triton is not None:
         tl.store(part_ptr + (split * N + rows[:, None]) * E + experts[None, :], part,
                  mask=row_ok[:, None] & expert_ok[None, :])
 
+    @Launcher
     @triton.jit
     def _noaux_tc_kernel(logits_ptr, bias_ptr, idx_ptr, weights_ptr, routed_scaling_factor, norm_eps, part_stride,
                          PARTS: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -126,10 +129,10 @@ def route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correc
         parts = torch.bmm(x, weight.view(e, num_parts, h // num_parts).permute(1, 2, 0))  # [parts, n, e]
         return _select(parts, e_score_correction_bias, config)
     x = hidden_states.contiguous()
-    parts = torch.empty(triton.cdiv(h, GEMV_BLOCK_H), n, e, dtype=torch.float32, device=x.device)
+    parts = torch.empty(cdiv(h, GEMV_BLOCK_H), n, e, dtype=torch.float32, device=x.device)
     if n > 0:
-        _router_gemv_kernel[(triton.cdiv(e, GEMV_BLOCK_E), parts.shape[0])](
-            x, weight, parts, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=triton.next_power_of_2(n),
+        _router_gemv_kernel[(cdiv(e, GEMV_BLOCK_E), parts.shape[0])](
+            x, weight, parts, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=next_power_of_2(n),
             BLOCK_E=GEMV_BLOCK_E, BLOCK_H=GEMV_BLOCK_H, num_warps=2)
     return _select(parts, e_score_correction_bias, config)
 
@@ -147,7 +150,7 @@ def _select(parts: torch.Tensor, e_score_correction_bias: torch.Tensor,
     _noaux_tc_kernel[(num_tokens,)](
         parts, bias, topk_idx, topk_weights, config.routed_scaling_factor, NORM_EPS, num_tokens * num_experts,
         PARTS=num_parts, N_GROUP=config.n_group, GROUP_SIZE=group_size, TOPK_GROUP=config.topk_group,
-        TOP_K=config.top_k, GROUPS_PAD=triton.next_power_of_2(config.n_group),
-        GROUP_PAD=triton.next_power_of_2(group_size), TOPK_PAD=triton.next_power_of_2(config.top_k),
+        TOP_K=config.top_k, GROUPS_PAD=next_power_of_2(config.n_group),
+        GROUP_PAD=next_power_of_2(group_size), TOPK_PAD=next_power_of_2(config.top_k),
         NORMALIZE=config.norm_topk_prob, num_warps=1)
     return topk_idx, topk_weights

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ep_layer.kernels.launch import Launcher, cdiv, next_power_of_2
 from ep_layer.kernels.triton_support import sm_count, tl, triton
 
 BLOCK_H = 16  # heads per program (they share every key load)
@@ -37,6 +38,7 @@ def supports(kv_lora_rank: int, rope: int) -> bool:
 
 if triton is not None:
 
+    @Launcher
     @triton.jit
     def _mla_decode_kernel(q_latent_ptr, q_pe_ptr, cache_ptr, tables_ptr, counts_ptr, out_ptr, lse_ptr,
                            H, MAX_BLOCKS, BLOCK_SIZE, SPLITS, scale,
@@ -85,6 +87,7 @@ if triton is not None:
         tl.store(out_ptr + part[:, None] * LORA + lora[None, :], acc, mask=head_ok[:, None])
         tl.store(lse_ptr + part, m + tl.log(l_sum), mask=head_ok)
 
+    @Launcher
     @triton.jit
     def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, H, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
                              LORA: tl.constexpr):
@@ -109,7 +112,7 @@ if triton is not None:
 def num_splits(batch: int, heads: int, device: torch.device) -> int:
     """Splits along each row's keys: enough programs for PROGRAMS_PER_SM per SM, at most MAX_SPLITS."""
     programs = PROGRAMS_PER_SM * sm_count(device)
-    return max(1, min(MAX_SPLITS, triton.cdiv(programs, batch * triton.cdiv(heads, BLOCK_H))))
+    return max(1, min(MAX_SPLITS, cdiv(programs, batch * cdiv(heads, BLOCK_H))))
 
 
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -138,7 +141,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     lse = torch.empty(b, splits, h, dtype=torch.float32, device=q_latent.device)
     q_latent, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_pe))
     tables = block_tables.contiguous()
-    grid = (b, triton.cdiv(h, BLOCK_H), splits)
+    grid = (b, cdiv(h, BLOCK_H), splits)
     _mla_decode_kernel[grid](q_latent, q_pe, flat, tables, key_counts, out, lse, h, tables.shape[1], block_size,
                              splits, scale, *q_latent.stride()[:2], *q_pe.stride()[:2], flat.stride(0),
                              LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
@@ -146,6 +149,6 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if splits == 1:
         return out[:, 0].to(q_latent.dtype)
     merged = torch.empty(b, h, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
-    _merge_splits_kernel[(b, h)](out, lse, merged, h, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+    _merge_splits_kernel[(b, h)](out, lse, merged, h, SPLITS=splits, SPLITS_PAD=next_power_of_2(splits),
                                  LORA=kv_lora_rank, num_warps=MERGE_WARPS)
     return merged

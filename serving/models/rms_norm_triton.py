@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ep_layer.kernels.launch import Launcher, next_power_of_2
 from ep_layer.kernels.triton_support import tl, triton
 
 ELEMENTS_PER_WARP = 1024  # a warp per 1024 channels (32 per lane), at most MAX_WARPS
@@ -26,6 +27,7 @@ def available() -> bool:
 
 if triton is not None:
 
+    @Launcher
     @triton.jit
     def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, dim, stride_x, eps, BLOCK: tl.constexpr):
         """out[row] = weight * (x[row] * rsqrt(mean(x[row]^2) + eps)).to(x's dtype), in x's dtype."""
@@ -52,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] > 0:
-        block = triton.next_power_of_2(dim)
+        block = next_power_of_2(dim)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, dim, rows.stride(0), eps, BLOCK=block,
                                            num_warps=max(1, min(MAX_WARPS, block // ELEMENTS_PER_WARP)))
     return out.view(x.shape)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ep_layer.kernels.launch import Launcher, cdiv, next_power_of_2
 from ep_layer.kernels.triton_support import tl, triton
 
 BLOCK_HEADS = 16  # heads per program
@@ -24,6 +25,7 @@ def available() -> bool:
 
 if triton is not None:
 
+    @Launcher
     @triton.jit
     def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xn, stride_xh, stride_cn,
                        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HEADS: tl.constexpr,
@@ -72,8 +74,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     heads = rows.shape[1]
     if n > 0 and heads > 0:
-        _rotate_kernel[(n, triton.cdiv(heads, BLOCK_HEADS))](
+        _rotate_kernel[(n, cdiv(heads, BLOCK_HEADS))](
             rows, cos, sin, out, heads, rows.stride(0), rows.stride(1), cos.stride(0), HALF=dim // 2,
-            HALF_PAD=triton.next_power_of_2(dim // 2), BLOCK_HEADS=BLOCK_HEADS, INTERLEAVE=interleave,
+            HALF_PAD=next_power_of_2(dim // 2), BLOCK_HEADS=BLOCK_HEADS, INTERLEAVE=interleave,
             enable_fp_fusion=False)
     return out

@@ -1,0 +1,106 @@
+"""Triton kernel launches with little host time: `Launcher`, and host-side `cdiv` / `next_power_of_2`.
+
+`kernel[grid](...)` costs ~35 µs of host time per launch in Triton 3.6 on the GPU machine's host, three to
+four times the launch itself: it binds and specializes every argument, builds its cache key, reads its
+knobs and the current device and stream through several layers of Python (benchmarks/RESULTS.md,
+profile_eager.py). An eager MoE layer makes 11 such launches. `Launcher` sends the first launch of each
+variant through Triton, which compiles it, and later ones straight to the compiled kernel's launcher.
+
+A variant is everything Triton specializes a compiled kernel on, so that no launch runs code compiled for
+other arguments: each tensor's dtype and whether its address is a multiple of 16 bytes; each integer's
+divisibility by 16, equality to 1 and whether it fits 32 bits; the constexprs and launch options; the
+device. Read from triton/runtime/jit.py (`JITFunction.run`, `create_function_from_signature`) and
+triton/compiler/compiler.py (`CompiledKernel`), Triton 3.6.0. Where a launch hook is set (a profiler such
+as Proton), every launch goes through Triton, which calls it.
+
+`triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.6: called from host code
+each costs a few µs of wrapping, so the launch sites use the plain ones here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .triton_support import triton
+
+_INT32 = range(-(2**31), 2**31)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for integers, b > 0."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _specialization(arg: object) -> object:
+    """What Triton specializes a compiled kernel on for one runtime argument."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if type(arg) is int:
+        return arg == 1, arg % 16 == 0, arg in _INT32
+    return type(arg), arg  # floats, bools, None: by value (a few launch sites, values that rarely change)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (Triton 3.6 keeps them in chains, empty by default; earlier, None)."""
+    runtime = triton.knobs.runtime
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+class _Variant:
+    """One compiled variant: its launcher and the constexprs appended to the runtime arguments."""
+
+    __slots__ = ("constexprs", "function", "metadata", "run")
+
+    def __init__(self, kernel: Any, constexprs: tuple) -> None:
+        if hasattr(kernel, "result"):  # compiled asynchronously
+            kernel = kernel.result()
+        self.run = kernel.run  # initializes the handles
+        self.function, self.metadata, self.constexprs = kernel.function, kernel.packed_metadata, constexprs
+
+
+class Launcher:
+    """Launches of one @triton.jit kernel: `Launcher(kernel)[grid](*runtime_args, **constexprs_and_options)`,
+    the runtime arguments in the kernel's order, positionally, and every constexpr after them in the signature
+    (passed by name, or left to its default). See the module's docstring."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._variants: dict[tuple, _Variant] = {}
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, object]) -> None:
+        device = torch.cuda.current_device()
+        key = (device, tuple(map(_specialization, args)), tuple(kwargs.items()))
+        variant = self._variants.get(key)
+        if variant is None:
+            constexprs = self._constexprs(len(args), kwargs)
+            self._variants[key] = _Variant(self.kernel[grid](*args, **kwargs), constexprs)
+            return
+        if _hooked():
+            self.kernel[grid](*args, **kwargs)
+            return
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
+        variant.run(grid[0], grid_y, grid_z, stream, variant.function, variant.metadata, None, None, None,
+                    *args, *variant.constexprs)
+
+    def _constexprs(self, runtime: int, kwargs: dict[str, object]) -> tuple:
+        """The values of the constexprs after the `runtime` positional arguments, in the signature's order (the
+        compiled launcher takes every parameter and skips the constexprs); raises where the call does not pass
+        the runtime arguments positionally, first."""
+        params = self.kernel.params
+        if any(p.is_constexpr for p in params[:runtime]) or not all(p.is_constexpr for p in params[runtime:]):
+            raise TypeError(f"Launcher({self.kernel.fn.__name__}): pass its {sum(not p.is_constexpr for p in params)} "
+                            f"runtime arguments positionally and only constexprs by name; got {runtime} positional")
+        return tuple(kwargs.get(p.name, p.default) for p in params[runtime:])

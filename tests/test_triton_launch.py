@@ -1,0 +1,155 @@
+"""ep_layer.kernels.launch: a Triton kernel's launches after the first of each variant skip Triton's binding.
+
+On CPU, against a stand-in that keeps Triton 3.6's contract (triton/runtime/jit.py `JITFunction.run`: the
+first launch returns the compiled kernel; triton/compiler/compiler.py: its `run` takes the grid, the
+stream, the function, the packed metadata, the launch metadata and hooks, then every parameter in the
+signature's order, constexprs included): which launches compile, what the compiled launcher receives, and
+that a new alignment or divisibility is a new variant. On a GPU, real kernels on misaligned inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ep_layer.kernels import launch, triton_support
+from ep_layer.kernels.launch import Launcher, cdiv, next_power_of_2
+
+
+def test_cdiv_and_next_power_of_2_match_exact_math() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        a, b = rng.randrange(0, 1 << 40), rng.randrange(1, 1 << 20)
+        assert cdiv(a, b) == math.ceil(Fraction(a, b))
+    for n in range(1, 5000):
+        assert next_power_of_2(n) == 2 ** math.ceil(math.log2(n))
+    assert next_power_of_2(0) == 1
+
+
+class _Param:
+    def __init__(self, name: str, constexpr: bool, default: object = None) -> None:
+        self.name, self.is_constexpr, self.default = name, constexpr, default
+
+
+class _StandIn:
+    """A @triton.jit kernel as Launcher sees it: kernel(x_ptr, n, scale, BLOCK: constexpr, EVEN: constexpr = True)."""
+
+    def __init__(self) -> None:
+        self.params = [_Param("x_ptr", False), _Param("n", False), _Param("scale", False),
+                       _Param("BLOCK", True), _Param("EVEN", True, default=True)]
+        self.fn = SimpleNamespace(__name__="stand_in_kernel")
+        self.compiles: list[tuple] = []  # launches through "Triton"
+        self.fast: list[tuple] = []  # launches through a compiled kernel's launcher
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.compiles.append((grid, args, kwargs))
+            number = len(self.compiles)
+            return SimpleNamespace(run=lambda *a: self.fast.append((number, a)), function=f"function{number}",
+                                   packed_metadata=f"metadata{number}")
+        return run
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> tuple[_StandIn, SimpleNamespace]:
+    runtime = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
+    monkeypatch.setattr(launch, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    return _StandIn(), runtime
+
+
+def _aligned(n: int) -> torch.Tensor:
+    t = torch.zeros(n + 16, dtype=torch.uint8)
+    start = -t.data_ptr() % 16
+    return t[start:start + n]
+
+
+def test_a_variant_compiles_once_then_launches_through_its_compiled_kernel(stand_in) -> None:
+    kernel, _ = stand_in
+    launcher = Launcher(kernel)
+    x, y = _aligned(64), _aligned(64)
+    launcher[(4,)](x, 32, 0.5, BLOCK=128, num_warps=4)
+    assert len(kernel.compiles) == 1 and not kernel.fast
+    launcher[(5, 2)](y, 48, 0.5, BLOCK=128, num_warps=4)  # another tensor, same alignment; 48 % 16 == 0 as 32
+    assert len(kernel.compiles) == 1
+    ((number, args),) = kernel.fast
+    # grid, stream, function, metadata, no launch metadata or hooks, then every parameter, the default last
+    assert number == 1
+    assert args == (5, 2, 1, 1234, "function1", "metadata1", None, None, None, y, 48, 0.5, 128, True)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "not_16", "one", "wide", "dtype", "constexpr", "option", "scale"])
+def test_anything_triton_specializes_on_is_a_new_variant(stand_in, change: str) -> None:
+    kernel, _ = stand_in
+    launcher = Launcher(kernel)
+    x = _aligned(64)
+    launcher[(1,)](x, 32, 0.5, BLOCK=128, num_warps=4)
+    args, kwargs = [x, 32, 0.5], {"BLOCK": 128, "num_warps": 4}
+    if change == "misaligned":
+        args[0] = _aligned(65)[1:]
+    elif change == "not_16":
+        args[1] = 33
+    elif change == "one":
+        args[1] = 1
+    elif change == "wide":
+        args[1] = 2**31 + 16  # an int64 argument
+    elif change == "dtype":
+        args[0] = x.view(torch.int8)
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 64
+    elif change == "option":
+        kwargs["num_warps"] = 8
+    else:
+        args[2] = 0.25  # floats are keyed by value
+    launcher[(1,)](*args, **kwargs)
+    assert len(kernel.compiles) == 2 and not kernel.fast
+    launcher[(1,)](*args, **kwargs)
+    assert len(kernel.compiles) == 2 and kernel.fast[0][0] == 2  # the second variant's compiled kernel
+
+
+def test_with_a_launch_hook_every_launch_goes_through_triton(stand_in) -> None:
+    kernel, runtime = stand_in
+    launcher = Launcher(kernel)
+    x = _aligned(64)
+    runtime.launch_enter_hook.calls.append(print)
+    for _ in range(3):
+        launcher[(1,)](x, 32, 0.5, BLOCK=128)
+    assert len(kernel.compiles) == 3 and not kernel.fast
+    runtime.launch_enter_hook.calls.clear()
+    launcher[(1,)](x, 32, 0.5, BLOCK=128)
+    assert len(kernel.fast) == 1
+
+
+def test_runtime_arguments_by_name_are_refused_naming_the_kernel(stand_in) -> None:
+    kernel, _ = stand_in
+    with pytest.raises(TypeError, match=r"stand_in_kernel.*3 runtime arguments positionally"):
+        Launcher(kernel)[(1,)](_aligned(64), 32, scale=0.5, BLOCK=128)
+    assert not kernel.compiles  # refused before any launch
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not triton_support.available(), reason=triton_support.unavailable_reason())
+def test_misaligned_rows_get_their_own_compiled_kernel_on_a_gpu() -> None:
+    """The FP8 cast (vector loads where rows are 16-byte aligned) on aligned rows, then on the same values 2
+    bytes off, then aligned again: the same bits each time, and two compiled variants."""
+    from ep_layer.kernels.fp8_cast import _cast_rows_kernel, cast_rows_to_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, 24, 512, generator=gen, device="cuda").to(torch.bfloat16)
+    counts = torch.tensor([24, 7], dtype=torch.int32, device="cuda")
+    want = cast_rows_to_fp8(x, counts)
+    before = len(_cast_rows_kernel._variants)
+    off = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device="cuda")[1:].view(x.shape).copy_(x)
+    assert off.data_ptr() % 16
+    for rows in (off, x, off):
+        data, scales = cast_rows_to_fp8(rows, counts)
+        for e, n in enumerate(counts.tolist()):
+            assert torch.equal(scales[e, :n], want[1][e, :n])
+            assert torch.equal(data[e, :n].view(torch.uint8), want[0][e, :n].view(torch.uint8))
+    assert len(_cast_rows_kernel._variants) == before + 1
