@@ -109,13 +109,18 @@ class CommStreams:
 
 
 @contextmanager
-def send_on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+def send_on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None = None) -> Iterator[None]:
     """Queue a send half on `stream` (None: the current stream), after all work queued on the current
-    stream so far: its inputs. Its outputs belong to `stream`: use them after its hook's wait (run_hook)."""
+    stream so far: its inputs; or, given `after` (an event recorded on the current stream), after the work
+    queued before that event only (single-batch overlap: the send runs beside the GEMM queued since).
+    Its outputs belong to `stream`: use them after its hook's wait (run_hook)."""
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    if after is None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    else:
+        stream.wait_event(after)
     with torch.cuda.stream(stream):
         yield
 
