@@ -15,7 +15,7 @@ the share of the communication that the overlap hides (`hid%`); `hid_max%` is th
 communication runs beside the routed experts' GEMMs alone with no dependency at all (the schedule also
 has the gate, routing and shared expert to run it under, so it can hide more). The split itself costs
 time at decode sizes (each half reads every active expert's weights again); plain vs ovl shows that cost.
-Single-batch overlap runs one batch with each rank's combine queued before its down GEMM, sending rows as
+Single-batch overlap runs one batch with each rank's combine send beside its down GEMM, sending rows as
 the GEMM signals them; it and the plain schedule are replayed in turn, and their difference over the
 communication's time alone is the share it hides (`sbo_hid%`).
 

@@ -458,7 +458,7 @@ def test_layer_on_emulated_ranks_in_cuda_graph(quant: str, schedule: str, seed: 
     """4 emulated EP ranks (cuda backend) step together; the whole step is captured in one CUDA graph and
     replayed on fresh tokens. Each replay equals the same schedule run eagerly with all communication on
     the current stream, bit for bit: the side streams (shared by the ranks) change when kernels run,
-    not what they compute. Single-batch overlap (each rank's combine queued before its down GEMM, sending
+    not what they compute. Single-batch overlap (each rank's combine send beside its down GEMM, sending
     rows as the GEMM signals them) equals the plain schedule, bit for bit."""
     from ep_layer.emulation import emulated_buffers
 

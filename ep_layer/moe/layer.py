@@ -10,7 +10,7 @@ the overlapped one, with bit-identical results on CPU. There the first micro-bat
 expert under its dispatch and the second under its combine, the exchanges that nothing else overlaps. On
 a GPU both forwards queue the communication on side streams (CommStreams): the plain forward's
 exchanges run beside the shared expert, the overlapped one's under the other half's compute. Single-batch
-overlap (`steps(..., sbo=True)`) is the plain forward with the combine's send queued before the down GEMM,
+overlap (`steps(..., sbo=True)`) is the plain forward with the combine's send running beside the down GEMM,
 sending each row once the GEMM signals it written. `FusedMoE(overlap=...)` picks the schedule
 (ep_layer.moe.overlap).
 """
