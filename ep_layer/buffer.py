@@ -531,8 +531,8 @@ class Buffer(NormalMode):
 
     @property
     def signals_waited_on_device(self) -> bool:
-        """Whether a combine with overlap signals may be queued before the GEMM that sets them (the cuda
-        backend waits for them on the device; the reference backend on the host)."""
+        """Whether a combine with overlap signals may run beside the GEMM that sets them, not after it in
+        stream order (the cuda backend waits for them on the device; the reference backend on the host)."""
         return self._live().signals_waited_on_device
 
     @property

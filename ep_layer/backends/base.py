@@ -110,8 +110,8 @@ class Backend(ABC):
         """Where every tensor must live; None = any device, the same for all tensors of a call."""
 
     supports_rows_in_place = False  # dispatch(..., rows_in_place=True) returns RowsInPlace
-    # A combine's send waits for its overlap signals on the device, so it may be queued before the GEMM that
-    # sets them (else it waits on the host, and must come after it).
+    # A combine's send waits for its overlap signals on the device, so it may run beside the GEMM that sets
+    # them (else it waits on the host, and must come after it in stream order).
     signals_waited_on_device = False
 
     @property

@@ -37,7 +37,7 @@ HOPPER_FP8_FLOPS = 1.2e9
 NVLINK_BYTES = 0.40e6
 SHARED_GPU_LINK_SHARE = 0.65
 EXCHANGE_LATENCY_US = 12.0
-SBO_OVERHEAD_US = 3.0  # zeroing the signals, and the send's launch before the GEMM's
+SBO_OVERHEAD_US = 3.0  # zeroing the signals, and the send's launch and event beside the GEMM
 
 
 @dataclass(frozen=True)
