@@ -59,7 +59,7 @@ class _StandIn:
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> tuple[_StandIn, SimpleNamespace]:
     runtime = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
     monkeypatch.setattr(launch, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     return _StandIn(), runtime
 

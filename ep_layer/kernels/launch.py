@@ -79,7 +79,7 @@ class Launcher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, object]) -> None:
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its lazy-init check (Triton's device)
         key = (device, tuple(map(_specialization, args)), tuple(kwargs.items()))
         variant = self._variants.get(key)
         if variant is None:
