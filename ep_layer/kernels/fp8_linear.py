@@ -136,5 +136,5 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
         BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
     block = SUM_BLOCK if cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
     _sum_parts_kernel[(cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
-                                                          BLOCK=block, num_warps=NUM_WARPS)
+                                                   BLOCK=block, num_warps=NUM_WARPS)
     return out
