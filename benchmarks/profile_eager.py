@@ -9,7 +9,9 @@ stats tensor, FP8 dispatch, no hook).
 --layer: one FusedMoE layer at DeepSeek-V3's shapes (bench_moe.py's: FP8 block weights, EP = 1, the cuda
 backend), its eager time (call to GPU done) beside its CUDA-graph replay, as bench_moe times them: the
 eager path's host overhead per layer, which a model pays on every eager step; and the CUDA runtime and
-driver calls one layer makes (launches, copies, waits, host synchronisations: torch.profiler).
+driver calls one layer makes (launches, copies, waits, host synchronisations: torch.profiler). Its host time
+is taken twice in the same process, side by side: Triton kernels through ep_layer.kernels.launch.Launcher
+(as the layer runs) and through Triton's own `kernel[grid]` launch (the baseline the Launcher replaces).
 
     python benchmarks/profile_eager.py                       # T = 128, H = 7168, E = 288, top-8, EP = 1
     python benchmarks/profile_eager.py --tokens 1 --top 25
@@ -23,7 +25,8 @@ import cProfile
 import io
 import os
 import pstats
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from bench_ll import host_time
@@ -95,10 +98,28 @@ def profile_layer(args: argparse.Namespace) -> None:
 
     eager, graph = time_eager(call, 20), time_graph(call, 20)
     host = host_time(call, args.calls)
+    with triton_own_launches():
+        call()  # Triton's cache lookups warm
+        triton_host = host_time(call, args.calls)
     print_profile(call, args.calls, args.top)
     print_runtime_calls(call, 20)
     print(f"{torch.cuda.get_device_name()}, FusedMoE at DeepSeek-V3's shapes, T = {t}, EP = 1, µs")
-    print(f"eager {eager:.1f} | graph {graph:.1f} | eager / graph {eager / graph:.2f} | host launch {host:.1f}")
+    print(f"eager {eager:.1f} | graph {graph:.1f} | eager / graph {eager / graph:.2f} | host launch {host:.1f} "
+          f"| host launch through Triton's own launches {triton_host:.1f}")
+
+
+@contextmanager
+def triton_own_launches() -> Iterator[None]:
+    """Every Launcher launch through Triton's `kernel[grid](...)` instead, as before the Launcher (the
+    baseline, in the same process)."""
+    from ep_layer.kernels.launch import Launcher
+
+    fast = Launcher.launch
+    Launcher.launch = lambda self, grid, args, kwargs: self.kernel[grid](*args, **kwargs)
+    try:
+        yield
+    finally:
+        Launcher.launch = fast
 
 
 RUNTIME_CALLS = ("Launch", "Memcpy", "Memset", "Synchronize", "EventRecord", "StreamWaitEvent", "Malloc")

@@ -46,3 +46,21 @@ def test_code_areas() -> None:
     assert profile_eager.code_area(in_repo_venv) == "torch"
     assert profile_eager.code_area("/usr/lib/python3.12/contextlib.py") == "python"
     assert profile_eager.code_area("~") == "builtins"
+
+
+def test_triton_own_launches_sends_every_launch_through_triton_then_restores_the_launcher() -> None:
+    from ep_layer.kernels.launch import Launcher
+
+    launched = []
+
+    class Kernel:  # a @triton.jit kernel as Launcher sees it: kernel[grid](*args, **kwargs)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, args, kwargs))
+
+    fast = Launcher.launch
+    launcher = Launcher(Kernel())
+    with profile_eager.triton_own_launches():
+        for _ in range(3):
+            launcher[(2, 1)](7, 8, BLOCK=64)
+    assert launched == [((2, 1), (7, 8), {"BLOCK": 64})] * 3
+    assert Launcher.launch is fast and not launcher._variants
