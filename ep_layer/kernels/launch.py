@@ -38,13 +38,14 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _specialization(arg: object) -> object:
-    """What Triton specializes a compiled kernel on for one runtime argument."""
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if type(arg) is int:
-        return arg == 1, arg % 16 == 0, arg in _INT32
-    return type(arg), arg  # floats, bools, None: by value (a few launch sites, values that rarely change)
+def _specializations(args: tuple) -> tuple:
+    """What Triton specializes a compiled kernel on, per runtime argument: a tensor's dtype and 16-byte alignment;
+    an integer's equality to 1, divisibility by 16 and 32-bit range; anything else (floats, bools, None) by type
+    and value (a few launch sites, values that rarely change). One comprehension: a call per argument would
+    cost a frame each (an eager MoE layer passes ~130)."""
+    return tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                  else (a == 1, a % 16 == 0, a in _INT32) if type(a) is int
+                  else (type(a), a) for a in args])
 
 
 def _hooked() -> bool:
@@ -80,7 +81,7 @@ class Launcher:
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, object]) -> None:
         device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its lazy-init check (Triton's device)
-        key = (device, tuple(map(_specialization, args)), tuple(kwargs.items()))
+        key = (device, _specializations(args), tuple(kwargs.items()))
         variant = self._variants.get(key)
         if variant is None:
             constexprs = self._constexprs(len(args), kwargs)
