@@ -72,7 +72,8 @@ def main() -> None:
     for _ in range(20):
         dispatch()
         combine()
-    rows = [("dispatch", host_time(dispatch, args.calls)), ("combine", host_time(combine, args.calls))]
+    rows = [("dispatch", host_time(dispatch, args.calls)), ("combine", host_time(combine, args.calls)),
+            ("pair", host_time(lambda: (dispatch(), combine()), args.calls))]  # as DeepEP's loop alternates them
 
     print_profile(lambda: (dispatch(), combine()), args.calls, args.top)
     print(f"{torch.cuda.get_device_name()}, T = {t}, H = {h}, E = {e}, top-{args.topk}, EP = 1, default device "
