@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -179,6 +180,51 @@ def test_sbo_holds_the_signals_until_the_combine_is_waited_for(seed: int) -> Non
     assert made and made[0]() is not None, "the signals were freed before the combine was waited for"
     with pytest.raises(StopIteration):
         next(steps)
+
+
+def test_sbo_launches_the_down_gemm_before_queuing_the_send_beside_it(seed: int, monkeypatch) -> None:
+    """Where the send waits for signals on the device (the cuda backend), it runs on its side stream behind an
+    event recorded after the signals are zeroed, and it is queued only after the down GEMM's launch: a first
+    launch loads the kernel's module, which waits for running kernels, and a send already spinning on the
+    GEMM's signals hung a GPU run so. On CPU with stand-ins for the streams: the order of the calls, and the
+    plain forward's output."""
+    import contextlib
+
+    import ep_layer.moe.layer as layer_module
+    from ep_layer import Buffer
+    from ep_layer.moe.overlap import SBO_SEND_SMS
+    from ep_layer.moe.schedule import run_to_end
+
+    cfg = MoeConfig(max_tokens=16)
+    layer: FusedMoE = cfg.layer(None, "bf16", overlap="sbo")
+    layer.load_weights(hf_weights(cfg, torch.Generator().manual_seed(seed), "bf16").items())
+    x = torch.randn(9, cfg.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    plain = run_to_end(layer.steps(x))
+    calls: list[tuple] = []
+
+    @contextlib.contextmanager
+    def send_on(stream, after=None):
+        calls.append(("send_on", stream, after))
+        yield
+
+    def run_hook(hook, stream):
+        hook()
+        return lambda: None
+
+    kernels = layer._kernels_for(torch.device("cpu"))
+    down, combine = kernels.down, layer.buffer.low_latency_combine
+    kernels.down = lambda *args, **kwargs: (calls.append(("down",)), down(*args, **kwargs))[1]
+    layer.buffer.low_latency_combine = lambda *a, **k: (calls.append(("combine", k.get("num_sms"))),
+                                                        combine(*a, **k))[1]
+    monkeypatch.setattr(layer_module, "send_on", send_on)
+    monkeypatch.setattr(layer_module, "run_hook", run_hook)
+    monkeypatch.setattr(Buffer, "signals_waited_on_device", property(lambda self: True))
+    compute_stream = SimpleNamespace(record_event=lambda: "zeroed")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute_stream)
+    streams = SimpleNamespace(dispatch="dispatch stream", combine="combine stream")
+    got = run_to_end(layer.steps(x, streams, sbo=True))
+    assert calls[-3:] == [("down",), ("send_on", "combine stream", "zeroed"), ("combine", SBO_SEND_SMS)], calls
+    assert torch.equal(got, plain)
 
 
 def test_torch_experts_signal_each_expert_with_rows_once_written(seed: int) -> None:
