@@ -17,7 +17,7 @@ import torch
 
 from ..backends.base import RowsInPlace, SendSignals
 from ..block_fp8 import WEIGHT_BLOCK
-from .launch import Launcher, next_power_of_2
+from .launch import Launcher, cdiv, next_power_of_2
 from .triton_support import sm_count, tl, triton, unavailable_reason
 
 BLOCK_M = 64  # rows (tokens) per program
@@ -125,9 +125,9 @@ if triton is not None:
 def completion_signals(num_experts: int, rows: int, columns: int, device: torch.device) -> SendSignals:
     """Zeroed signals for masked_grouped_gemm(..., signals=) on out [num_experts, rows, columns] (not gated,
     BLOCK_N columns per program): one per BLOCK_M rows of an expert, complete at its number of column tiles."""
-    per_expert = max(-(-rows // BLOCK_M), 1)
+    per_expert = max(cdiv(rows, BLOCK_M), 1)
     return SendSignals(torch.zeros(num_experts * per_expert, dtype=torch.int32, device=device), BLOCK_M, per_expert,
-                       -(-columns // BLOCK_N))
+                       cdiv(columns, BLOCK_N))
 
 
 def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | None, b: torch.Tensor,
@@ -149,7 +149,7 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     fp8 = a_scales is not None
     block_n = block_n or (BLOCK_N_GATED if gated else BLOCK_N)
     if signals is not None and (gated or block_n != BLOCK_N or signals.rows != BLOCK_M
-                                or signals.threshold != -(-n // BLOCK_N)):
+                                or signals.threshold != cdiv(n, BLOCK_N)):
         raise ValueError("masked_grouped_gemm: signals must come from completion_signals for this output, "
                          "on a GEMM that is not gated, at the default column tile")
     block_k = WEIGHT_BLOCK if fp8 else BLOCK_K_BF16
