@@ -91,20 +91,21 @@ class LayerCost:
         """(gate_up, down) of one GPU's ranks' routed experts on their rows (tokens x top_k each)."""
         rows = tokens * self.top_k
         active = self.active_experts(tokens)
-        parts = []
-        for share in (2 / 3, 1 / 3):  # gate_up holds two of the three matrices
-            read = active * self.weight_bytes * share / rates.hbm_bytes_per_us
-            math = 2 * rows * 3 * self.hidden * self.intermediate * share / rates.fp8_flops_per_us
-            parts.append(max(read, math) * self.ranks_per_gpu)
-        return parts[0], parts[1]
+        gate_up, down = (self._read_or_math_us(active * self.weight_bytes * share,
+                                               2 * rows * 3 * self.hidden * self.intermediate * share, rates)
+                         for share in (2 / 3, 1 / 3))  # gate_up holds two of the three matrices
+        return gate_up, down
 
     def shared_us(self, tokens: int, rates: GpuRates) -> float:
         """One GPU's ranks' shared experts on `tokens` rows each."""
         if not self.shared_intermediate:
             return 0.0
-        read = 3 * self.hidden * self.shared_intermediate * (1 if self.fp8 else 2) / rates.hbm_bytes_per_us
-        math = 2 * tokens * 3 * self.hidden * self.shared_intermediate / rates.fp8_flops_per_us
-        return max(read, math) * self.ranks_per_gpu
+        return self._read_or_math_us(3 * self.hidden * self.shared_intermediate * (1 if self.fp8 else 2),
+                                     2 * tokens * 3 * self.hidden * self.shared_intermediate, rates)
+
+    def _read_or_math_us(self, weight_bytes: float, flops: float, rates: GpuRates) -> float:
+        """A GEMM on one GPU's ranks: its weight reads over HBM or its FP8 math, whichever takes longer."""
+        return max(weight_bytes / rates.hbm_bytes_per_us, flops / rates.fp8_flops_per_us) * self.ranks_per_gpu
 
     def exchange_us(self, tokens: int, rates: GpuRates) -> Exchange:
         """One GPU's ranks' dispatch and combine of `tokens` tokens each: every token's rows to and from the
