@@ -130,12 +130,18 @@ def test_overlap_mode_is_checked_and_auto_runs_plain_on_cpu() -> None:
     assert cfg.layer(None, "bf16", overlap="auto").schedule(16, torch.device("cpu")) == "none"
 
 
+def _sbo_layer(seed: int) -> tuple[MoeConfig, FusedMoE]:
+    """A bf16 layer with overlap="sbo" on the reference backend, random weights."""
+    cfg = MoeConfig(max_tokens=16)
+    layer = cfg.layer(None, "bf16", overlap="sbo")
+    layer.load_weights(hf_weights(cfg, torch.Generator().manual_seed(seed), "bf16").items())
+    return cfg, layer
+
+
 def test_sbo_tells_the_combine_to_wait_for_the_down_gemms_signals(seed: int) -> None:
     """overlap="sbo": one combine with overlap=True, the dispatch's counts and the signals the down GEMM set
     (those of every expert with rows at their threshold); the output is the plain forward's."""
-    cfg = MoeConfig(max_tokens=16)
-    layer: FusedMoE = cfg.layer(None, "bf16", overlap="sbo")
-    layer.load_weights(hf_weights(cfg, torch.Generator().manual_seed(seed), "bf16").items())
+    cfg, layer = _sbo_layer(seed)
     seen: list[dict] = []
     combine = layer.buffer.low_latency_combine
 
@@ -159,9 +165,7 @@ def test_sbo_holds_the_signals_until_the_combine_is_waited_for(seed: int) -> Non
     """The send reads the signals on its own stream: freed at the hook's launch, their memory could go to the
     compute stream's next kernels (another rank's, between two steps) while the send still polls it (a GPU
     run hung so). The layer holds them until its last step, which waits for the combine."""
-    cfg = MoeConfig(max_tokens=16)
-    layer: FusedMoE = cfg.layer(None, "bf16", overlap="sbo")
-    layer.load_weights(hf_weights(cfg, torch.Generator().manual_seed(seed), "bf16").items())
+    cfg, layer = _sbo_layer(seed)
     kernels = layer._kernels_for(torch.device("cpu"))
     made = []
 
@@ -195,9 +199,7 @@ def test_sbo_launches_the_down_gemm_before_queuing_the_send_beside_it(seed: int,
     from ep_layer.moe.overlap import SBO_SEND_SMS
     from ep_layer.moe.schedule import run_to_end
 
-    cfg = MoeConfig(max_tokens=16)
-    layer: FusedMoE = cfg.layer(None, "bf16", overlap="sbo")
-    layer.load_weights(hf_weights(cfg, torch.Generator().manual_seed(seed), "bf16").items())
+    cfg, layer = _sbo_layer(seed)
     x = torch.randn(9, cfg.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     plain = run_to_end(layer.steps(x))
     calls: list[tuple] = []
