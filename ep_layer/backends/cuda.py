@@ -197,7 +197,9 @@ class _CombinePlan(NamedTuple):
 class _KeptForHook:
     """The tensors a hook's receive half uses, held from the send half until the hook has been launched.
     On the send's stream, stream order then protects them. On another stream they are recorded there,
-    so that the allocator does not reuse their memory on the send's stream before that kernel has run."""
+    so that the allocator does not reuse their memory on the send's stream before that kernel has run.
+    Memory the caller allocated on another stream stays the caller's to keep until it has waited for the
+    call, as DeepEP leaves it (FusedMoE holds its single-batch-overlap signals so)."""
 
     def __init__(self, send_stream: int, *tensors: torch.Tensor | tuple[torch.Tensor, ...] | None) -> None:
         self._send_stream = send_stream
