@@ -4,7 +4,9 @@ then cProfile's top functions over the same calls and their Python calls per cal
 
 Default: a low-latency dispatch and combine in the setting of DeepEP's own benchmark
 (tests/test_low_latency.py: torch.set_default_device('cuda'), bfloat16 default dtype, the receive-count
-stats tensor, FP8 dispatch, no hook).
+stats tensor, FP8 dispatch, no hook; --group: a one-rank NCCL group as there). Besides the host time of one
+call with the GPU idle, the pair is timed queued back to back and as DeepEP's `bench` reads it (CUDA events
+around each pair, after one L2 flush).
 
 --layer: one FusedMoE layer at DeepSeek-V3's shapes (bench_moe.py's: FP8 block weights, EP = 1, the cuda
 backend), its eager time (call to GPU done) beside its CUDA-graph replay, as bench_moe times them: the
@@ -25,10 +27,14 @@ import cProfile
 import io
 import os
 import pstats
+import socket
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from bench_ll import host_time
 
 from ep_layer import Buffer
@@ -43,15 +49,18 @@ def main() -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--top", type=int, default=20, help="functions to list from cProfile")
+    p.add_argument("--group", action="store_true",
+                   help="give the Buffer a one-rank NCCL group, as DeepEP's test does (default: no group)")
     args = p.parse_args()
     if args.layer:
         profile_layer(args)
         return
 
+    group = one_rank_group() if args.group else None
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("cuda")
     t, h, e = args.tokens, args.hidden, args.experts
-    buf = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(t, h, 1, e), low_latency_mode=True,
+    buf = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(t, h, 1, e), low_latency_mode=True,
                  backend="cuda")
     x = torch.randn(t, h)
     idx = torch.rand(t, e, dtype=torch.float32).topk(args.topk, dim=1).indices
@@ -72,15 +81,62 @@ def main() -> None:
     for _ in range(20):
         dispatch()
         combine()
+    def pair():  # as DeepEP's loop alternates them
+        dispatch()
+        combine()
+
     rows = [("dispatch", host_time(dispatch, args.calls)), ("combine", host_time(combine, args.calls)),
-            ("pair", host_time(lambda: (dispatch(), combine()), args.calls))]  # as DeepEP's loop alternates them
+            ("pair", host_time(pair, args.calls)), ("pair, back to back", back_to_back_host_time(pair, args.calls)),
+            ("pair, DeepEP's bench", deepep_bench_time(pair, 50))]
 
     print_profile(lambda: (dispatch(), combine()), args.calls, args.top)
     print(f"{torch.cuda.get_device_name()}, T = {t}, H = {h}, E = {e}, top-{args.topk}, EP = 1, default device "
-          f"cuda, bf16 default dtype, stats tensor")
-    print(f"{'call':10s} {'host us':>8s}")
+          f"cuda, bf16 default dtype, stats tensor, {'a one-rank NCCL group' if group else 'no group'}")
+    print("host us: the host's time per call, the GPU idle at its start (synchronized before each); back to back:")
+    print("calls queued one after another without a sync; DeepEP's bench: its per-call GPU event interval (µs)")
+    print(f"{'call':22s} {'us':>8s}")
     for name, us in rows:
-        print(f"{name:10s} {us:8.1f}")
+        print(f"{name:22s} {us:8.1f}")
+
+
+def one_rank_group() -> dist.ProcessGroup:
+    """A one-rank NCCL process group on a free local port (DeepEP's tests/utils.py init_dist, one rank)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
+                            device_id=torch.device("cuda", 0))
+    return dist.new_group([0])
+
+
+def back_to_back_host_time(fn: Callable[[], object], calls: int) -> float:
+    """Mean microseconds of host time per call over `calls` calls queued one after another (no sync between
+    them: the GPU may still run earlier ones, as in a serving step or DeepEP's loop)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed * 1e6 / calls
+
+
+def deepep_bench_time(fn: Callable[[], object], calls: int) -> float:
+    """Mean microseconds between CUDA events recorded around each call, after one L2 flush, as DeepEP's
+    tests/utils.py `bench` times its eager dispatch + combine pair (567632d): where the host is slower than
+    the GPU, it reads the host's time per call, event records included."""
+    flush = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    for _ in range(calls):
+        fn()
+    flush.zero_()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.mean(s.elapsed_time(e) * 1e3 for s, e in list(zip(starts, ends))[1:])
 
 
 def profile_layer(args: argparse.Namespace) -> None:
