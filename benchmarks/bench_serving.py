@@ -5,7 +5,8 @@ For each concurrency level it keeps that many requests in flight (each generatin
 serves none of them) and prints TTFT and TPOT p50/p99 and output tokens/s, next to the HBM
 floor of one decode step: the weight bytes one rank reads per step (its attention, dense layers, shared
 experts and lm_head, plus its experts that the step's tokens activate; tensor sizes from config.json,
-as the checkpoint stores them) over the HBM bandwidth.
+as the checkpoint stores them) over the HBM bandwidth, and the same floor for a step of one prompt alone:
+TTFT's floor at concurrency 1 (a prompt's tokens activate many experts: 32 tokens ~160 of V3's 256 a layer).
 
 `--api chat` sends the prompts as one user message to /v1/chat/completions. `--logprobs N` runs every
 level twice, side by side: without logprobs, then with the top N of each token (completions'
@@ -99,6 +100,7 @@ class Sample:
     ttft: float
     tpot: float
     tokens: int
+    prompt_tokens: int | None = None  # the usage's
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -135,7 +137,7 @@ def has_logprobs(chunk: dict) -> bool:
 async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> Sample:
     start = time.perf_counter()
     first = None
-    tokens = 0
+    tokens, prompt_tokens = 0, None
     logprobs_seen = False
     async with client.stream("POST", endpoint, json=body) as response:
         if response.status_code != 200:
@@ -148,7 +150,7 @@ async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> S
                 first = time.perf_counter()
             logprobs_seen = logprobs_seen or has_logprobs(chunk)
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"].get("prompt_tokens")
     end = time.perf_counter()
     if first is None or tokens == 0:
         raise RuntimeError("stream ended without tokens")
@@ -156,7 +158,7 @@ async def one_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> S
     if logprobs_seen != wants_logprobs:
         raise RuntimeError(f"asked for logprobs: {wants_logprobs}, but the stream had "
                            f"{'some' if logprobs_seen else 'none'}")
-    return Sample(first - start, (end - first) / max(tokens - 1, 1), tokens)
+    return Sample(first - start, (end - first) / max(tokens - 1, 1), tokens, prompt_tokens)
 
 
 async def sweep_level(url: str, api: str, model: str, concurrency: int, requests: int, prompt_len: int,
@@ -454,6 +456,12 @@ def print_mixed(result: dict, floor: bool) -> None:
 
 def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> float:
     """Weight bytes one rank reads in a decode step of `tokens_per_rank` tokens on each of `ranks` ranks."""
+    return step_bytes(model_dir, tokens_per_rank * ranks, ranks)
+
+
+def step_bytes(model_dir: Path, tokens: int, ranks: int) -> float:
+    """Weight bytes one rank reads in a step of `tokens` tokens over all `ranks` ranks (decodes or a prompt's:
+    a 32-token prompt activates ~160 of V3's 256 experts a layer, a decode token 8)."""
     config = load_config(model_dir)
     experts, topk = config.n_routed_experts, config.num_experts_per_tok
     mtp_prefix = f"model.layers.{config.num_hidden_layers}."
@@ -467,7 +475,7 @@ def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> floa
         else:
             dense += size
     # Expected experts of one layer that a step's tokens (from all ranks) activate, this rank's share.
-    active = experts * (1 - (1 - topk / experts) ** (tokens_per_rank * ranks)) / ranks
+    active = experts * (1 - (1 - topk / experts) ** tokens) / ranks
     return dense + sum(total / experts * active for total in expert_bytes.values())
 
 
@@ -588,8 +596,8 @@ def run_sweep(args: argparse.Namespace, url: str, model: str, model_dir: Path | 
           f"{args.max_tokens} tokens per request, HBM {args.hbm_bytes_per_s / 1e12:.1f} TB/s", flush=True)
     variants = [None] if args.logprobs is None else [None, args.logprobs]
     header = ("conc", "logprobs", "requests", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
-              "out_tok/s", "step_floor_us")
-    columns = len(header) if model_dir is not None else len(header) - 1  # no floor without the model's directory
+              "out_tok/s", "step_floor_us", "prompt_floor_us")
+    columns = len(header) if model_dir is not None else len(header) - 2  # no floors without the model's directory
     run_id = os.urandom(4).hex()
     rows = []
     for concurrency in args.concurrency:
@@ -605,9 +613,12 @@ def run_sweep(args: argparse.Namespace, url: str, model: str, model_dir: Path | 
             ttft = [s.ttft * 1e3 for s in samples]
             tpot = [s.tpot * 1e3 for s in samples]
             tokens = sum(s.tokens for s in samples)
+            prompt_tokens = [s.prompt_tokens for s in samples if s.prompt_tokens]
+            prompt_floor_us = step_bytes(model_dir, percentile(prompt_tokens, 50), ranks) / args.hbm_bytes_per_s * 1e6 \
+                if model_dir is not None and model_dir.is_dir() and prompt_tokens else float("nan")
             rows.append((concurrency, "-" if logprobs is None else str(logprobs), requests,
                          percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
-                         tokens / elapsed, floor_us))
+                         tokens / elapsed, floor_us, prompt_floor_us))
             print(" ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in rows[-1][:columns]), flush=True)
     print("\n" + " | ".join(f"{h:>12}" for h in header[:columns]))
     for row in rows:
@@ -618,7 +629,9 @@ def run_sweep(args: argparse.Namespace, url: str, model: str, model_dir: Path | 
                   f"{scored[5]:.2f} ms ({(scored[5] / plain[5] - 1) * 100:+.1f} %), "
                   f"{plain[7]:.0f} -> {scored[7]:.0f} tokens/s")
     if model_dir is not None:
-        print("step_floor_us: one rank's decode-step weight bytes over the HBM bandwidth (the TPOT floor on a GPU)")
+        print("step_floor_us: one rank's decode-step weight bytes over the HBM bandwidth (the TPOT floor on a GPU); "
+              "prompt_floor_us: the same for a step of one prompt alone (its median tokens), TTFT's floor at "
+              "concurrency 1")
 
 
 def mixed_main(args: argparse.Namespace, target: Target, card: dict, model_dir: Path | None, ranks: int,

@@ -163,6 +163,34 @@ def test_percentile_is_the_nearest_rank() -> None:
     assert math.isnan(bench.percentile_or_nan([], 50))
 
 
+def test_step_floor_reads_each_activated_expert_once(tmp_path: Path) -> None:
+    """The weight bytes of a step, against counts made here: one token reads the dense weights and top_k experts
+    a MoE layer; a step of many tokens nearly all of them; a prompt of T tokens the expected number of distinct
+    experts that T uniform top-k draws hit (a seeded simulation); a decode step of t tokens on each of R ranks
+    is a step of t * R tokens, each rank reading its share."""
+    from serving.loading.checkpoint import load_config
+    from serving.random_weights import stored_bytes
+    from serving.tiny_model import write_v3_shaped
+
+    model = Path(write_v3_shaped(tmp_path, 3))
+    config = load_config(model)
+    experts, topk = config.n_routed_experts, config.num_experts_per_tok
+    sizes = dict(stored_bytes(config))
+    mtp = f"model.layers.{config.num_hidden_layers}."
+    expert_layer = [n for n in sizes if ".mlp.experts." in n and not n.startswith(mtp)]
+    one_expert = sum(sizes[n] for n in expert_layer) / experts / (config.num_hidden_layers - 1)
+    dense = sum(size for n, size in sizes.items() if ".mlp.experts." not in n and not n.startswith(mtp)
+                and n != "model.embed_tokens.weight")
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    assert bench.step_bytes(model, 1, 1) == pytest.approx(dense + moe_layers * topk * one_expert, rel=1e-12)
+    assert bench.step_bytes(model, 100_000, 1) == pytest.approx(dense + moe_layers * experts * one_expert, rel=1e-9)
+    rng = random.Random(0)
+    hit = statistics.mean(len({e for _ in range(32) for e in rng.sample(range(experts), topk)}) for _ in range(2000))
+    assert bench.step_bytes(model, 32, 1) == pytest.approx(dense + moe_layers * hit * one_expert, rel=0.01)
+    assert bench.decode_step_bytes(model, 4, 2) == bench.step_bytes(model, 8, 2)
+    assert bench.step_bytes(model, 8, 2) == pytest.approx(dense + (bench.step_bytes(model, 8, 1) - dense) / 2)
+
+
 def test_summary_of_a_level_by_hand() -> None:
     results = [bench.Timed(times=[0.100, 0.150, 0.300], latency=0.350, tokens=3, prompt_tokens=20),
                bench.Timed(times=[0.200, 0.220], latency=0.250, tokens=2, prompt_tokens=40),
@@ -302,3 +330,24 @@ def test_mixed_workload_as_an_openai_client(tiny_cache: str, tmp_path: Path,
         [("r=50", 3, 0), ("r=inf", 3, 0)], result
     assert all("step_floor_us" not in row and row["ttft_p50_ms"] > 0 for row in result["levels"])
     assert "step_floor_us" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_sweep_prints_ttft_and_tpot_beside_their_floors(tiny_cache: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The concurrency sweep against ep-serve: each row's TTFT and TPOT beside the decode step's and the lone
+    prompt step's weight-bytes floors (a prompt activates more experts than one decode token)."""
+    server = EPServe(["--max-model-len", "256"], tiny_cache, tmp_path / "ep-serve.log")
+    try:
+        server.wait_healthy()
+        bench.main(["--url", server.url, "--concurrency", "1", "--requests", "2", "--max-tokens", "4",
+                    "--prompt-len", "24"])
+    finally:
+        server.stop()
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("conc |"))
+    names = [c.strip() for c in lines[header].split("|")]
+    row = dict(zip(names, (c.strip() for c in lines[header + 1].split("|")), strict=True))
+    assert names[-2:] == ["step_floor_us", "prompt_floor_us"] and row["requests"] == "2"
+    assert 0 < float(row["step_floor_us"]) < float(row["prompt_floor_us"])
+    assert 0 < float(row["ttft_p50_ms"]) <= float(row["ttft_p99_ms"])
