@@ -23,6 +23,8 @@ from typing import TypeVar
 
 import torch
 
+from .. import streams
+
 Result = TypeVar("Result")
 ROUTED = "routed"
 DISPATCH_SENT, DISPATCH_HOOKED = "dispatch sent", "dispatch hooked"
@@ -118,10 +120,10 @@ def send_on(stream: torch.cuda.Stream | None, after: torch.cuda.Event | None = N
         yield
         return
     if after is None:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        streams.join(stream, streams.current_stream(stream.device_index))
     else:
-        stream.wait_event(after)
-    with torch.cuda.stream(stream):
+        after.wait(stream)
+    with streams.on_stream(stream):
         yield
 
 
@@ -136,8 +138,7 @@ def run_hook(hook: Callable[[], None], stream: torch.cuda.Stream | None) -> Call
     if stream is None:
         hook()
         return lambda: None
-    with torch.cuda.stream(stream):
+    with streams.on_stream(stream):
         hook()
-    done = torch.cuda.Event()
-    done.record(stream)
-    return lambda: torch.cuda.current_stream(stream.device).wait_event(done)
+    done = streams.record(stream)
+    return lambda: done.wait(streams.current_stream(stream.device_index))
