@@ -378,6 +378,10 @@ def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
     want_data, want_scales = TorchExperts().cast_to_fp8(x, torch.full_like(recv_count, rows))
     assert torch.equal(all_scales, want_scales)
     assert torch.equal(all_data.view(torch.uint8), want_data.view(torch.uint8))
+    # Two dimensions: one group of all rows (fp8_block_linear's cast), as the first group of three.
+    rows_data, rows_scales = cast_rows_to_fp8(x[1], None)
+    assert rows_data.shape == x[1].shape and torch.equal(rows_scales, want_scales[1])
+    assert torch.equal(rows_data.view(torch.uint8), want_data[1].view(torch.uint8))
 
 
 @pytest.mark.parametrize("arrangement", ["neighbours", "shuffled"])

@@ -65,11 +65,13 @@ if triton is not None:
 
 
 def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-per-128 FP8 cast of x [E, M, I] for rows below recv_count only (others untouched; None:
-    all rows): (e4m3 [E, M, I], float32 scales [E, M, I/128])."""
-    e, m, i = x.shape
-    q = torch.empty(e, m, i, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(e, m, i // FP8_GROUP, dtype=torch.float32, device=x.device)
+    """Per-token-per-128 FP8 cast of x [E, M, I] (contiguous) for rows below recv_count only (others untouched;
+    None: all rows): (e4m3 [E, M, I], float32 scales [E, M, I/128]). x [M, I] is one group:
+    (e4m3 [M, I], float32 [M, I/128]), without the views a leading dimension of 1 would cost the host."""
+    *lead, m, i = x.shape
+    e = lead[0] if lead else 1
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((*lead, m, i // FP8_GROUP), dtype=torch.float32, device=x.device)
     groups = i // FP8_GROUP
     programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * cdiv(m, CAST_ROWS) * groups)
     _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=next_power_of_2(e),

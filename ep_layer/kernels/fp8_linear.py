@@ -92,10 +92,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if gated and (weight.shape[0] % 2 or n % WEIGHT_BLOCK):
         raise ValueError(f"weight: expected gate and up halves of a multiple of {WEIGHT_BLOCK} rows each, "
                          f"got {weight.shape[0]} rows")
-    out = torch.empty(1, m, n, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
-        return out[0]
-    data, scales = cast_rows_to_fp8(x.contiguous()[None], None)  # all m rows: no count to fill first
+        return out
+    data, scales = cast_rows_to_fp8(x.contiguous(), None)  # all m rows: no count to fill first
     # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs (at
     # 128 columns a 576- or 7168-wide projection runs on 5 or 56 programs). Where even those tiles are
     # fewer than the SMs, K is split as well; and for a deep projection in one row tile, where each narrow
@@ -105,10 +105,11 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     block_n = BLOCK_N_GATED if gated else BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
     deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH
     if m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, n, block_n, x.device):
-        return _fp8_splitk_linear(data[0], scales[0], weight, weight_scale_inv, out[0], gated)
+        return _fp8_splitk_linear(data, scales, weight, weight_scale_inv, out, gated)
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one expert's m rows
-    return masked_grouped_gemm(data, scales, weight[None], weight_scale_inv[None], count, out,
-                               up_offset=n if gated else 0, gated=gated, block_n=block_n)[0]
+    masked_grouped_gemm(data[None], scales[None], weight[None], weight_scale_inv[None], count, out[None],
+                        up_offset=n if gated else 0, gated=gated, block_n=block_n)
+    return out
 
 
 def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
