@@ -133,6 +133,26 @@ def total(metrics: dict, name: str, **labels) -> float:
 
 
 # ---------------------------------------------------------------------------- the API
+def test_the_app_loads_what_a_stream_needs_before_its_first_request() -> None:
+    """A streamed response opens an anyio task group, whose first use imports anyio's asyncio backend; the app's
+    lifespan does that before it takes requests, so the first stream after ready does not wait for the import.
+    In a fresh interpreter: not loaded by importing the server, loaded once the lifespan has started."""
+    code = (
+        "import asyncio, sys\n"
+        "from types import SimpleNamespace\n"
+        "from serving.api.server import build_app\n"
+        "app = build_app(SimpleNamespace(dev_mode=False))\n"
+        "assert 'anyio._backends._asyncio' not in sys.modules, 'already loaded by the imports'\n"
+        "async def start():\n"
+        "    async with app.router.lifespan_context(app):\n"
+        "        assert 'anyio._backends._asyncio' in sys.modules, 'not loaded by the lifespan'\n"
+        "asyncio.run(start())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": _ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_models_health_version(client):
     assert client.get("/health").status_code == 200
     assert client.get("/version").json()["version"]

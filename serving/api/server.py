@@ -11,6 +11,7 @@ event, then [DONE]. Error bodies never carry a traceback: those go to the server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -27,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -247,8 +249,19 @@ class _Guard:
         await self.app(scope, replay, send)
 
 
+@contextlib.asynccontextmanager
+async def _load_streaming(_: FastAPI) -> AsyncIterator[None]:
+    """The app's lifespan: before it takes requests, open and close an anyio task group, as every streamed
+    response does. That loads anyio's asyncio backend, which the first stream would otherwise import while its
+    chunks wait: the first request after ready came ~17 ms late on CPU and 139 ms late on an H100, all its
+    chunks at once (benchmarks/RESULTS.md)."""
+    async with anyio.create_task_group():
+        pass
+    yield
+
+
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ep-serve", version=__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ep-serve", version=__version__, docs_url=None, redoc_url=None, lifespan=_load_streaming)
     app.state.serving = state
     app.add_middleware(_Guard, state=state)
 
