@@ -351,3 +351,36 @@ def test_the_sweep_prints_ttft_and_tpot_beside_their_floors(tiny_cache: str, tmp
     assert names[-2:] == ["step_floor_us", "prompt_floor_us"] and row["requests"] == "2"
     assert 0 < float(row["step_floor_us"]) < float(row["prompt_floor_us"])
     assert 0 < float(row["ttft_p50_ms"]) <= float(row["ttft_p99_ms"])
+
+
+def test_each_client_is_warmed_by_an_untimed_get_before_its_timed_requests(monkeypatch) -> None:
+    """A sweep level's and a mixed level's first request through a new client must not pay for the client's own
+    first use: each client sends GET /v1/models before the requests it times."""
+    seen: list[tuple[int, str, str]] = []
+    body = sse({"choices": [{"index": 0, "text": "a", "finish_reason": "length"}]},
+               {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}, "[DONE]")
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((id(clients[-1]), request.method, request.url.path))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(200, content=body)
+
+    real = httpx.AsyncClient
+    clients: list[httpx.AsyncClient] = []
+
+    def mocked(*args, **kwargs) -> httpx.AsyncClient:
+        kwargs.pop("limits", None)
+        clients.append(real(*args, transport=httpx.MockTransport(answer), **kwargs))
+        return clients[-1]
+
+    monkeypatch.setattr(bench.httpx, "AsyncClient", mocked)
+    samples, _ = asyncio.run(bench.sweep_level("http://server", "completions", "m", 2, 3, 4, 1, None, "salt"))
+    target = bench.Target("http://server", "m", "completions", {})
+    workload = wl.mixed_workload(3, 0, (16, 32), (1, 1), rate=math.inf)
+    results, _ = asyncio.run(bench.run_level(target, workload, ["a b", "c d", "e f"], 2))
+    assert len(samples) == 3 and all(r.ok for r in results)
+    assert len(clients) == 2
+    for client in clients:
+        mine = [(method, path) for owner, method, path in seen if owner == id(client)]
+        assert mine[0] == ("GET", "/v1/models") and mine[1:] == [("POST", "/v1/completions")] * 3, mine
