@@ -4,7 +4,7 @@ forward on side streams: four switches and four joins a layer, ep_layer.moe.sche
 `torch.cuda.stream(s)` reads the current device, builds a Stream object for the current stream and sets streams
 through Python wrappers on the way in and out; `Stream.wait_stream` builds an Event through its Python
 constructor, then records and waits through three more Python methods (torch/cuda/__init__.py StreamContext,
-torch/cuda/streams.py, torch 2.11). The helpers here call the C bindings those end in: torch._C's
+torch/cuda/streams.py; torch 2.11 and 2.13). The helpers here call the C bindings those end in: torch._C's
 `_cuda_getCurrentStream` / `_cuda_setStream` and the stream and event base classes. A stream of another device
 than the current one goes torch's way, which also sets that device's stream.
 """

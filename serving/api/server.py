@@ -253,8 +253,7 @@ class _Guard:
 async def _load_streaming(_: FastAPI) -> AsyncIterator[None]:
     """The app's lifespan: before it takes requests, open and close an anyio task group, as every streamed
     response does. That loads anyio's asyncio backend, which the first stream would otherwise import while its
-    chunks wait: the first request after ready came ~17 ms late on CPU and 139 ms late on an H100, all its
-    chunks at once (benchmarks/RESULTS.md)."""
+    chunks wait (the first request after ready came ~17 ms late, all its chunks at once: benchmarks/RESULTS.md)."""
     async with anyio.create_task_group():
         pass
     yield
