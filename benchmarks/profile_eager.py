@@ -81,6 +81,7 @@ def main() -> None:
     for _ in range(20):
         dispatch()
         combine()
+
     def pair():  # as DeepEP's loop alternates them
         dispatch()
         combine()
@@ -89,7 +90,7 @@ def main() -> None:
             ("pair", host_time(pair, args.calls)), ("pair, back to back", back_to_back_host_time(pair, args.calls)),
             ("pair, DeepEP's bench", deepep_bench_time(pair, 50))]
 
-    print_profile(lambda: (dispatch(), combine()), args.calls, args.top)
+    print_profile(pair, args.calls, args.top)
     print(f"{torch.cuda.get_device_name()}, T = {t}, H = {h}, E = {e}, top-{args.topk}, EP = 1, default device "
           f"cuda, bf16 default dtype, stats tensor, {'a one-rank NCCL group' if group else 'no group'}")
     print("host us: the host's time per call, the GPU idle at its start (synchronized before each); back to back:")
@@ -97,6 +98,8 @@ def main() -> None:
     print(f"{'call':22s} {'us':>8s}")
     for name, us in rows:
         print(f"{name:22s} {us:8.1f}")
+    if group is not None:
+        dist.destroy_process_group()
 
 
 def one_rank_group() -> dist.ProcessGroup:
@@ -124,7 +127,7 @@ def back_to_back_host_time(fn: Callable[[], object], calls: int) -> float:
 def deepep_bench_time(fn: Callable[[], object], calls: int) -> float:
     """Mean microseconds between CUDA events recorded around each call, after one L2 flush, as DeepEP's
     tests/utils.py `bench` times its eager dispatch + combine pair (567632d): where the host is slower than
-    the GPU, it reads the host's time per call, event records included."""
+    the GPU, it reads the host's time up to the last launch, plus the last kernel and the event records."""
     flush = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
     for _ in range(calls):
         fn()
