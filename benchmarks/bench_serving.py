@@ -469,6 +469,20 @@ def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> floa
     return step_bytes(model_dir, tokens_per_rank * ranks, ranks)
 
 
+def decode_floor_us(model_dir: Path | None, concurrency: int, ranks: int, hbm_bytes_per_s: float) -> float:
+    """The HBM floor (µs) of a decode step of `concurrency` sequences spread over `ranks` ranks (NaN without the
+    model's directory)."""
+    per_rank = max(1, round(concurrency / ranks))
+    return step_floor_us(model_dir, per_rank * ranks, ranks, hbm_bytes_per_s)
+
+
+def step_floor_us(model_dir: Path | None, tokens: int, ranks: int, hbm_bytes_per_s: float) -> float:
+    """step_bytes over the HBM bandwidth, in µs (NaN without the model's directory)."""
+    if model_dir is None or not model_dir.is_dir():
+        return math.nan
+    return step_bytes(model_dir, tokens, ranks) / hbm_bytes_per_s * 1e6
+
+
 def step_bytes(model_dir: Path, tokens: int, ranks: int) -> float:
     """Weight bytes one rank reads in a step of `tokens` tokens over all `ranks` ranks (decodes or a prompt's:
     a 32-token prompt activates ~160 of V3's 256 experts a layer, a decode token 8)."""
@@ -612,9 +626,7 @@ def run_sweep(args: argparse.Namespace, url: str, model: str, model_dir: Path | 
     rows = []
     for concurrency in args.concurrency:
         requests = args.requests or max(8, 4 * concurrency)
-        per_rank = max(1, round(concurrency / ranks))
-        floor_us = decode_step_bytes(model_dir, per_rank, ranks) / args.hbm_bytes_per_s * 1e6 \
-            if model_dir is not None and model_dir.is_dir() else float("nan")
+        floor_us = decode_floor_us(model_dir, concurrency, ranks, args.hbm_bytes_per_s)
         for logprobs in variants:
             salt = f"{run_id}x{concurrency}x{logprobs}"
             samples, elapsed = asyncio.run(sweep_level(url, args.api, model, concurrency, requests,
@@ -624,8 +636,8 @@ def run_sweep(args: argparse.Namespace, url: str, model: str, model_dir: Path | 
             tpot = [s.tpot * 1e3 for s in samples]
             tokens = sum(s.tokens for s in samples)
             prompt_tokens = [s.prompt_tokens for s in samples if s.prompt_tokens]
-            prompt_floor_us = step_bytes(model_dir, percentile(prompt_tokens, 50), ranks) / args.hbm_bytes_per_s * 1e6 \
-                if model_dir is not None and model_dir.is_dir() and prompt_tokens else float("nan")
+            prompt_floor_us = step_floor_us(model_dir, percentile(prompt_tokens, 50), ranks, args.hbm_bytes_per_s) \
+                if prompt_tokens else math.nan
             rows.append((concurrency, "-" if logprobs is None else str(logprobs), requests,
                          percentile(ttft, 50), percentile(ttft, 99), percentile(tpot, 50), percentile(tpot, 99),
                          tokens / elapsed, floor_us, prompt_floor_us))
@@ -652,10 +664,7 @@ def mixed_main(args: argparse.Namespace, target: Target, card: dict, model_dir: 
         raise SystemExit(f"/v1/models does not say the model's max_model_len: pass --max-model-len ({card})")
 
     def floor_us(concurrency: int) -> float:
-        if not model_dir.is_dir():
-            return math.nan
-        per_rank = max(1, round(concurrency / ranks))
-        return decode_step_bytes(model_dir, per_rank, ranks) / args.hbm_bytes_per_s * 1e6
+        return decode_floor_us(model_dir, concurrency, ranks, args.hbm_bytes_per_s)
 
     print(f"# mixed workload against {target.model} ({args.backend}, {target.url}, {args.api}), max_model_len "
           f"{max_model_len}, seed {args.seed}; model dir {model_dir}, {ranks} rank(s)", flush=True)
