@@ -113,19 +113,25 @@ struct DispatchShape {
   int chunks_per_slot;
 };
 
-// A call's device pointers (as ints, 0 = none; combine's x_row is a row index or -1) arrive as one tuple,
-// in the order of these names; Python builds it from a NamedTuple of the same field names, and
-// ep_layer/native.py checks at load that both orders agree.
+// The device pointers of a call's output set (as ints, 0 = none) arrive once, as one tuple in the order of
+// these names, when the call is prepared; Python builds it from a NamedTuple of the same field names, and
+// ep_layer/native.py checks at load that both orders agree. The caller's own tensors change from call to call
+// and come with each launch.
 enum DispatchPointer {
-  kDispatchTicket, kDispatchX, kDispatchTopkIdx, kRecvX, kRecvScales, kRecvRows, kRecvCount, kSrcInfo,
-  kLayoutRange, kDispatchCombineMap, kRecvStats, kDispatchWaitStats, kNumDispatchPointers
+  kDispatchTicket, kRecvX, kRecvScales, kRecvRows, kRecvCount, kSrcInfo, kLayoutRange, kDispatchCombineMap,
+  kNumDispatchPointers
 };
 const char* const kDispatchPointerNames[kNumDispatchPointers] = {
-    "ticket", "x", "topk_idx", "recv_x", "recv_scales", "recv_rows", "recv_count", "src_info",
-    "layout_range", "combine_map", "recv_stats", "wait_stats"};
+    "ticket", "recv_x", "recv_scales", "recv_rows", "recv_count", "src_info", "layout_range", "combine_map"};
 using DispatchPointers = std::array<long long, kNumDispatchPointers>;
 
-ep::DispatchCall dispatch_call(const Common& common, const DispatchShape& s, const DispatchPointers& p) {
+// A dispatch of one shape into one output set, whole but for the caller's tensors: a launch copies it and
+// fills in those four addresses, so that a call converts a few ints instead of every field (host time).
+struct PreparedDispatch {
+  ep::DispatchCall call;
+};
+
+PreparedDispatch prepare_dispatch(const Common& common, const DispatchShape& s, const DispatchPointers& p) {
   ep::DispatchCall call{};
   call.c = common;
   call.c.ticket = ptr<unsigned>(p[kDispatchTicket]);
@@ -135,8 +141,6 @@ ep::DispatchCall dispatch_call(const Common& common, const DispatchShape& s, con
   call.round_scale = s.round_scale;
   call.use_ue8m0 = s.use_ue8m0;
   call.chunks_per_slot = s.chunks_per_slot;
-  call.x = ptr<const __nv_bfloat16>(p[kDispatchX]);
-  call.topk_idx = ptr<const long long>(p[kDispatchTopkIdx]);
   call.recv_x = ptr<void>(p[kRecvX]);
   call.recv_scales = ptr<void>(p[kRecvScales]);
   call.recv_rows = ptr<long long>(p[kRecvRows]);
@@ -144,9 +148,7 @@ ep::DispatchCall dispatch_call(const Common& common, const DispatchShape& s, con
   call.src_info = ptr<int>(p[kSrcInfo]);
   call.layout_range = ptr<long long>(p[kLayoutRange]);
   call.combine_map = ptr<int>(p[kDispatchCombineMap]);
-  call.recv_stats = ptr<int>(p[kRecvStats]);
-  call.wait_stats = ptr<long long>(p[kDispatchWaitStats]);
-  return call;
+  return {call};
 }
 
 // A combine call's sizes (ll_common.cuh: CombineCall, the same names), kept per shape as DispatchShape.
@@ -154,38 +156,33 @@ struct CombineShape {
   int num_tokens, num_topk, blocks_per_expert;
 };
 
-// The last five are the call's single-batch overlap (CombineCall: signals, ...), numbers but the first.
-enum CombinePointer {
-  kCombineTicket, kCombineX, kXRow, kStageRow, kCombineRecvCount, kCombineMap, kCombineTopkIdx, kTopkWeights, kOut,
-  kCombineWaitStats, kSignals, kSignalRows, kSignalsPerExpert, kSignalThreshold, kSendSms, kNumCombinePointers
-};
-const char* const kCombinePointerNames[kNumCombinePointers] = {
-    "ticket", "x", "x_row", "stage_row", "recv_count", "combine_map", "topk_idx", "topk_weights", "out", "wait_stats",
-    "signals", "signal_rows", "signals_per_expert", "signal_threshold", "send_sms"};
+// What a combine reads from its dispatch's output set, named as DispatchPointers are.
+enum CombinePointer { kCombineTicket, kCombineRecvCount, kCombineMap, kNumCombinePointers };
+const char* const kCombinePointerNames[kNumCombinePointers] = {"ticket", "recv_count", "combine_map"};
 using CombinePointers = std::array<long long, kNumCombinePointers>;
 
-ep::CombineCall combine_call(const Common& common, const CombineShape& s, const CombinePointers& p) {
+// Single-batch overlap and the send's SM cap (ll_common.cuh: CombineCall's signals ... send_sms, the same
+// names); a launch without them passes None.
+struct CombineOverlap {
+  long long signals;
+  int signal_rows, signals_per_expert, signal_threshold, send_sms;
+};
+
+// A combine of one shape for one dispatch's output set, prepared as PreparedDispatch is.
+struct PreparedCombine {
+  ep::CombineCall call;
+};
+
+PreparedCombine prepare_combine(const Common& common, const CombineShape& s, const CombinePointers& p) {
   ep::CombineCall call{};
   call.c = common;
   call.c.ticket = ptr<unsigned>(p[kCombineTicket]);
   call.num_tokens = s.num_tokens;
   call.num_topk = s.num_topk;
   call.blocks_per_expert = s.blocks_per_expert;
-  call.x = ptr<const __nv_bfloat16>(p[kCombineX]);
-  call.x_row = p[kXRow];
-  call.stage_row = p[kStageRow];
   call.recv_count = ptr<const int>(p[kCombineRecvCount]);
   call.combine_map = ptr<const int>(p[kCombineMap]);
-  call.topk_idx = ptr<const long long>(p[kCombineTopkIdx]);
-  call.topk_weights = ptr<const float>(p[kTopkWeights]);
-  call.out = ptr<__nv_bfloat16>(p[kOut]);
-  call.wait_stats = ptr<long long>(p[kCombineWaitStats]);
-  call.signals = ptr<const int>(p[kSignals]);
-  call.signal_rows = static_cast<int>(p[kSignalRows]);
-  call.signals_per_expert = static_cast<int>(p[kSignalsPerExpert]);
-  call.signal_threshold = static_cast<int>(p[kSignalThreshold]);
-  call.send_sms = static_cast<int>(p[kSendSms]);
-  return call;
+  return {call};
 }
 
 template <size_t N>
@@ -222,40 +219,76 @@ void bind_arguments(py::module_& m) {
               field("chunks_per_slot", &DispatchShape::chunks_per_slot));
   bind_struct(m, "CombineShape", field("num_tokens", &CombineShape::num_tokens),
               field("num_topk", &CombineShape::num_topk), field("blocks_per_expert", &CombineShape::blocks_per_expert));
+  bind_struct(m, "CombineOverlap", field("signals", &CombineOverlap::signals),
+              field("signal_rows", &CombineOverlap::signal_rows),
+              field("signals_per_expert", &CombineOverlap::signals_per_expert),
+              field("signal_threshold", &CombineOverlap::signal_threshold),
+              field("send_sms", &CombineOverlap::send_sms));
   m.attr("DISPATCH_POINTERS") = names(kDispatchPointerNames);
   m.attr("COMBINE_POINTERS") = names(kCombinePointerNames);
 }
 
-// Binds a launcher taking (common, shape, pointers, stream), the same for every kernel of an op.
-template <typename Launcher>
-void def_launcher(py::module_& m, const char* name, Launcher launcher) {
-  m.def(name, launcher, py::arg("common"), py::arg("shape"), py::arg("pointers"), py::arg("stream"));
+// Binds one kernel of the dispatch: a launch of a prepared dispatch with the caller's tensors.
+void def_dispatch_launcher(py::module_& m, const char* name, void (*launcher)(const ep::DispatchCall&, cudaStream_t),
+                           const char* kernel) {
+  m.def(
+      name,
+      [launcher, kernel](const PreparedDispatch& prepared, long long x, long long topk_idx, long long recv_stats,
+                         long long wait_stats, long long stream) {
+        ep::DispatchCall call = prepared.call;
+        call.x = ptr<const __nv_bfloat16>(x);
+        call.topk_idx = ptr<const long long>(topk_idx);
+        call.recv_stats = ptr<int>(recv_stats);
+        call.wait_stats = ptr<long long>(wait_stats);
+        launch(launcher, call, stream, kernel);
+      },
+      py::arg("prepared"), py::arg("x"), py::arg("topk_idx"), py::arg("recv_stats"), py::arg("wait_stats"),
+      py::arg("stream"));
+}
+
+// Binds one kernel of the combine, as def_dispatch_launcher does. x_row and stage_row are row indices or -1
+// (ll_common.cuh: CombineCall); overlap is None or a CombineOverlap.
+void def_combine_launcher(py::module_& m, const char* name, void (*launcher)(const ep::CombineCall&, cudaStream_t),
+                          const char* kernel) {
+  m.def(
+      name,
+      [launcher, kernel](const PreparedCombine& prepared, long long x, long long x_row, long long stage_row,
+                         long long topk_idx, long long topk_weights, long long out, long long wait_stats,
+                         const CombineOverlap* overlap, long long stream) {
+        ep::CombineCall call = prepared.call;
+        call.x = ptr<const __nv_bfloat16>(x);
+        call.x_row = x_row;
+        call.stage_row = stage_row;
+        call.topk_idx = ptr<const long long>(topk_idx);
+        call.topk_weights = ptr<const float>(topk_weights);
+        call.out = ptr<__nv_bfloat16>(out);
+        call.wait_stats = ptr<long long>(wait_stats);
+        if (overlap != nullptr) {
+          call.signals = ptr<const int>(overlap->signals);
+          call.signal_rows = overlap->signal_rows;
+          call.signals_per_expert = overlap->signals_per_expert;
+          call.signal_threshold = overlap->signal_threshold;
+          call.send_sms = overlap->send_sms;
+        }
+        launch(launcher, call, stream, kernel);
+      },
+      py::arg("prepared"), py::arg("x"), py::arg("x_row"), py::arg("stage_row"), py::arg("topk_idx"),
+      py::arg("topk_weights"), py::arg("out"), py::arg("wait_stats"), py::arg("overlap").none(true),
+      py::arg("stream"));
 }
 
 // A call runs its send half and its receive half (the hook) as two kernels, or both as one.
 void bind_launchers(py::module_& m) {
-  using DS = const DispatchShape&;
-  using DP = const DispatchPointers&;
-  using CS = const CombineShape&;
-  using CP = const CombinePointers&;
-  def_launcher(m, "dispatch_send", [](const Common& c, DS s, DP p, long long stream) {
-    launch(ep::dispatch_send, dispatch_call(c, s, p), stream, "dispatch send kernel");
-  });
-  def_launcher(m, "dispatch_receive", [](const Common& c, DS s, DP p, long long stream) {
-    launch(ep::dispatch_recv, dispatch_call(c, s, p), stream, "dispatch receive kernel");
-  });
-  def_launcher(m, "dispatch_both_halves", [](const Common& c, DS s, DP p, long long stream) {
-    launch(ep::dispatch_fused, dispatch_call(c, s, p), stream, "dispatch kernel");
-  });
-  def_launcher(m, "combine_send", [](const Common& c, CS s, CP p, long long stream) {
-    launch(ep::combine_send, combine_call(c, s, p), stream, "combine send kernel");
-  });
-  def_launcher(m, "combine_both_halves", [](const Common& c, CS s, CP p, long long stream) {
-    launch(ep::combine_fused, combine_call(c, s, p), stream, "combine kernel");
-  });
-  def_launcher(m, "combine_receive", [](const Common& c, CS s, CP p, long long stream) {
-    launch(ep::combine_recv, combine_call(c, s, p), stream, "combine receive kernel");
-  });
+  py::class_<PreparedDispatch>(m, "PreparedDispatch", py::module_local());
+  py::class_<PreparedCombine>(m, "PreparedCombine", py::module_local());
+  m.def("prepare_dispatch", &prepare_dispatch, py::arg("common"), py::arg("shape"), py::arg("pointers"));
+  m.def("prepare_combine", &prepare_combine, py::arg("common"), py::arg("shape"), py::arg("pointers"));
+  def_dispatch_launcher(m, "dispatch_send", ep::dispatch_send, "dispatch send kernel");
+  def_dispatch_launcher(m, "dispatch_receive", ep::dispatch_recv, "dispatch receive kernel");
+  def_dispatch_launcher(m, "dispatch_both_halves", ep::dispatch_fused, "dispatch kernel");
+  def_combine_launcher(m, "combine_send", ep::combine_send, "combine send kernel");
+  def_combine_launcher(m, "combine_receive", ep::combine_recv, "combine receive kernel");
+  def_combine_launcher(m, "combine_both_halves", ep::combine_fused, "combine kernel");
 }
 
 // ---------------------------------------------------------------- normal (high-throughput) mode

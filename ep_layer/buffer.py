@@ -335,9 +335,9 @@ class Buffer(NormalMode):
             try:
                 key = (type(x), x.shape, x.dtype, x.device, type(topk_idx), topk_idx.shape, topk_idx.dtype,
                        topk_idx.device, type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank,
-                       type(num_experts), num_experts, _meta(recv_stats), _meta(wait_stats), bool(use_fp8),
-                       bool(round_scale), bool(use_ue8m0), bool(async_finish), bool(return_recv_hook),
-                       bool(rows_in_place))
+                       type(num_experts), num_experts, recv_stats is not None and _meta(recv_stats),
+                       wait_stats is not None and _meta(wait_stats), use_fp8, round_scale, use_ue8m0, async_finish,
+                       return_recv_hook, rows_in_place)  # flags as given: 1 and True are one key, as they are alike
                 spec = self._dispatch_checks.get(key)
             except (AttributeError, TypeError):  # not tensors, or unhashable arguments: the checks say which
                 key, spec = None, None
@@ -433,8 +433,9 @@ class Buffer(NormalMode):
             try:
                 key = (type(x), x.shape, x.dtype, x.device, type(topk_idx), topk_idx.shape, topk_idx.dtype,
                        topk_idx.device, type(topk_weights), topk_weights.shape, topk_weights.dtype,
-                       topk_weights.device, handle[2:], _meta(out), _meta(wait_stats), bool(use_logfmt),
-                       bool(zero_copy), bool(async_finish), bool(return_recv_hook))
+                       topk_weights.device, handle[2:], out is not None and _meta(out),
+                       wait_stats is not None and _meta(wait_stats), use_logfmt, zero_copy, async_finish,
+                       return_recv_hook)
                 checked = self._combine_checks.get(key)
             except (AttributeError, TypeError):
                 key, checked = None, None

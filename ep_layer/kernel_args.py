@@ -1,7 +1,9 @@
-"""The device pointers of one call (a low-latency dispatch or combine, a normal-mode call), as the launchers
-of ep_layer._C take them: a tuple in the order of the names _C exports (DISPATCH_POINTERS, COMBINE_POINTERS,
-NORMAL_POINTERS), built here by field name. ep_layer.native checks at load that both orders agree, so that
-no pointer lands in another's place."""
+"""Device pointers that the functions of ep_layer._C take as one tuple: a low-latency dispatch's output set,
+what its combine reads of that set, and every pointer of a normal-mode call. The tuple is in the order of the
+names _C exports (DISPATCH_POINTERS, COMBINE_POINTERS, NORMAL_POINTERS), built here by field name;
+ep_layer.native checks at load that both orders agree, so that no pointer lands in another's place. A
+low-latency call's own tensors (x, topk_idx, ...) are not here: they change from call to call, and each
+launch names them."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ from typing import NamedTuple
 
 
 class DispatchPointers(NamedTuple):
+    """A dispatch output set's memory (_C.prepare_dispatch)."""
+
     ticket: int  # int32 [1]: the sequence number the send half took, for the receive half
-    x: int
-    topk_idx: int
     recv_x: int  # 0 with rows in place
     recv_scales: int  # 0 without FP8
     recv_rows: int  # rows in place: int64 [E_l, R*T] byte offsets; else 0
@@ -19,27 +21,14 @@ class DispatchPointers(NamedTuple):
     src_info: int
     layout_range: int
     combine_map: int
-    recv_stats: int  # 0 = not given
-    wait_stats: int  # 0 = not given
 
 
 class CombinePointers(NamedTuple):
-    ticket: int  # 0 when one kernel does both halves
-    x: int
-    x_row: int  # x's first row as a row of this rank's buffer, or -1 (a row index, not a pointer)
-    stage_row: int  # with put ranks: the row of this rank's buffer that rows are put from, else -1
+    """What a combine reads of its dispatch's output set (_C.prepare_combine)."""
+
+    ticket: int  # the combine's own sequence number, beside the dispatch's
     recv_count: int
     combine_map: int
-    topk_idx: int
-    topk_weights: int
-    out: int
-    wait_stats: int  # 0 = not given
-    # Single-batch overlap (backends.base.SendSignals; 0 = none): a pointer, then numbers.
-    signals: int
-    signal_rows: int
-    signals_per_expert: int
-    signal_threshold: int
-    send_sms: int  # at most this many send blocks (0 = no cap)
 
 
 class NormalPointers(NamedTuple):

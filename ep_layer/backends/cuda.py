@@ -18,7 +18,6 @@ import math
 import sys
 import zlib
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -85,12 +84,15 @@ def _nothing() -> None:
     """The receive half of a call whose one kernel did both halves."""
 
 
-def _signal_fields(signals: SendSignals | None) -> dict[str, int]:
-    """CombinePointers' single-batch-overlap fields (all 0 without overlap)."""
-    if signals is None:
-        return dict(signals=0, signal_rows=0, signals_per_expert=0, signal_threshold=0)
-    return dict(signals=signals.signals.data_ptr(), signal_rows=signals.rows, signals_per_expert=signals.per_expert,
-                signal_threshold=signals.threshold)
+def _overlap(c: object, signals: SendSignals | None, send_sms: int | None) -> object:
+    """A combine launch's _C.CombineOverlap: its single-batch-overlap signals and its cap on send blocks
+    (0 where not given), or None when it has neither."""
+    if signals is None and send_sms is None:
+        return None
+    fields = dict(signals=0, signal_rows=0, signals_per_expert=0, signal_threshold=0) if signals is None else dict(
+        signals=signals.signals.data_ptr(), signal_rows=signals.rows, signals_per_expert=signals.per_expert,
+        signal_threshold=signals.threshold)
+    return c.CombineOverlap(**fields, send_sms=send_sms or 0)
 
 
 def _data_ptr(t: torch.Tensor | None) -> int:
@@ -102,16 +104,6 @@ def _ranks(mask: int) -> list[int]:
     return [r for r in range(layout.MAX_RANKS) if mask >> r & 1]
 
 
-class _DispatchPlan(NamedTuple):
-    """What every dispatch of one shape (spec, tokens, top-k, rows in place) shares."""
-
-    common: object  # _C.Common
-    shape: object  # _C.DispatchShape
-    num_local: int
-    rows: int  # R * T
-    scales: tuple | None  # FP8: (size, stride, dtype) of the column-major scales
-
-
 class _OutputSet:
     """One set of dispatch outputs, and their device addresses for the kernels. A set is recycled by a
     later dispatch of its shape once nothing but the backend refers to its tensors (the caller holds
@@ -119,15 +111,18 @@ class _OutputSet:
     later dispatch runs on the stream of all its uses (whose order then puts it after every reader): the
     caller sees fresh tensors, as from torch's allocator, without an allocation's host time per call."""
 
-    __slots__ = ("_baseline", "_storages", "_watched", "ints", "layout_range", "pending", "pointers",
-                 "recv_count", "recv_x", "src_info", "stream")
+    __slots__ = ("_baseline", "_storages", "_watched", "combines", "dispatches", "ints", "layout_range", "pending",
+                 "pointers", "recv_count", "recv_x", "src_info", "stream")
     RETIRED = -1  # `stream` once the set was used on two streams: their order is unknown, so never recycled
 
     def __init__(self, recv_x: object, recv_count: torch.Tensor, src_info: torch.Tensor, layout_range: torch.Tensor,
-                 ints: torch.Tensor, pointers: dict[str, int], owned: list[torch.Tensor], stream: int) -> None:
+                 ints: torch.Tensor, pointers: DispatchPointers, owned: list[torch.Tensor], stream: int) -> None:
         self.recv_x, self.recv_count, self.src_info, self.layout_range = recv_x, recv_count, src_info, layout_range
         self.ints = ints  # int32: the tickets of the dispatch and of its combine, recv_count, src_info, combine_map
-        self.pointers = pointers  # the DispatchPointers fields that name the set's memory
+        self.pointers = pointers
+        # The calls into this set, prepared once (_C.PreparedDispatch, _C.PreparedCombine), by (tokens, top-k).
+        self.dispatches: dict[tuple[int, int], object] = {}
+        self.combines: dict[tuple[int, int], object] = {}
         self.stream = stream
         self.pending = 0  # hooks not yet launched that write or read the set
         # A caller may hold a returned object itself (more Python references to it) or a view of its
@@ -143,7 +138,7 @@ class _OutputSet:
         self._baseline = self._references()
 
     def _references(self) -> list[int]:
-        return [sys.getrefcount(o) for o in self._watched] + [_use_count(c) for c in self._storages]
+        return [*map(sys.getrefcount, self._watched), *map(_use_count, self._storages)]
 
     def free_on(self, stream: int) -> bool:
         return self.pending == 0 and stream == self.stream and self._references() == self._baseline
@@ -187,11 +182,6 @@ class _CombineOutputs:
         self._streams.append(stream)
         self._baselines.append(self._references(len(self._tensors) - 1))
         return self._tensors[-1]
-
-
-class _CombinePlan(NamedTuple):
-    common: object  # _C.Common
-    shape: object  # _C.CombineShape
 
 
 class _KeptForHook:
@@ -270,8 +260,6 @@ class CudaBackend(Backend):
         self._peer_bases = list(peer_bases)
         self._host_flag, self._device_flag = self._c.alloc_host_flag()
         self._commons: dict[tuple[int, int, int, int], object] = {}
-        self._dispatch_plans: dict[tuple, _DispatchPlan] = {}
-        self._combine_plans: dict[tuple, _CombinePlan] = {}
         self._output_sets: dict[tuple, list[_OutputSet]] = {}
         self._combine_views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._combine_outputs: dict[tuple[int, int], _CombineOutputs] = {}
@@ -429,44 +417,26 @@ class CudaBackend(Backend):
         return max(1, min(16, math.ceil(self._num_sms / num_local)))
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch_plan(self, spec: DispatchSpec, num_tokens: int, num_topk: int, rows_in_place: bool) -> _DispatchPlan:
-        key = (spec, num_tokens, num_topk, rows_in_place)
-        plan = self._dispatch_plans.get(key)
-        if plan is None:
-            t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
-            flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
-            num_local, rows = e // self.num_ranks, self.num_ranks * t
-            chunks = 1 if rows_in_place else self._chunks_per_slot(rows)
-            shape = self._c.DispatchShape(num_tokens=num_tokens, num_topk=num_topk, use_fp8=spec.use_fp8,
-                                          round_scale=spec.round_scale, use_ue8m0=spec.use_ue8m0,
-                                          chunks_per_slot=chunks)
-            if spec.use_fp8:
-                groups = h // (FP8_GROUP * UE8M0_PACK) if spec.use_ue8m0 else h // FP8_GROUP
-                scales = ((num_local, rows, groups), (groups * rows, 1, rows),
-                          torch.int32 if spec.use_ue8m0 else torch.float32)
-            else:
-                scales = None
-            plan = self._dispatch_plans[key] = _DispatchPlan(self._common(t, h, e, flags), shape, num_local, rows,
-                                                             scales)
-        return plan
-
-    def _outputs(self, spec: DispatchSpec, plan: _DispatchPlan, rows_in_place: bool, stream: int) -> _OutputSet:
+    def _outputs(self, spec: DispatchSpec, rows_in_place: bool, stream: int) -> _OutputSet:
         """A free output set of this shape (_OutputSet), or a new one (the few used last are kept)."""
-        pool = self._output_sets.setdefault((spec, rows_in_place), [])
-        pool[:] = [out for out in pool if out.stream != _OutputSet.RETIRED]
+        pool = self._output_sets.get((spec, rows_in_place))
+        if pool is None:
+            pool = self._output_sets[spec, rows_in_place] = []
         for i, out in enumerate(pool):
             if out.free_on(stream):
-                pool.append(pool.pop(i))  # most recently used last
+                if i + 1 < len(pool):
+                    pool.append(pool.pop(i))  # most recently used last
                 return out
-        out = self._new_outputs(spec, plan, rows_in_place, stream)
+        pool[:] = [out for out in pool if out.stream != _OutputSet.RETIRED]
+        out = self._new_outputs(spec, rows_in_place, stream)
         out.settle()  # here nothing but the set refers to its parts
         if len(pool) == _MAX_OUTPUT_SETS:  # the least recently used goes (its tensors live on while held)
             pool.pop(0)
         pool.append(out)
         return out
 
-    def _new_outputs(self, spec: DispatchSpec, plan: _DispatchPlan, rows_in_place: bool, stream: int) -> _OutputSet:
-        num_local, rows, dev = plan.num_local, plan.rows, self._device
+    def _new_outputs(self, spec: DispatchSpec, rows_in_place: bool, stream: int) -> _OutputSet:
+        num_local, rows, dev = spec.num_experts // self.num_ranks, self.num_ranks * spec.max_tokens, self._device
         with torch.inference_mode(False):  # recycled across calls: usable in and out of inference mode
             ints = torch.empty(2 + num_local * (1 + 2 * rows), dtype=torch.int32, device=dev)
             recv_count = ints.as_strided((num_local,), (1,), 2)
@@ -474,9 +444,10 @@ class CudaBackend(Backend):
             layout_range = torch.empty((num_local, self.num_ranks), dtype=torch.int64, device=dev)
             owned = [ints, layout_range]
             scales = None
-            if plan.scales is not None:
-                size, stride, dtype = plan.scales
-                scales = torch.empty_strided(size, stride, dtype=dtype, device=dev)  # column-major, as DeepEP's
+            if spec.use_fp8:  # column-major, as DeepEP's
+                groups = spec.hidden // (FP8_GROUP * UE8M0_PACK) if spec.use_ue8m0 else spec.hidden // FP8_GROUP
+                scales = torch.empty_strided((num_local, rows, groups), (groups * rows, 1, rows), device=dev,
+                                             dtype=torch.int32 if spec.use_ue8m0 else torch.float32)
                 owned.append(scales)
             recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | RowsInPlace
             if rows_in_place:  # the receive half names each row's data and packs the scales
@@ -491,11 +462,23 @@ class CudaBackend(Backend):
                 data_ptr, rows_ptr = data.data_ptr(), 0
                 owned.append(data)
         base = ints.data_ptr()
-        pointers = {"ticket": base, "recv_x": data_ptr, "recv_scales": _data_ptr(scales), "recv_rows": rows_ptr,
-                    "recv_count": base + 8, "src_info": base + 4 * (2 + num_local),
-                    "layout_range": layout_range.data_ptr(),
-                    "combine_map": base + 4 * (2 + num_local + num_local * rows)}
+        pointers = DispatchPointers(ticket=base, recv_x=data_ptr, recv_scales=_data_ptr(scales), recv_rows=rows_ptr,
+                                    recv_count=base + 8, src_info=base + 4 * (2 + num_local),
+                                    layout_range=layout_range.data_ptr(),
+                                    combine_map=base + 4 * (2 + num_local + num_local * rows))
         return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, pointers, owned, stream)
+
+    def _prepare_dispatch(self, out: _OutputSet, spec: DispatchSpec, num_tokens: int, num_topk: int,
+                          rows_in_place: bool) -> object:
+        """The set's _C.PreparedDispatch for this many tokens and top-k entries, made on first use."""
+        t, h, e = spec.max_tokens, spec.hidden, spec.num_experts
+        flags = int(spec.use_fp8) | int(spec.round_scale) << 1 | int(spec.use_ue8m0) << 2
+        shape = self._c.DispatchShape(num_tokens=num_tokens, num_topk=num_topk, use_fp8=spec.use_fp8,
+                                      round_scale=spec.round_scale, use_ue8m0=spec.use_ue8m0,
+                                      chunks_per_slot=1 if rows_in_place else self._chunks_per_slot(self.num_ranks * t))
+        prepared = out.dispatches[num_tokens, num_topk] = self._c.prepare_dispatch(self._common(t, h, e, flags), shape,
+                                                                                  out.pointers)
+        return prepared
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, spec: DispatchSpec,
                  recv_stats: torch.Tensor | None, wait_stats: torch.Tensor | None, *,
@@ -503,16 +486,18 @@ class CudaBackend(Backend):
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
         x, topk_idx = x.contiguous(), topk_idx.contiguous()
-        plan = self._dispatch_plan(spec, x.shape[0], topk_idx.shape[1], rows_in_place)
         stream = self._stream()
-        out = self._outputs(spec, plan, rows_in_place, stream)
-        pointers = DispatchPointers(x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), recv_stats=_data_ptr(recv_stats),
-                                    wait_stats=_data_ptr(wait_stats), **out.pointers)
+        out = self._outputs(spec, rows_in_place, stream)
+        num_tokens, num_topk = x.shape[0], topk_idx.shape[1]
+        prepared = out.dispatches.get((num_tokens, num_topk))
+        if prepared is None:
+            prepared = self._prepare_dispatch(out, spec, num_tokens, num_topk, rows_in_place)
+        args = (prepared, x.data_ptr(), topk_idx.data_ptr(), _data_ptr(recv_stats), _data_ptr(wait_stats))
         handle: Handle = (out.src_info, out.layout_range, spec.max_tokens, spec.hidden, spec.num_experts)
         if not hook:  # one kernel does both halves
-            self._c.dispatch_both_halves(plan.common, plan.shape, pointers, stream)
+            self._c.dispatch_both_halves(*args, stream)
             return DispatchResult(out.recv_x, out.recv_count, handle, _nothing, out)
-        self._c.dispatch_send(plan.common, plan.shape, pointers, stream)
+        self._c.dispatch_send(*args, stream)
         # The receive half writes the outputs and updates the caller's stats tensors: until it has been
         # launched the set is not recycled and the stats stay alive, even if the caller drops them.
         keep = _KeptForHook(stream, recv_stats, wait_stats)
@@ -520,7 +505,7 @@ class CudaBackend(Backend):
 
         def receive() -> None:
             hook_stream = self._stream()
-            self._c.dispatch_receive(plan.common, plan.shape, pointers, hook_stream)
+            self._c.dispatch_receive(*args, hook_stream)
             keep.release(hook_stream)
             out.pending -= 1
             out.used_on(hook_stream)
@@ -528,35 +513,41 @@ class CudaBackend(Backend):
         return DispatchResult(out.recv_x, out.recv_count, handle, receive, out)
 
     # ------------------------------------------------------------------ combine
+    def _prepare_combine(self, outputs: _OutputSet, handle: Handle, num_tokens: int, num_topk: int) -> object:
+        """The dispatch set's _C.PreparedCombine for this many tokens and top-k entries, made on first use."""
+        _, _, t, h, e = handle
+        shape = self._c.CombineShape(num_tokens=num_tokens, num_topk=num_topk,
+                                     blocks_per_expert=self._blocks_per_expert(e // self.num_ranks))
+        pointers = CombinePointers(ticket=outputs.pointers.ticket + 4, recv_count=outputs.pointers.recv_count,
+                                   combine_map=outputs.pointers.combine_map)
+        prepared = outputs.combines[num_tokens, num_topk] = self._c.prepare_combine(self._common(t, h, e, 0), shape,
+                                                                                   pointers)
+        return prepared
+
     def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 handle: Handle, private: object, out: torch.Tensor,
                 wait_stats: torch.Tensor | None, *, hook: bool, slot: int, signals: SendSignals | None = None,
                 send_sms: int | None = None) -> ReceiveHalf:
         if self._c.read_host_flag(self._host_flag):
             self._raise_recorded()
-        _, _, t, h, e = handle
         outputs: _OutputSet = private  # type: ignore[assignment]
         x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
-        key = (t, h, e, topk_idx.shape[0], topk_idx.shape[1])
-        plan = self._combine_plans.get(key)
-        if plan is None:
-            shape = self._c.CombineShape(num_tokens=topk_idx.shape[0], num_topk=topk_idx.shape[1],
-                                         blocks_per_expert=self._blocks_per_expert(e // self.num_ranks))
-            plan = self._combine_plans[key] = _CombinePlan(self._common(t, h, e, 0), shape)
-        pointers = CombinePointers(
-            ticket=outputs.pointers["ticket"] + 4, x=x.data_ptr(), x_row=self._row_in_buffer(x),
-            stage_row=self._stage_row(x, slot, handle) if self._put_ranks else -1,
-            recv_count=outputs.pointers["recv_count"], combine_map=outputs.pointers["combine_map"],
-            topk_idx=topk_idx.data_ptr(), topk_weights=topk_weights.data_ptr(),
-            out=out.data_ptr(), wait_stats=_data_ptr(wait_stats), send_sms=send_sms or 0, **_signal_fields(signals))
+        num_tokens, num_topk = topk_idx.shape
+        prepared = outputs.combines.get((num_tokens, num_topk))
+        if prepared is None:
+            prepared = self._prepare_combine(outputs, handle, num_tokens, num_topk)
+        overlap = _overlap(self._c, signals, send_sms)
+        args = (prepared, x.data_ptr(), self._row_in_buffer(x),
+                self._stage_row(x, slot, handle) if self._put_ranks else -1, topk_idx.data_ptr(),
+                topk_weights.data_ptr(), out.data_ptr(), _data_ptr(wait_stats), overlap)
         stream = self._stream()
         outputs.used_on(stream)  # the send reads recv_count and combine_map
         # One kernel does both halves, unless its senders wait for the GEMM or are held to a few SMs: then its
         # reducers could hold the SMs the GEMM needs (csrc/ll_combine.cu, combine_fused).
-        if not hook and signals is None and send_sms is None:
-            self._c.combine_both_halves(plan.common, plan.shape, pointers, stream)
+        if not hook and overlap is None:
+            self._c.combine_both_halves(*args, stream)
             return _nothing
-        self._c.combine_send(plan.common, plan.shape, pointers, stream)
+        self._c.combine_send(*args, stream)
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
         keep = _KeptForHook(stream, x, topk_idx, topk_weights, out, wait_stats,
@@ -565,7 +556,7 @@ class CudaBackend(Backend):
 
         def receive() -> None:
             hook_stream = self._stream()
-            self._c.combine_receive(plan.common, plan.shape, pointers, hook_stream)
+            self._c.combine_receive(*args, hook_stream)
             keep.release(hook_stream)
             outputs.pending -= 1
             outputs.used_on(hook_stream)
