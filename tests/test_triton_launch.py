@@ -113,6 +113,20 @@ def test_anything_triton_specializes_on_is_a_new_variant(stand_in, change: str) 
     assert len(kernel.compiles) == 2 and kernel.fast[0][0] == 2  # the second variant's compiled kernel
 
 
+def test_integer_values_seen_are_bounded_and_share_their_variant(stand_in) -> None:
+    """Integers key a launch by value (cheap), so a token count's many values are remembered up to a bound, and
+    all of them that Triton specializes alike launch the one compiled kernel."""
+    kernel, _ = stand_in
+    launcher = Launcher(kernel)
+    x = _aligned(64)
+    values = [16 * (i + 2) for i in range(launch._MAX_VALUE_KEYS + 10)]
+    for n in values + values[:3]:
+        launcher[(1,)](x, n, 0.5, BLOCK=128)
+    assert len(kernel.compiles) == 1
+    assert [args[10] for _, args in kernel.fast] == values[1:] + values[:3]
+    assert len(launcher._by_value) <= launch._MAX_VALUE_KEYS
+
+
 def test_with_a_launch_hook_every_launch_goes_through_triton(stand_in) -> None:
     kernel, runtime = stand_in
     launcher = Launcher(kernel)

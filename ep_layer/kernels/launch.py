@@ -4,7 +4,9 @@
 four times the launch itself: it binds and specializes every argument, builds its cache key, reads its
 knobs and the current device and stream through several layers of Python (benchmarks/RESULTS.md,
 profile_eager.py). An eager MoE layer makes 11 such launches. `Launcher` sends the first launch of each
-variant through Triton, which compiles it, and later ones straight to the compiled kernel's launcher.
+variant through Triton, which compiles it, and later ones straight to the compiled kernel's launcher. It
+finds the variant by the arguments' values first (integers as they are: cheap to key), and by what Triton
+specializes on only for values it has not seen.
 
 A variant is everything Triton specializes a compiled kernel on, so that no launch runs code compiled for
 other arguments: each tensor's dtype and whether its address is a multiple of 16 bytes; each integer's
@@ -26,6 +28,7 @@ import torch
 from .triton_support import triton
 
 _INT32 = range(-(2**31), 2**31)
+_MAX_VALUE_KEYS = 4096  # per kernel: its call sites' shapes and strides, a token count's few values each
 
 
 def cdiv(a: int, b: int) -> int:
@@ -45,6 +48,13 @@ def _specializations(args: tuple) -> tuple:
     cost a frame each (an eager MoE layer passes ~130)."""
     return tuple([(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                   else (a == 1, a % 16 == 0, a in _INT32) if type(a) is int
+                  else (type(a), a) for a in args])
+
+
+def _values(args: tuple) -> tuple:
+    """The runtime arguments as a key that is cheap to build: integers by value (equal values specialize alike;
+    matching one costs a third of `_specializations`), tensors as there, anything else by type and value."""
+    return tuple([a if type(a) is int else (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                   else (type(a), a) for a in args])
 
 
@@ -74,19 +84,27 @@ class Launcher:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._variants: dict[tuple, _Variant] = {}
+        self._variants: dict[tuple, _Variant] = {}  # by what Triton specializes on
+        self._by_value: dict[tuple, _Variant] = {}  # the same variants by the arguments' values (_values)
 
     def __getitem__(self, grid: tuple[int, ...]):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict[str, object]) -> None:
         device = torch._C._cuda_getDevice()  # torch.cuda.current_device() without its lazy-init check (Triton's device)
-        key = (device, _specializations(args), tuple(kwargs.items()))
-        variant = self._variants.get(key)
+        options = tuple(kwargs.items())
+        by_value = (device, _values(args), options)
+        variant = self._by_value.get(by_value)
         if variant is None:
-            constexprs = self._constexprs(len(args), kwargs)
-            self._variants[key] = _Variant(self.kernel[grid](*args, **kwargs), constexprs)
-            return
+            key = (device, _specializations(args), options)
+            variant = self._variants.get(key)
+            if variant is None:
+                constexprs = self._constexprs(len(args), kwargs)
+                self._variants[key] = _Variant(self.kernel[grid](*args, **kwargs), constexprs)
+                return
+            if len(self._by_value) >= _MAX_VALUE_KEYS:  # argument values that vary from call to call
+                self._by_value.clear()
+            self._by_value[by_value] = variant
         if _hooked():
             self.kernel[grid](*args, **kwargs)
             return
