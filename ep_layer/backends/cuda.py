@@ -162,23 +162,27 @@ class _CombineOutputs:
     def __init__(self, make: Callable[[], torch.Tensor]) -> None:
         self._make = make
         self._tensors: list[torch.Tensor] = []
+        self._storages: list[int] = []  # each tensor's storage (its _cdata), read without a Storage object
         self._streams: list[int] = []
         self._baselines: list[tuple[int, int]] = []  # references and storage uses when only the pool holds one
 
     def _references(self, i: int) -> tuple[int, int]:
-        return sys.getrefcount(self._tensors[i]), _use_count(self._tensors[i].untyped_storage()._cdata)
+        return sys.getrefcount(self._tensors[i]), _use_count(self._storages[i])
 
     def take(self, stream: int) -> torch.Tensor:
+        kept = (self._tensors, self._storages, self._streams, self._baselines)
         for i in range(len(self._tensors)):
             if self._streams[i] == stream and self._references(i) == self._baselines[i]:
-                for kept in (self._tensors, self._streams, self._baselines):  # most recently used last
-                    kept.append(kept.pop(i))
+                if i + 1 < len(self._tensors):
+                    for same in kept:  # most recently used last
+                        same.append(same.pop(i))
                 return self._tensors[-1]
         if len(self._tensors) == _MAX_OUTPUT_SETS:
-            for kept in (self._tensors, self._streams, self._baselines):
-                kept.pop(0)
+            for same in kept:
+                same.pop(0)
         with torch.inference_mode(False):  # recycled across calls: usable in and out of inference mode
             self._tensors.append(self._make())
+        self._storages.append(self._tensors[-1].untyped_storage()._cdata)
         self._streams.append(stream)
         self._baselines.append(self._references(len(self._tensors) - 1))
         return self._tensors[-1]
