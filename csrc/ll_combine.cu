@@ -60,11 +60,6 @@ __device__ __forceinline__ void put_row(const CombineCall& a, unsigned seq, long
 }
 #endif
 
-// A send waiting for the GEMM's signal sleeps this long between its reads: it shares its SM with two of the
-// GEMM's programs, whose issue slots a tight poll would take (the GEMM's persistent grid then ends with its
-// slowest SM). A tile takes microseconds, so the sleep delays a send by a small share of one.
-constexpr unsigned kSignalPollNs = 500;
-
 // Single-batch overlap: whether row `row` of local expert `expert` is complete, waiting for its signal to reach
 // the threshold (the expert GEMM, on another stream, counts its finished tiles there). Bounded: after the
 // timeout it records which signal and says no (the row is not sent; its receiver times out too).
@@ -74,7 +69,6 @@ __device__ __forceinline__ bool row_signalled(const CombineCall& a, int expert, 
   if (static_cast<int>(ld_acquire(a.c, signal)) >= a.signal_threshold) return true;
   WaitClock clock;
   while (static_cast<int>(ld_acquire(a.c, signal)) < a.signal_threshold) {
-    __nanosleep(kSignalPollNs);
     if (clock.expired(a.c.timeout_ns)) {
       record_error(a.c, kCombine, kSignalTimeout, 0u, index);
       return false;
