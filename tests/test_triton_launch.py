@@ -127,15 +127,16 @@ def test_integer_values_seen_are_bounded_and_share_their_variant(stand_in) -> No
     assert len(launcher._by_value) <= launch._MAX_VALUE_KEYS
 
 
-def test_with_a_launch_hook_every_launch_goes_through_triton(stand_in) -> None:
+@pytest.mark.parametrize("hook", ["launch_enter_hook", "launch_exit_hook"])
+def test_with_a_launch_hook_every_launch_goes_through_triton(stand_in, hook: str) -> None:
     kernel, runtime = stand_in
     launcher = Launcher(kernel)
     x = _aligned(64)
-    runtime.launch_enter_hook.calls.append(print)
+    getattr(runtime, hook).calls.append(print)
     for _ in range(3):
         launcher[(1,)](x, 32, 0.5, BLOCK=128)
     assert len(kernel.compiles) == 3 and not kernel.fast
-    runtime.launch_enter_hook.calls.clear()
+    getattr(runtime, hook).calls.clear()
     launcher[(1,)](x, 32, 0.5, BLOCK=128)
     assert len(kernel.fast) == 1
 

@@ -61,8 +61,10 @@ def _values(args: tuple) -> tuple:
 def _hooked() -> bool:
     """Whether a launch hook is set (Triton 3.6 keeps them in chains, empty by default; earlier, None)."""
     runtime = triton.knobs.runtime
-    return any(hook is not None and bool(getattr(hook, "calls", True))
-               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # Written out: any() over a generator costs three times as much, on every launch.
+    return (enter is not None and bool(getattr(enter, "calls", True))
+            or leave is not None and bool(getattr(leave, "calls", True)))
 
 
 class _Variant:
