@@ -63,8 +63,8 @@ def _hooked() -> bool:
     runtime = triton.knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     # Written out: any() over a generator costs three times as much, on every launch.
-    return (enter is not None and bool(getattr(enter, "calls", True))
-            or leave is not None and bool(getattr(leave, "calls", True)))
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (leave is not None and bool(getattr(leave, "calls", True))))
 
 
 class _Variant:
