@@ -1,5 +1,6 @@
 """CUDA stream switches and joins with little host time, for eager calls that make several of each (a FusedMoE
-forward on side streams: four switches and four joins a layer, ep_layer.moe.schedule).
+forward on side streams: four switches and four joins a layer, ep_layer.moe.schedule; single-batch overlap's
+event after the zeroed signals, ep_layer.moe.layer).
 
 `torch.cuda.stream(s)` reads the current device, builds a Stream object for the current stream and sets streams
 through Python wrappers on the way in and out; `Stream.wait_stream` builds an Event through its Python

@@ -221,8 +221,8 @@ def test_sbo_launches_the_down_gemm_before_queuing_the_send_beside_it(seed: int,
     monkeypatch.setattr(layer_module, "send_on", send_on)
     monkeypatch.setattr(layer_module, "run_hook", run_hook)
     monkeypatch.setattr(Buffer, "signals_waited_on_device", property(lambda self: True))
-    compute_stream = SimpleNamespace(record_event=lambda: "zeroed")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute_stream)
+    monkeypatch.setattr(layer_module, "current_stream", lambda device_index: "compute stream")
+    monkeypatch.setattr(layer_module, "record", {"compute stream": "zeroed"}.__getitem__)
     streams = SimpleNamespace(dispatch="dispatch stream", combine="combine stream")
     got = run_to_end(layer.steps(x, streams, sbo=True))
     assert calls[-3:] == [("down",), ("send_on", "combine stream", "zeroed"), ("combine", SBO_SEND_SMS)], calls

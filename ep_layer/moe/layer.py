@@ -32,6 +32,7 @@ from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
 from ..config import Config
 from ..quant import FP8_GROUP
+from ..streams import current_stream, record
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
 from .normal_forward import normal_forward
@@ -294,7 +295,7 @@ class FusedMoE(nn.Module):
         act = kernels.gate_up(recv_x, recv_count, self.experts)
         signals = kernels.completion_signals(self.num_local_experts, y.shape[1], self.hidden, recv_count.device)
         early = stream is not None and self.buffer.signals_waited_on_device
-        zeroed = torch.cuda.current_stream(y.device).record_event() if early else None
+        zeroed = record(current_stream(y.device.index)) if early else None
         kernels.down(act, recv_count, self.experts, y, signals)
         with send_on(stream, after=zeroed):
             combined, _, hook = combine(overlap=True, packed_recv_count=recv_count, comp_signal=signals.signals,
