@@ -188,7 +188,8 @@ def test_sbo_holds_the_signals_until_the_combine_is_waited_for(seed: int) -> Non
 
 def test_sbo_launches_the_down_gemm_before_queuing_the_send_beside_it(seed: int, monkeypatch) -> None:
     """Where the send waits for signals on the device (the cuda backend), it runs on its side stream behind an
-    event recorded after the signals are zeroed, and it is queued only after the down GEMM's launch: a first
+    event recorded after the signals are zeroed, on SMs the down GEMM's grid leaves free, and it is queued
+    only after the down GEMM's launch: a first
     launch loads the kernel's module, which waits for running kernels, and a send already spinning on the
     GEMM's signals hung a GPU run so. On CPU with stand-ins for the streams: the order of the calls, and the
     plain forward's output."""
@@ -215,7 +216,7 @@ def test_sbo_launches_the_down_gemm_before_queuing_the_send_beside_it(seed: int,
 
     kernels = layer._kernels_for(torch.device("cpu"))
     down, combine = kernels.down, layer.buffer.low_latency_combine
-    kernels.down = lambda *args, **kwargs: (calls.append(("down",)), down(*args, **kwargs))[1]
+    kernels.down = lambda *args, **kwargs: (calls.append(("down", kwargs.get("spare_sms"))), down(*args, **kwargs))[1]
     layer.buffer.low_latency_combine = lambda *a, **k: (calls.append(("combine", k.get("num_sms"))),
                                                         combine(*a, **k))[1]
     monkeypatch.setattr(layer_module, "send_on", send_on)
@@ -225,7 +226,9 @@ def test_sbo_launches_the_down_gemm_before_queuing_the_send_beside_it(seed: int,
     monkeypatch.setattr(layer_module, "record", {"compute stream": "zeroed"}.__getitem__)
     streams = SimpleNamespace(dispatch="dispatch stream", combine="combine stream")
     got = run_to_end(layer.steps(x, streams, sbo=True))
-    assert calls[-3:] == [("down",), ("send_on", "combine stream", "zeroed"), ("combine", SBO_SEND_SMS)], calls
+    # The GEMM's grid leaves the SMs the send may hold.
+    assert calls[-3:] == [("down", SBO_SEND_SMS), ("send_on", "combine stream", "zeroed"), ("combine", SBO_SEND_SMS)], \
+        calls
     assert torch.equal(got, plain)
 
 

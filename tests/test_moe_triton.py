@@ -331,11 +331,13 @@ def test_rows_past_recv_count_are_not_written(fp8: bool, seed: int) -> None:
         assert not out[e, :n].isnan().any(), f"expert {e}: garbage rows leaked into valid ones"
 
 
+@pytest.mark.parametrize("spare", ["none", "some", "all but one"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_down_gemm_counts_each_finished_tile_in_its_signals(fp8: bool, seed: int) -> None:
-    """The down GEMM with completion signals writes what it writes without them, bit for bit, and leaves
-    each received row tile's signal at the number of column tiles (what the combine waits for), the
-    signals of tiles without rows at 0."""
+def test_down_gemm_counts_each_finished_tile_in_its_signals(fp8: bool, spare: str, seed: int) -> None:
+    """The down GEMM with completion signals, on a grid that leaves SMs spare (single-batch overlap's send runs
+    there) or not, writes what the full grid writes without them, bit for bit, and leaves each received row
+    tile's signal at the number of column tiles (what the combine waits for), the signals of tiles without
+    rows at 0. Spare SMs are checked: at least one stays with the GEMM."""
     gen = torch.Generator().manual_seed(seed)
     counts, rows, hidden, inter = [0, 70, 128, 3, 65], 128, 384, 256
     store = expert_store(gen, len(counts), hidden, inter, fp8, "cuda")
@@ -344,8 +346,12 @@ def test_down_gemm_counts_each_finished_tile_in_its_signals(fp8: bool, seed: int
     kernels = triton_experts.TritonExperts()
     act = kernels.gate_up(x, recv_count, store)
     signals = kernels.completion_signals(len(counts), rows, hidden, recv_count.device)
-    got = kernels.down(act, recv_count, store, signals=signals)
+    sms = triton_support.sm_count(recv_count.device)
+    spare_sms = {"none": 0, "some": 8, "all but one": sms - 1}[spare]
+    got = kernels.down(act, recv_count, store, signals=signals, spare_sms=spare_sms)
     want = kernels.down(act, recv_count, store)
+    with pytest.raises(ValueError, match="spare_sms"):
+        kernels.down(act, recv_count, store, spare_sms=sms)
     for e, n in enumerate(counts):
         assert torch.equal(got[e, :n], want[e, :n]), f"seed={seed} expert {e}"
     tiles = -(-hidden // 128)

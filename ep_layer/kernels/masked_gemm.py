@@ -133,12 +133,15 @@ def completion_signals(num_experts: int, rows: int, columns: int, device: torch.
 def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | None, b: torch.Tensor,
                         b_scales: torch.Tensor | None, recv_count: torch.Tensor, out: torch.Tensor,
                         up_offset: int = 0, gated: bool = False, block_n: int | None = None,
-                        signals: SendSignals | None = None) -> torch.Tensor:
+                        signals: SendSignals | None = None, spare_sms: int = 0) -> torch.Tensor:
     """Launch the kernel: a [E, M, K] (bf16, or fp8 with a_scales [E, M, K/128]; or dispatch's rows in
     place, with their scales: a_scales None), b [E, rows, K] (with b_scales [E, rows/128, K/128] for FP8)
     into out bf16 [E, M, N]; rows >= recv_count[e] untouched.
     block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N).
-    signals: completion_signals(E, M, N) for this call, counted per finished tile (not gated only)."""
+    signals: completion_signals(E, M, N) for this call, counted per finished tile (not gated only).
+    spare_sms: SMs the grid leaves free for a kernel that runs beside it and waits for these signals (the held
+    send of single-batch overlap). Beside a full grid that send's blocks took the place of some programs, which
+    then started only as others finished, the GEMM's work being shared out in advance (benchmarks/RESULTS.md)."""
     if triton is None:
         raise RuntimeError(unavailable_reason())
     e, _, k = b.shape
@@ -165,7 +168,9 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
     b_s = b_scales if b_scales is not None else b
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
-    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * sm_count(out.device),)](
+    if not 0 <= spare_sms < sm_count(out.device):
+        raise ValueError(f"masked_grouped_gemm: spare_sms must be in [0, {sm_count(out.device)}), got {spare_sms}")
+    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * (sm_count(out.device) - spare_sms),)](
         a, a_s, a_rows, b, b_s, out, recv_count, signals.signals if signals is not None else recv_count, e, n, k,
         up_offset, signals.per_expert if signals is not None else 0,
         *a_st, *a_ss, r_s, *b.stride(), *b_ss, *out.stride(),

@@ -47,12 +47,13 @@ class ExpertKernels(ABC):
 
     @abstractmethod
     def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,
-             out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, signals: SendSignals | None = None, spare_sms: int = 0) -> torch.Tensor:
         """The MLP's second half: the down projection of gate_up's output, bf16 [E, M, H] (into `out`).
         With `signals` (from `completion_signals`, zeroed) it also counts its finished rows there, so that
         a combine on another stream can send each row as soon as it is written (single-batch overlap):
         rows [j * signals.rows, (j + 1) * signals.rows) of expert e are written once signal
-        e * signals.per_expert + j reaches signals.threshold."""
+        e * signals.per_expert + j reaches signals.threshold. `spare_sms`: SMs a GEMM sized by the GPU's SMs
+        leaves to a kernel running beside it (that combine's send)."""
 
     @abstractmethod
     def completion_signals(self, num_experts: int, rows: int, hidden: int, device: torch.device) -> SendSignals:
@@ -185,7 +186,7 @@ class TorchExperts(ExpertKernels):
         return act, None
 
     def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,
-             out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, signals: SendSignals | None = None, spare_sms: int = 0) -> torch.Tensor:
         a = act[0]
         if a.is_cuda:  # every row, in one go: the signals all complete together
             y = down_proj(a, weights.down_fp32(slice(None)), weights.fp8)

@@ -286,17 +286,17 @@ class FusedMoE(nn.Module):
         """Single-batch overlap: the routed experts into y with the combine's send waiting for the down GEMM's
         completion signals, so that each expert's rows leave as soon as they are written. Where the backend waits
         for signals on the device the send runs on its side stream behind the zeroed signals only, beside the
-        GEMM; elsewhere (one stream, or a backend that waits on the host) it follows the GEMM, and sends rows
-        whose signals are all set. The GEMM is launched first either way: a kernel's first launch loads its
-        module, and loading waits for the GPU's running kernels, a send spinning on the GEMM's signals among
-        them (a GPU run hung so, until the 100 s timeout).
+        GEMM, whose grid leaves it its SMs; elsewhere (one stream, or a backend that waits on the host) it
+        follows the GEMM, and sends rows whose signals are all set. The GEMM is launched first either way: a
+        kernel's first launch loads its module, and loading waits for the GPU's running kernels, a send
+        spinning on the GEMM's signals among them (a GPU run hung so, until the 100 s timeout).
         Returns combine's output, its hook and the signals, which the caller holds until the combine is waited for."""
         kernels = self._kernels_for(recv_count.device)
         act = kernels.gate_up(recv_x, recv_count, self.experts)
         signals = kernels.completion_signals(self.num_local_experts, y.shape[1], self.hidden, recv_count.device)
         early = stream is not None and self.buffer.signals_waited_on_device
         zeroed = record(current_stream(y.device.index)) if early else None
-        kernels.down(act, recv_count, self.experts, y, signals)
+        kernels.down(act, recv_count, self.experts, y, signals, spare_sms=SBO_SEND_SMS if early else 0)
         with send_on(stream, after=zeroed):
             combined, _, hook = combine(overlap=True, packed_recv_count=recv_count, comp_signal=signals.signals,
                                         block_m=signals.rows, threshold=signals.threshold,

@@ -24,7 +24,8 @@ import torch
 
 OVERLAP_MODES = ("none", "sbo", "dbo", "auto")
 AUTO_MARGIN = 0.05  # "auto" overlaps only where the model says it saves at least this share of plain's time
-SBO_SEND_SMS = 8  # the SMs the combine's send may hold while it waits for the down GEMM's signals
+# The SMs the combine's send may hold while it waits for the down GEMM's signals, which the GEMM's grid leaves free.
+SBO_SEND_SMS = 8
 
 
 # Copy rates as bench_ll measures them (benchmarks/RESULTS.md), Hopper's FP8 math as the expert GEMMs reach it

@@ -59,14 +59,15 @@ class TritonExperts(ExpertKernels):
         return act, None
 
     def down(self, act: Activation, recv_count: torch.Tensor, weights: ExpertWeights,
-             out: torch.Tensor | None = None, signals: SendSignals | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, signals: SendSignals | None = None, spare_sms: int = 0) -> torch.Tensor:
         data, scales = act
         e, m, _ = data.shape
         if out is None:
             out = torch.empty(e, m, weights.hidden, dtype=torch.bfloat16, device=data.device)
         if m == 0:
             return out
-        return masked_grouped_gemm(data, scales, weights.down, weights.down_scale, recv_count, out, signals=signals)
+        return masked_grouped_gemm(data, scales, weights.down, weights.down_scale, recv_count, out, signals=signals,
+                                   spare_sms=spare_sms)
 
     def completion_signals(self, num_experts: int, rows: int, hidden: int, device: torch.device) -> SendSignals:
         return completion_signals(num_experts, rows, hidden, device)
