@@ -7,9 +7,10 @@
 
 Each release's wheel comes from PyPI (`pip download --no-deps --no-cache-dir`, into a temporary folder that is
 removed, so no wheel stays on disk);
-only its `.py` files are kept, in ${EP_LAYER_ENGINE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/ep-layer}/<name>-<version>/.
-A release already there is not fetched again, so a second run returns at once. Nothing of the engines enters
-this repository.
+its `.py` files are kept, and the few non-Python trees its import path checks for (KEPT_TREES), in
+${EP_LAYER_ENGINE_CACHE:-${XDG_CACHE_HOME:-~/.cache}/ep-layer}/<name>-<version>/.
+A release already there is not fetched again, so a second run returns at once (one cached before a tree was kept
+is fetched again). Nothing of the engines enters this repository.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from pathlib import Path
 # release whose sources import with the test extra's packages (0.30.0 and later import xgrammar, which
 # pulls triton). SGLang 0.5.17: its python package.
 RELEASES = ("vllm==0.20.0", "vllm==0.29.0", "sglang==0.5.17")
+# Non-Python files kept, per engine: SGLang's JIT kernel package looks for its C++ sources when it is imported
+# (sglang 0.5.17 sglang/kernels/jit/utils/compile.py:95 raises "Cannot find sglang.kernels.jit path" without
+# include/ and csrc/ beside it), and its DeepEP dispatcher's imports pass through it (about 3 MB).
+KEPT_TREES = {"sglang": ("sglang/kernels/jit/include/", "sglang/kernels/jit/csrc/")}
 _COMPLETE = ".complete"  # written last: a folder without it is an interrupted fetch
 
 
@@ -42,12 +47,21 @@ def source_dir(name: str, version: str) -> Path:
     return cache_root() / f"{name}-{version}"
 
 
-def extract_python(wheel: Path, dest: Path) -> None:
-    """The wheel's packages' `.py` files into `dest`: no compiled extensions, data, metadata or scripts."""
+def cached(name: str, version: str) -> bool:
+    """Whether the cache holds the release whole: fetched to the end, with the trees KEPT_TREES names for it."""
+    dest = source_dir(name, version)
+    return (dest / _COMPLETE).exists() and all((dest / tree).is_dir() for tree in KEPT_TREES.get(name, ()))
+
+
+def extract_sources(wheel: Path, dest: Path, trees: tuple[str, ...] = ()) -> None:
+    """The wheel's packages' `.py` files into `dest`, and every file under `trees`: no compiled extensions, other
+    data, metadata or scripts."""
     with zipfile.ZipFile(wheel) as archive:
         for member in archive.namelist():
             top = member.split("/", 1)[0]
-            if member.endswith(".py") and not top.endswith((".dist-info", ".data")):
+            if top.endswith((".dist-info", ".data")) or member.endswith("/"):
+                continue
+            if member.endswith(".py") or member.startswith(trees):
                 archive.extract(member, dest)
 
 
@@ -57,7 +71,7 @@ def fetch(requirement: str) -> Path:
     if not name or not version:
         raise SystemExit(f"fetch_engines: want NAME==VERSION, got {requirement!r}")
     dest = source_dir(name, version)
-    if (dest / _COMPLETE).exists():
+    if cached(name, version):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{name}-{version}-") as tmp:
@@ -67,11 +81,11 @@ def fetch(requirement: str) -> Path:
         if len(wheels) != 1:
             raise SystemExit(f"fetch_engines: pip download {requirement} gave {[w.name for w in wheels]}")
         staged = Path(tmp) / "src"
-        extract_python(wheels[0], staged)
+        extract_sources(wheels[0], staged, KEPT_TREES.get(name, ()))
         (staged / _COMPLETE).write_text(f"{wheels[0].name}\n")
-        if (dest / _COMPLETE).exists():  # another process fetched it meanwhile
+        if cached(name, version):  # another process fetched it meanwhile
             return dest
-        if dest.exists():  # an interrupted earlier fetch
+        if dest.exists():  # an interrupted earlier fetch, or one from before KEPT_TREES
             shutil.rmtree(dest)
         staged.rename(dest)
     return dest

@@ -3,8 +3,8 @@ where the engines' sources live.
 
 The sources come from the engines' PyPI wheels (`scripts/fetch_engines.py`, a cache outside the repo; fetched
 here on first use when missing): `source_dir(name, version)`. `use_vllm(version)` puts one vLLM release on
-sys.path and imports it; each rank process imports one release only. (SGLang's are read, not imported:
-tests/test_dropin_sglang.py says why.)
+sys.path and imports it; each rank process imports one release only. (SGLang's importer, with its own stubs, is
+tests/test_dropin_sglang.py's `use_sglang`.)
 
 What is stubbed, and nothing else (the classes under test, their modules and vLLM's other code run as shipped):
 - **vLLM's parallel state** (`vllm.distributed.parallel_state._DP`, `_TP`, `_EP`, `_PCP`): a `GroupStub` per

@@ -18,18 +18,32 @@ fetch_engines = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fetch_engines)
 
 
-def test_keeps_only_the_packages_python_files(tmp_path: Path) -> None:
+@pytest.mark.parametrize("trees, extra", [((), []), (("eng/k/",), ["eng/k/inc/kernel.cuh", "eng/k/kernel.cu"])])
+def test_keeps_the_packages_python_files_and_the_trees_named(tmp_path: Path, trees: tuple, extra: list) -> None:
     wheel = tmp_path / "eng-1.0-py3-none-any.whl"
     members = {"eng/__init__.py": "", "eng/sub/mod.py": "X = 1\n", "eng/_C.abi3.so": "\0", "eng/k/kernel.cu": "",
-               "eng-1.0.dist-info/METADATA": "Name: eng\n", "eng-1.0.data/scripts/tool.py": "",
-               "eng/config.json": "{}"}
+               "eng/k/inc/kernel.cuh": "", "eng/kk/other.cu": "", "eng-1.0.dist-info/METADATA": "Name: eng\n",
+               "eng-1.0.data/scripts/tool.py": "", "eng/config.json": "{}"}
     with zipfile.ZipFile(wheel, "w") as archive:
         for name, text in members.items():
             archive.writestr(name, text)
-    fetch_engines.extract_python(wheel, tmp_path / "out")
+    fetch_engines.extract_sources(wheel, tmp_path / "out", trees)
     kept = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
-    assert kept == ["eng/__init__.py", "eng/sub/mod.py"]
+    assert kept == sorted(["eng/__init__.py", "eng/sub/mod.py", *extra])
     assert (tmp_path / "out" / "eng" / "sub" / "mod.py").read_text() == "X = 1\n"
+
+
+def test_sglang_keeps_its_jit_kernel_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached SGLang release without the kernel trees its import checks for (one fetched before they were kept)
+    does not count as cached, so that it is fetched again; with them it does."""
+    monkeypatch.setenv("EP_LAYER_ENGINE_CACHE", str(tmp_path))
+    dest = fetch_engines.source_dir("sglang", "0.0.1")
+    dest.mkdir()
+    (dest / ".complete").write_text("sglang-0.0.1-py3-none-any.whl\n")
+    assert not fetch_engines.cached("sglang", "0.0.1")
+    for tree in fetch_engines.KEPT_TREES["sglang"]:
+        (dest / tree).mkdir(parents=True)
+    assert fetch_engines.cached("sglang", "0.0.1")
 
 
 def test_a_cached_release_is_not_fetched_again(tmp_path: Path) -> None:
