@@ -26,7 +26,8 @@ starting with a word of its own. It runs each --concurrency level, or with --req
 Poisson arrivals (exponential gaps from the seed; inf: all at once), and prints per level TTFT and TPOT
 p50/p99, ITL p99 (the gaps between streamed chunks that carry tokens, over all requests), output tokens/s,
 completed and failed requests, and the TTFT of the first request the run sends (with --launch, the first
-request once /health is 200, before any other: the cold start).
+request once /health is 200, before any other: the cold start) beside the warm TTFT of its length (the median
+of a few prompts of as many words, each with a word of its own, sent right after it).
 
 `--backend openai` drives any OpenAI-compatible server (vLLM, SGLang) in every mode: OpenAI's request
 fields only (plus vLLM's ignore_eos and min_tokens with --ignore-eos), --api-key, no ep-serve /metrics,
@@ -254,6 +255,7 @@ def run_shared_prefix(url: str, model: str, prefix_len: int, rounds: int, max_to
 
 # ---------------------------------------------------------------------------- the mixed workload
 FIRST_WORDS, FIRST_TOKENS = 15, 16  # the first request: its unique word and 15 words, 16 tokens out
+WARM_REPEATS = 3  # then prompts of its length, each with a word of its own: the warm TTFT it is compared with
 
 
 @dataclass
@@ -403,8 +405,14 @@ async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int
     async with target.client() as client:
         await warm_client(client)
         first = await timed_request(client, *target.request(first_text, FIRST_TOKENS))
+        warm = [await timed_request(client, *target.request(prompt_text(args.seed, f"{run_id}xwarm", i, FIRST_WORDS),
+                                                            FIRST_TOKENS)) for i in range(WARM_REPEATS)]
+    warm_ttft = statistics.median(w.ttft for w in warm) if first.ok and all(w.ok for w in warm) else None
     first_line = (f"{first_label}: TTFT {first.ttft * 1e3:.2f} ms, {first.tokens} tokens in "
                   f"{first.latency * 1e3:.2f} ms" if first.ok else f"{first_label}: failed: {first.error}")
+    if warm_ttft is not None:
+        first_line += (f"; {first.ttft / warm_ttft:.2f}x the warm TTFT of its length, {warm_ttft * 1e3:.2f} ms (median "
+                       f"of {WARM_REPEATS} prompts of its length right after it)")
     print(f"# {first_line}", flush=True)
     if not first.ok and ("ignore_eos" in first.error or "min_tokens" in first.error):
         print("# (this server may not take ignore_eos / min_tokens: leave out --ignore-eos)", flush=True)
@@ -441,6 +449,7 @@ async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int
             print(" ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in rows[-1].values()), flush=True)
     return {"first_request": {"label": first_label, "ok": first.ok, "error": first.error,
                               "ttft_ms": first.ttft * 1e3 if first.ok else None, "tokens": first.tokens,
+                              "warm_ttft_ms": warm_ttft * 1e3 if warm_ttft is not None else None,
                               "latency_ms": first.latency * 1e3 if first.ok else None},
             "first_line": first_line, "levels": rows, "errors": errors}
 

@@ -293,6 +293,7 @@ def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["first_request"]["ok"] and result["first_request"]["ttft_ms"] > 0, result
+    assert result["first_request"]["warm_ttft_ms"] > 0, result
     assert result["first_request"]["label"].startswith("first request after ready (ep-serve launched")
     [level] = result["levels"]
     assert (level["level"], level["completed"], level["failed"]) == ("c=2", 3, 0), (level, result["errors"])
