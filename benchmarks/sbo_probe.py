@@ -25,9 +25,9 @@ import ep_layer.moe.layer as layer_module
 from ep_layer import Buffer
 from ep_layer.moe import FusedMoE
 
-# (SMs the send holds, SMs the down GEMM's grid leaves free): the layer's own, the full grid, then other caps
-# and grids.
-SWEEP = ((8, 8), (8, 0), (1, 0), (32, 0), (8, 4), (32, 32))
+# (SMs the send holds, SMs the down GEMM's grid leaves free): the full grid with three caps, then grids leaving
+# some SMs (8 and 8: the layer's own).
+SWEEP = ((8, 0), (1, 0), (32, 0), (8, 4), (8, 8), (32, 16))
 
 
 @contextlib.contextmanager
