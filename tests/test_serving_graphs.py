@@ -6,12 +6,15 @@ alone and as two expert-parallel ranks on one GPU."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from ep_layer import native
 from serving.engine.engine import LLMEngine
 from serving.engine.engine_config import EngineConfig, capture_sizes
+from serving.engine.graph_upload import upload
 from serving.engine.model_runner import GRAPH_MAX_MODEL_LEN, why_eager
 from serving.engine.scheduler import ScheduledBatch
 from serving.engine.sequence import SamplingParams
@@ -170,6 +173,26 @@ def test_cpu_engine_runs_eagerly(checkpoint: str) -> None:
     engine = make_engine(checkpoint, "cpu", use_cuda_graphs=True, backend="reference")
     assert engine.runner.captured_sizes == [] and engine.runner.eager_reason == "no GPU"
     assert engine.runner.graph_size(1) is None
+
+
+def test_upload_hands_the_driver_the_graphs_executable_and_the_stream() -> None:
+    """graph_upload.upload calls cuGraphUpload(exec, stream) with the graph's cudaGraphExec_t and the stream's
+    handle, and a failure is an error naming the driver's result (a stand-in driver, graph and stream)."""
+    class Driver:
+        def __init__(self, result: int) -> None:
+            self.result, self.calls = result, []
+
+        def cuGraphUpload(self, graph_exec, stream) -> int:
+            self.calls.append((graph_exec.value, stream.value))
+            return self.result
+
+    graph = SimpleNamespace(raw_cuda_graph_exec=lambda: 0x5EED)
+    stream = SimpleNamespace(cuda_stream=0xC0DE)
+    driver = Driver(0)
+    upload(graph, stream, driver)
+    assert driver.calls == [(0x5EED, 0xC0DE)]
+    with pytest.raises(RuntimeError, match="cuGraphUpload of a step graph failed: CUresult 700"):
+        upload(graph, stream, Driver(700))
 
 
 def test_why_eager(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,7 @@ import torch
 from ..forward_batch import ForwardBatch, HostLayout, to_device
 from ..models import mla_decode_triton
 from ..models.paged_attention import PADDED_DECODE_MAX_KEYS
+from .graph_upload import upload
 from .scheduler import ScheduledBatch
 
 GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts run eagerly without Triton (module docstring)
@@ -206,9 +207,9 @@ class ModelRunner:
         return next((s for s in self.captured_sizes if s >= max(1, num_tokens)), None)
 
     def capture(self, sizes: list[int]) -> None:
-        """Capture a step graph for each size (largest first, all sharing one memory pool). Every
-        expert-parallel rank must capture the same sizes at the same time: the warm-up run before each
-        capture executes the MoE layers' dispatch and combine with the peers."""
+        """Capture a step graph for each size (largest first, all sharing one memory pool), then upload them
+        all (graph_upload). Every expert-parallel rank must capture the same sizes at the same time: the
+        warm-up run before each capture executes the MoE layers' dispatch and combine with the peers."""
         padding = self.graph_inputs(ScheduledBatch(), max(sizes))
         tables = torch.full((padding.block_tables.shape[0], self.max_blocks_per_seq), -1, dtype=torch.int32)
         tables[:, :padding.block_tables.shape[1]] = padding.block_tables
@@ -231,6 +232,8 @@ class ModelRunner:
                 hidden = self.model.hidden_states(static)
             pool = graph.pool()
             self._graphs[size] = (graph, hidden)
+        for graph, _ in self._graphs.values():
+            upload(graph, torch.cuda.current_stream(self.device))
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
 
