@@ -1,5 +1,6 @@
-"""README's checkable claims about the tree and its limits: "Repository layout" names every source file,
-each under its own folder's entry, and nothing that is not there; the drop-in table's limits are the code's."""
+"""README's checkable claims about the tree, its limits and its links: "Repository layout" names every source file,
+each under its own folder's entry, and nothing that is not there; the drop-in table's limits are the code's; a
+link to a heading of a repository file lands on one."""
 
 from __future__ import annotations
 
@@ -72,3 +73,19 @@ def test_the_limits_readme_states_are_the_codes():
         in rows["sizes"], rows["sizes"]
     assert f"up to {MAX_HIDDEN} on the cuda backend" in rows["hidden size"], rows["hidden size"]
     assert f"up to {MAX_RANKS}:" in rows["ranks"] and f"more than {MAX_RANKS} ranks" in rows["ranks"], rows["ranks"]
+
+
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading: lower case, punctuation other than - and _ dropped, spaces
+    to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_into_a_markdown_file_names_one_of_its_headings():
+    """Links from README.md and docs/ to a heading of a repository file (`path.md#fragment`) land on one."""
+    link = re.compile(r"\]\(([\w./-]+\.md)#([\w-]+)\)")
+    for source in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, fragment in link.findall(source.read_text()):
+            path = (source.parent / target).resolve()
+            headings = [line.lstrip("#") for line in path.read_text().splitlines() if line.startswith("#")]
+            assert fragment in {github_anchor(h) for h in headings}, f"{source.name}: {target}#{fragment}"
