@@ -140,8 +140,8 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     block_n: output columns per program (default BLOCK_N_GATED or BLOCK_N).
     signals: completion_signals(E, M, N) for this call, counted per finished tile (not gated only).
     spare_sms: SMs the grid leaves free for a kernel that runs beside it and waits for these signals (the held
-    send of single-batch overlap). Beside a full grid that send's blocks took the place of some programs, which
-    then started only as others finished, the GEMM's work being shared out in advance (benchmarks/RESULTS.md)."""
+    send of single-batch overlap). Beside that send a full grid ran hundreds of µs slower: some programs start
+    only as others finish, and the GEMM's work is shared out in advance (benchmarks/RESULTS.md)."""
     if triton is None:
         raise RuntimeError(unavailable_reason())
     e, _, k = b.shape
