@@ -23,6 +23,8 @@ from bench_moe import Shape, cuda_buffers, hf_tensors, new_layer, time_graphs_in
 
 import ep_layer.moe.layer as layer_module
 from ep_layer import Buffer
+from ep_layer.kernels.masked_gemm import GEMM_PROGRAMS_PER_SM
+from ep_layer.kernels.triton_support import sm_count
 from ep_layer.moe import FusedMoE
 
 # (SMs the send holds, SMs the down GEMM's grid leaves free): the full grid with three caps, then grids leaving
@@ -85,12 +87,11 @@ def sweep(t: int, reps: int) -> None:
     layer, x = layer_and_input(t)
     print(f"{torch.cuda.get_device_name()}, EP = 1, T = {t}, µs (graph replay, medians)")
     print(f"{'send SMs':>8s} | {'GEMM programs':>13s} | {'plain':>8s} | {'sbo':>8s} | {'sbo - plain':>11s}")
-    programs_per_sm = 2  # ep_layer.kernels.masked_gemm.GEMM_PROGRAMS_PER_SM
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = sm_count(x.device)
     for send_sms, spare_sms in SWEEP:
         with send_and_grid(layer, send_sms, spare_sms):
             plain, sbo = (statistics.median(s) for s in time_graphs_in_turn(list(plain_and_sbo(layer, x)), reps))
-        print(f"{send_sms:8d} | {programs_per_sm * (sms - spare_sms):13d} | {plain:8.1f} | {sbo:8.1f} | "
+        print(f"{send_sms:8d} | {GEMM_PROGRAMS_PER_SM * (sms - spare_sms):13d} | {plain:8.1f} | {sbo:8.1f} | "
               f"{sbo - plain:11.1f}", flush=True)
     layer.buffer.destroy()
 

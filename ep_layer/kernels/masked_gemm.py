@@ -168,9 +168,10 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     a_ss = a_scales.stride() if a_scales is not None else (0, 0, 0)
     b_s = b_scales if b_scales is not None else b
     b_ss = b_scales.stride() if b_scales is not None else (0, 0, 0)
-    if not 0 <= spare_sms < sm_count(out.device):
-        raise ValueError(f"masked_grouped_gemm: spare_sms must be in [0, {sm_count(out.device)}), got {spare_sms}")
-    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * (sm_count(out.device) - spare_sms),)](
+    sms = sm_count(out.device)
+    if not 0 <= spare_sms < sms:
+        raise ValueError(f"masked_grouped_gemm: spare_sms must be in [0, {sms}), got {spare_sms}")
+    _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * (sms - spare_sms),)](
         a, a_s, a_rows, b, b_s, out, recv_count, signals.signals if signals is not None else recv_count, e, n, k,
         up_offset, signals.per_expert if signals is not None else 0,
         *a_st, *a_ss, r_s, *b.stride(), *b_ss, *out.stride(),

@@ -232,8 +232,9 @@ class ModelRunner:
                 hidden = self.model.hidden_states(static)
             pool = graph.pool()
             self._graphs[size] = (graph, hidden)
+        stream = torch.cuda.current_stream(self.device)
         for graph, _ in self._graphs.values():
-            upload(graph, torch.cuda.current_stream(self.device))
+            upload(graph, stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
 
