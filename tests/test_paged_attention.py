@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serving.forward_batch import ForwardBatch, HostLayout
-from serving.models import mla_decode_triton
+from serving.models import mla_decode_triton, paged_attention
 from serving.models.paged_attention import PADDED_DECODE_MAX_KEYS, AttentionMetadata, paged_mla_attention
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -72,6 +72,28 @@ def check_mixed_step(device: str, dtype: torch.dtype, atol: float, heads: int, l
 @pytest.mark.parametrize("widths", WIDTHS)
 def test_mixed_step_matches_float64_on_cpu(widths: tuple[int, int, int]) -> None:
     check_mixed_step("cpu", torch.float32, 1e-5, *widths)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_long_prompt_attends_in_chunks_of_rows(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """With room for the scores of `rows` query rows against the longest sequence, each prompt attends in chunks
+    (unevenly where rows = 2; more rows at once for shorter sequences), no chunk's scores exceed that room, and
+    every output row still matches float64."""
+    heads, lora, rope = WIDTHS[0]
+    limit = rows * heads * max(length for length, _ in SEQUENCES)
+    monkeypatch.setattr(paged_attention, "PROMPT_SCORE_ELEMENTS", limit)
+    products: list[torch.Tensor] = []  # a chunk's scores, then its output (the prompts' only matmuls)
+    matmul = torch.matmul
+
+    def recorded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        products.append(matmul(a, b))
+        return products[-1]
+
+    monkeypatch.setattr(torch, "matmul", recorded)
+    check_mixed_step("cpu", torch.float32, 1e-5, heads, lora, rope)
+    chunks = sum(-(-new // max(1, limit // (heads * length))) for length, new in SEQUENCES if new > 1)
+    assert len(products) == 2 * chunks > 2 * len([new for _, new in SEQUENCES if new > 1])
+    assert max(scores.numel() for scores in products[::2]) <= limit
 
 
 def test_a_step_without_decodes_attends_sequence_by_sequence() -> None:

@@ -15,7 +15,8 @@ Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
   masked (max_blocks_per_seq * block_size keys, whatever its position).
 - `AttentionMetadata` (a batch without token_seqs), which reads and checks the batch layout on the host
   (the engine's copy of it, else the device's, which waits for the device). A sequence with several new
-  tokens attends on its own as one matrix product; those with one new token attend together, as a
+  tokens attends on its own, as matrix products over chunks of its rows (PROMPT_SCORE_ELEMENTS scores at
+  most); those with one new token attend together, as a
   TokenMetadata batch, so that a step mixing a new prompt into many decodes costs about what its prompt
   does, not a sequence's kernels for each decode.
 """
@@ -32,6 +33,10 @@ from . import mla_decode_triton
 # The longest block table (in keys) the padded PyTorch token layout reads for each token: beyond it,
 # without the Triton kernel, tokens attend one sequence at a time over their own keys only.
 PADDED_DECODE_MAX_KEYS = 4096
+# The most scores (query rows x heads x keys) a sequence's attention holds at once: its new tokens attend in chunks
+# of rows, so that a step of a long prompt (a large --max-num-batched-tokens) needs a bounded few hundred MB for its
+# scores and their softmax instead of tens of GB (an 8k-token prompt's whole [8k, 128, 8k]).
+PROMPT_SCORE_ELEMENTS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -153,10 +158,13 @@ def paged_mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
             if seq.end == seq.start:
                 continue
             keys = flat[seq.slots].to(q.dtype)  # [L, D]
-            scores = torch.matmul(q[seq.start:seq.end], keys.t()) * scale  # [n, H, L]
-            scores = scores.masked_fill(~seq.visible[:, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[seq.start:seq.end] = torch.matmul(probs, keys[:, :kv_lora_rank])
+            rows = max(1, PROMPT_SCORE_ELEMENTS // (q.shape[1] * keys.shape[0]))
+            for start in range(seq.start, seq.end, rows):
+                end = min(start + rows, seq.end)
+                scores = torch.matmul(q[start:end], keys.t()) * scale  # [rows, H, L]
+                scores = scores.masked_fill(~seq.visible[start - seq.start:end - seq.start, None, :], float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                out[start:end] = torch.matmul(probs, keys[:, :kv_lora_rank])
         return out
     if q_latent.is_cuda and mla_decode_triton.available() and mla_decode_triton.supports(kv_lora_rank, q_pe.shape[-1]):
         return mla_decode_triton.mla_decode(q_latent, q_pe, cache, meta.block_tables, meta.key_counts, scale)
