@@ -25,11 +25,15 @@ def test_warm_up_leaves_a_fresh_engine(monkeypatch: pytest.MonkeyPatch) -> None:
         return run(logits, params, generators, history, banned)
 
     monkeypatch.setattr(engine.sampler, "run", spy)
+    step_tokens = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", lambda batch: step_tokens.append(batch.num_tokens) or forward(batch))
     seconds = warm_up.warm_up(engine)
     assert seconds > 0 and not engine.has_work() and not engine.requests
     lengths = warm_up.PROMPT_LENGTHS
-    # And one prompt that fills a step (no graphs on CPU: steps run eagerly).
-    assert len(sampled) == (len(lengths) * len(warm_up.PARAMS) + 1) * warm_up.MAX_TOKENS
+    # And two prompts that fill a step each (no graphs on CPU: steps run eagerly), alone: 16 tokens and 15.
+    assert len(sampled) == (len(lengths) * len(warm_up.PARAMS) + 2) * warm_up.MAX_TOKENS
+    assert warm_up.eager_step_lengths(engine) == [16, 15] and {16, 15} <= set(step_tokens)
     assert {p for p, _, _ in sampled} == set(warm_up.PARAMS)
     assert any(penalized for _, penalized, _ in sampled) and any(banned for _, _, banned in sampled)
     assert engine.model.max_batch_tokens == engine.scheduler.token_budget and engine.model.num_forwards > len(lengths)

@@ -3,9 +3,11 @@ request can take runs once (and every kernel it launches is compiled, and every 
 before the first real request pays for it: greedy and sampled draws (temperature, min_p, top-k, top-p,
 seeded or not), penalties, min_tokens, logprobs and prompt logprobs, at prompt lengths that reach
 Triton's specialisations (1, a multiple of 16, another). Step graphs are captured before it; its steps
-replay them. Where a step may hold more tokens than the largest graph (or no graphs run here), one more
-prompt fills a whole step, which runs eagerly (in normal mode with deepep_mode "auto"). Afterwards the
-prefix cache and the step counters are as at start.
+replay them. Where a step may hold more tokens than the largest graph (or no graphs run here), two more
+prompts follow, one at a time, each a step of its own that runs eagerly (in normal mode with deepep_mode
+"auto"): as long as a step may be, rounded down to a multiple of 16, and one token shorter, since Triton
+compiles a kernel once for each class of its token count. Afterwards the prefix cache and the step counters
+are as at start.
 
 Expert-parallel ranks warm up together: every rank runs the same requests, stepping with its peers'
 agreement until no rank has work."""
@@ -40,21 +42,34 @@ def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
     for length in PROMPT_LENGTHS:
         for j, params in enumerate(PARAMS):
             engine.add_request(f"warm-up-{length}-{j}", prompt_of(engine, length), params)
-    budget, graphs = engine.scheduler.token_budget, engine.runner.captured_sizes
-    if not graphs or budget > graphs[-1]:
-        length = min(budget, engine.max_model_len - MAX_TOKENS)
-        engine.add_request("warm-up-eager", prompt_of(engine, length), PARAMS[0])
-    for _ in range(MAX_STEPS):
-        engine.step(sync)
-        if not engine.has_work() and (sync is None or not sync.plan.step):
-            break
-    else:
-        raise RuntimeError(f"warm-up: requests not done after {MAX_STEPS} steps")
+    run_to_completion(engine, sync)
+    for i, length in enumerate(eager_step_lengths(engine), start=1):
+        # Starting at another id than every earlier warm-up prompt: the prefix cache serves none of it.
+        engine.add_request(f"warm-up-eager-{length}", prompt_of(engine, length, first=i), PARAMS[0])
+        run_to_completion(engine, sync)
     engine.forget_history()
     return time.perf_counter() - start
 
 
-def prompt_of(engine: LLMEngine, length: int) -> list[int]:
-    """A warm-up prompt of `length` token ids (PROMPT_IDS over and over, within the vocabulary)."""
+def eager_step_lengths(engine: LLMEngine) -> list[int]:
+    """Prompt lengths whose first step runs eagerly, past the largest step graph (any length without graphs):
+    the longest step, rounded down to a multiple of 16, and one token less."""
+    graphs = engine.runner.captured_sizes
+    longest = min(engine.scheduler.token_budget, engine.max_model_len - MAX_TOKENS)
+    top = max(longest - longest % 16, 2)
+    return [n for n in (top, top - 1) if not graphs or n > graphs[-1]]
+
+
+def run_to_completion(engine: LLMEngine, sync: StepSync | None) -> None:
+    """Step until no rank has work (sync: the peers' agreement, None: alone)."""
+    for _ in range(MAX_STEPS):
+        engine.step(sync)
+        if not engine.has_work() and (sync is None or not sync.plan.step):
+            return
+    raise RuntimeError(f"warm-up: requests not done after {MAX_STEPS} steps")
+
+
+def prompt_of(engine: LLMEngine, length: int, first: int = 0) -> list[int]:
+    """A warm-up prompt of `length` token ids: PROMPT_IDS within the vocabulary over and over, from its `first`."""
     ids = [i for i in PROMPT_IDS if i < engine.vocab_size] or [0]
-    return [ids[i % len(ids)] for i in range(length)]
+    return [ids[(first + i) % len(ids)] for i in range(length)]
