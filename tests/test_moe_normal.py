@@ -141,3 +141,27 @@ def test_mode_errors() -> None:
         layer(x, mode="normal")
     with pytest.raises(ValueError, match=r"hidden_states: expected bf16 \[N, 256\], got torch.float32"):
         layer(x.float(), mode="normal")
+
+
+def test_normal_mode_packs_a_multiple_of_16_rows_per_expert(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The packed layout's rows per expert are the busiest expert's count rounded up to PACKED_ROWS_MULTIPLE (16),
+    so that the expert GEMM's strides fall in one class whatever the routing (one Triton compile, at warm-up)."""
+    cfg = MoeConfig()
+    gen = torch.Generator().manual_seed(seed)
+    buffer = make_buffer(None, cfg.max_tokens, cfg.hidden, cfg.num_experts, "reference", "cpu", normal_mode=True)
+    layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, None, n_group=cfg.n_group,
+                     topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                     n_shared_experts=cfg.n_shared_experts, buffer=buffer, max_tokens_per_rank=cfg.max_tokens)
+    layer.load_weights(hf_weights(cfg, gen, "bf16").items())
+    packed = []
+    run = layer.run_experts
+
+    def spy(inputs: torch.Tensor, recv_count: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        packed.append((inputs.shape[1], int(recv_count.max())))
+        return run(inputs, recv_count, out)
+
+    monkeypatch.setattr(layer, "run_experts", spy)
+    for n in (cfg.max_tokens + 1, 2 * cfg.max_tokens + 7):
+        x = torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16)
+        layer(x, mode="normal")
+    assert len(packed) == 2 and all(m % 16 == 0 and busiest <= m < busiest + 16 for m, busiest in packed), packed
