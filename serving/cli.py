@@ -22,11 +22,12 @@ from .api.connections import (
 from .engine.engine_config import (
     DEEPEP_MODES,
     DEFAULT_LOADER,
-    DEFAULT_MAX_TOKENS_PER_RANK,
+    DEFAULT_NORMAL_BUDGET,
     EP_BACKENDS,
     EP_TRANSPORTS,
     LOAD_FORMATS,
     MOE_OVERLAPS,
+    NORMAL_MODE_MAX_RANKS,
     EngineConfig,
 )
 from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
@@ -161,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=human_int, default=None, metavar="N",
                    help="tokens a rank schedules per step (vLLM's per-engine budget: each data-parallel rank "
                         "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "
-                        "--max-tokens-per-rank, or 2048 with --deepep-mode auto or normal)")
+                        f"{DEFAULT_NORMAL_BUDGET} with --deepep-mode auto or normal, as vLLM's on an H100 or H200; "
+                        "with low_latency --max-tokens-per-rank)")
     p.add_argument("--long-prefill-token-threshold", type=human_int, default=0, metavar="N",
                    help="at most N of a prompt's tokens in one step (its later chunks in the steps after), so that "
                         "sequences decoding beside a long prompt keep their step time; 0 (default): the step "
@@ -250,10 +252,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="1 only: ep-serve scales by --data-parallel-size N with --enable-expert-parallel (attention "
                         "replicated on every rank, the experts sharded over them), not by tensor parallelism")
-    p.add_argument("--deepep-mode", choices=DEEPEP_MODES, default="low_latency",
+    p.add_argument("--deepep-mode", choices=DEEPEP_MODES, default=None,
                    help="the MoE layers' dispatch and combine (SGLang's flag): 'low_latency' every step, 'normal' "
                         "(high-throughput) every step, or 'auto': normal mode for steps in which a rank holds "
-                        "more than --max-tokens-per-rank tokens (long prefills), low-latency for the others")
+                        f"more than --max-tokens-per-rank tokens (long prefills), low-latency for the others "
+                        f"(default: 'auto' where the ranks run on one host, {NORMAL_MODE_MAX_RANKS} at most, which "
+                        f"normal mode needs; else 'low_latency')")
     p.add_argument("--moe-overlap", choices=MOE_OVERLAPS, default="none",
                    help="how a low-latency MoE layer overlaps its dispatch and combine with its expert GEMMs: 'none' "
                         "(beside the shared expert only), 'sbo' (single-batch overlap, SGLang's "
@@ -369,16 +373,6 @@ def _flag_named(error: ValueError) -> str:
     return f"{flag}:{rest}"
 
 
-def low_latency_tokens(args: argparse.Namespace) -> int:
-    """The low-latency dispatch's T: --max-tokens-per-rank, else in low-latency mode the step budget
-    (every step goes through that buffer), else 256."""
-    if args.max_tokens_per_rank is not None:
-        return args.max_tokens_per_rank
-    if args.deepep_mode == "low_latency" and args.max_num_batched_tokens is not None:
-        return args.max_num_batched_tokens
-    return DEFAULT_MAX_TOKENS_PER_RANK
-
-
 def engine_config(args: argparse.Namespace, model: str, served_name: str, loader: str = DEFAULT_LOADER) -> EngineConfig:
     """The parsed flags as an EngineConfig for the checkpoint directory `model` (dtype "auto" and the
     quantization are resolved against the checkpoint afterwards: EngineConfig.resolved)."""
@@ -402,7 +396,7 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         model=model, served_model_name=served_name, tokenizer=tokenizer, dtype=DTYPES[args.dtype],
         quantization=args.quantization, loader=loader, load_format=args.load_format,
         max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_tokens_per_rank=low_latency_tokens(args),
+        max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold, deepep_mode=args.deepep_mode,
         moe_overlap=args.moe_overlap,

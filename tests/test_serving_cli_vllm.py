@@ -205,22 +205,24 @@ def test_max_num_seqs_defaults_as_vllms_capped_by_the_step():
 
 def test_max_num_batched_tokens_is_the_per_rank_step_budget(capsys):
     """In low-latency mode every step goes through the low-latency buffer: the budget is its T."""
-    assert (config().max_tokens_per_rank, config().token_budget) == (256, 256)
+    ll = ("--deepep-mode", "low_latency")
+    assert (config(*ll).max_tokens_per_rank, config(*ll).token_budget) == (256, 256)
     for argv in (("--max-num-batched-tokens", "512"), ("--max-tokens-per-rank", "512")):
-        assert (config(*argv).max_tokens_per_rank, config(*argv).token_budget) == (512, 512), argv
-    assert config("--max-num-batched-tokens", "1K").max_tokens_per_rank == 1024  # vLLM's human-readable ints
-    assert config("--max-num-batched-tokens", "1k", "--max-num-seqs", "8").max_tokens_per_rank == 1000
-    assert config("--max-tokens-per-rank", "512", "--max-num-batched-tokens", "128").token_budget == 128
+        assert (config(*ll, *argv).max_tokens_per_rank, config(*ll, *argv).token_budget) == (512, 512), argv
+    assert config(*ll, "--max-num-batched-tokens", "1K").max_tokens_per_rank == 1024  # vLLM's human-readable ints
+    assert config(*ll, "--max-num-batched-tokens", "1k", "--max-num-seqs", "8").max_tokens_per_rank == 1000
+    assert config(*ll, "--max-tokens-per-rank", "512", "--max-num-batched-tokens", "128").token_budget == 128
     with pytest.raises(ValueError, match=r"max_num_batched_tokens: expected at most max_tokens_per_rank=256 with "
                                          r"deepep_mode 'low_latency' .*, got 1024; deepep_mode 'auto'"):
-        config("--max-tokens-per-rank", "256", "--max-num-batched-tokens", "1K")
+        config(*ll, "--max-tokens-per-rank", "256", "--max-num-batched-tokens", "1K")
     assert config("--max-model-len", "25.6k").max_model_len == 25600
     assert config("--max-model-len", "4K").max_model_len == 4096
     assert "a binary suffix (K) takes a whole number" in usage_error(capsys, "--max-model-len", "1.5K")
+    for mode in ("low_latency", "auto"):
+        with pytest.raises(ValueError, match="max_num_batched_tokens: expected >= 1"):
+            config("--max-num-batched-tokens", "0", "--deepep-mode", mode)
     with pytest.raises(ValueError, match="max_tokens_per_rank: expected >= 1"):
-        config("--max-num-batched-tokens", "0")
-    with pytest.raises(ValueError, match="max_num_batched_tokens: expected >= 1"):
-        config("--max-num-batched-tokens", "0", "--deepep-mode", "auto")
+        config("--max-tokens-per-rank", "0")
 
 
 def test_long_prefill_token_threshold_as_vllms():
@@ -237,10 +239,14 @@ def test_long_prefill_token_threshold_as_vllms():
 
 
 def test_deepep_mode_sets_the_step_budget_apart_from_the_low_latency_t(capsys):
-    """SGLang's --deepep-mode: with normal mode a step may hold more tokens than the low-latency T."""
-    assert config().deepep_mode == "low_latency"
-    auto = config("--deepep-mode", "auto")
-    assert (auto.deepep_mode, auto.max_tokens_per_rank, auto.token_budget) == ("auto", 256, 2048)
+    """SGLang's --deepep-mode: with normal mode a step may hold more tokens than the low-latency T. By default
+    (SGLang's default too) 'auto', with vLLM's step budget on an H100 or H200 (8192), where normal mode reaches
+    every rank: one host, at most 8 ranks; else 'low_latency', whose T follows --max-num-batched-tokens."""
+    default = config()
+    assert (default.deepep_mode, default.max_tokens_per_rank, default.token_budget) == ("auto", 256, 8192)
+    assert config("--data-parallel-size", "8", "--enable-expert-parallel").deepep_mode == "auto"
+    wide = config("--data-parallel-size", "16", "--enable-expert-parallel", "--max-num-batched-tokens", "512")
+    assert (wide.deepep_mode, wide.max_tokens_per_rank, wide.token_budget) == ("low_latency", 512, 512)
     auto = config("--deepep-mode", "auto", "--max-num-batched-tokens", "4K", "--max-tokens-per-rank", "128")
     assert (auto.max_tokens_per_rank, auto.token_budget) == (128, 4096)
     normal = config("--deepep-mode", "normal", "--max-num-batched-tokens", "300")
@@ -356,17 +362,18 @@ def test_request_log_wraps_the_metrics(caplog):
 
 def test_startup_summary_states_the_layout():
     info = ModelInfo(512, (1,), 2048, 100, 16, "cpu")
-    ep = config("--enable-expert-parallel", "-dp", "2", "--dtype", "float32").resolved(tiny())
+    ep = config("--enable-expert-parallel", "-dp", "2", "--dtype", "float32", "--deepep-mode", "low_latency"
+                ).resolved(tiny())
     line = startup_summary(ep, tiny(), info, "http://127.0.0.1:8000")
     assert line.startswith("ep-serve ready at http://127.0.0.1:8000: model ckpt (ckpt), dtype float32, 2 data-parallel "
                            "ranks with expert parallelism, 8 of 16 experts a rank, Buffer backend reference over "
                            "torch.distributed (gloo), low-latency dispatch of up to 256 tokens a rank, CUDA graphs "
                            "off (no GPU), on cpu;"), line
-    auto = config("--enable-expert-parallel", "-dp", "2", "--deepep-mode", "auto").resolved(tiny())
-    assert ("dispatch auto: low-latency up to 256 tokens a rank, normal mode above (up to 2048 a step)"
+    auto = config("--enable-expert-parallel", "-dp", "2").resolved(tiny())  # the default mode on one host
+    assert ("dispatch auto: low-latency up to 256 tokens a rank, normal mode above (up to 8192 a step)"
             in startup_summary(auto, tiny(), info, "http://h:1"))
     normal = config("--enable-expert-parallel", "-dp", "2", "--deepep-mode", "normal").resolved(tiny())
-    assert "normal-mode dispatch, 2048 tokens a step" in startup_summary(normal, tiny(), info, "http://h:1")
+    assert "normal-mode dispatch, 8192 tokens a step" in startup_summary(normal, tiny(), info, "http://h:1")
     host1 = config("--enable-expert-parallel", "-dp", "4", "-dpl", "2", "-dpr", "2", "--enforce-eager").resolved(tiny())
     line = startup_summary(host1, tiny(), info, "http://h:1")
     assert "4 data-parallel ranks (2..3 here) with expert parallelism, 4 of 16 experts a rank" in line
@@ -374,7 +381,8 @@ def test_startup_summary_states_the_layout():
     alone = startup_summary(config().resolved(tiny()), tiny(), info, "http://h:1")
     assert "1 data-parallel rank, all 16 experts on each, Buffer backend reference (a rank alone" in alone
     assert "overlap" not in alone
-    sbo = config("--enable-expert-parallel", "-dp", "2", "--moe-overlap", "sbo").resolved(tiny())
+    sbo = config("--enable-expert-parallel", "-dp", "2", "--moe-overlap", "sbo", "--deepep-mode", "low_latency"
+                 ).resolved(tiny())
     assert "low-latency dispatch of up to 256 tokens a rank, MoE overlap sbo," in startup_summary(sbo, tiny(), info,
                                                                                                   "http://h:1")
 

@@ -230,7 +230,7 @@ def test_startup_summary_names_the_transport(gpu_build):
 
     def buffer(*argv: str) -> str:
         line = startup_summary(config(*argv).resolved(tiny), tiny, info, "http://h:1")
-        return line.split("experts a rank, ")[1].split(", low-latency dispatch")[0]
+        return line.split("experts a rank, ")[1].split(", low-latency dispatch")[0].split(", dispatch auto")[0]
 
     gpu_build(True)
     assert buffer(*HOST1) == "Buffer backend cuda over NVSHMEM (--ep-transport auto)"

@@ -11,10 +11,14 @@ from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
 DEFAULT_LOADER = "serving.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
 EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, named here without importing torch
-DEEPEP_MODES = ("low_latency", "auto", "normal")  # SGLang's --deepep-mode values
+# SGLang's --deepep-mode values (its default is auto: sglang/srt/server_args.py, 0.5.17).
+DEEPEP_MODES = ("low_latency", "auto", "normal")
 MOE_OVERLAPS = ("none", "sbo", "dbo", "auto")  # ep_layer.moe.overlap.OVERLAP_MODES, named here without importing torch
 DEFAULT_MAX_TOKENS_PER_RANK = 256
-DEFAULT_NORMAL_BUDGET = 2048  # tokens per step with normal mode (vLLM's default max_num_batched_tokens)
+# Tokens per step with normal mode: vLLM's default max_num_batched_tokens for its OpenAI server on GPUs of 70 GiB
+# or more, such as the H100 and H200 (vllm/engine/arg_utils.py, 0.20.0; 2048 on smaller ones).
+DEFAULT_NORMAL_BUDGET = 8192
+NORMAL_MODE_MAX_RANKS = 8  # ep_layer.layout.MAX_RANKS: normal mode's ranks map each other's buffers, on one host
 DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's default on an H100 or H200, which it caps at the step budget as here
 # Step graph sizes (vLLM's capture sizes): 1, 2, 4, every multiple of 8 below 256, then of 16.
 LADDER_STEP, LADDER_WIDE_FROM, LADDER_WIDE_STEP = 8, 256, 16
@@ -26,12 +30,14 @@ GIB = 1 << 30
 class EngineConfig:
     """model: checkpoint directory. loader: a module with load_model(config, group, device) -> (model,
     tokenizer), run in each rank, and load_tokenizer(config), run in the server (default:
-    serving.loading). max_tokens_per_rank: the low-latency dispatch's T (tokens per rank).
+    serving.loading). max_tokens_per_rank: the low-latency dispatch's T (tokens per rank; None: in
+    low-latency mode max_num_batched_tokens where given, else DEFAULT_MAX_TOKENS_PER_RANK).
     deepep_mode: which Buffer calls the MoE layers use (SGLang's --deepep-mode): "low_latency" for every
     step, "normal" for every step, "auto" normal mode for steps where some rank holds more than
-    max_tokens_per_rank tokens and low-latency for the others. moe_overlap: FusedMoE's `overlap` (how a
-    low-latency step's exchanges overlap its experts). max_num_batched_tokens: the tokens a rank
-    schedules per step (None: max_tokens_per_rank, or with normal mode DEFAULT_NORMAL_BUDGET).
+    max_tokens_per_rank tokens and low-latency for the others; None (SGLang's default too): "auto" where
+    normal mode reaches every rank (`normal_mode_reaches_all`), else "low_latency". moe_overlap: FusedMoE's
+    `overlap` (how a low-latency step's exchanges overlap its experts). max_num_batched_tokens: the tokens a
+    rank schedules per step (None: max_tokens_per_rank, or with normal mode DEFAULT_NORMAL_BUDGET).
     max_model_len / num_kv_blocks: None = from the model / from memory. tokenizer, dtype, quantization,
     gpu_memory_utilization and chat_template mean what vLLM's flags of those names mean (serving.cli).
     ep_transport: how the cuda backend's Buffers reach the other ranks (ep_layer.Buffer's `transport`).
@@ -51,10 +57,10 @@ class EngineConfig:
     load_format: str = "auto"  # "auto": the safetensors; "dummy": random weights (serving.loading.checkpoint)
     max_model_len: int | None = None
     max_num_seqs: int | None = None  # None: default_max_num_seqs (resolved at construction)
-    max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK
+    max_tokens_per_rank: int | None = None  # None: resolved at construction (see above)
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0  # a sequence's most tokens in one step (0: no cap; vLLM's)
-    deepep_mode: str = "low_latency"
+    deepep_mode: str | None = None  # None: resolved at construction (see above)
     moe_overlap: str = "none"  # the MoE layers' low-latency schedule (ep_layer.moe.overlap.OVERLAP_MODES)
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -90,22 +96,29 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: expected a fraction in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        # Frozen: the defaults that depend on other fields are set once, here.
+        if self.deepep_mode is None:
+            object.__setattr__(self, "deepep_mode", "auto" if self.normal_mode_reaches_all else "low_latency")
         if self.deepep_mode not in DEEPEP_MODES:
             raise ValueError(f"deepep_mode: expected one of {DEEPEP_MODES}, got {self.deepep_mode!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
+        if self.max_tokens_per_rank is None:
+            follows_budget = self.deepep_mode == "low_latency" and self.max_num_batched_tokens is not None
+            object.__setattr__(self, "max_tokens_per_rank",
+                               self.max_num_batched_tokens if follows_budget else DEFAULT_MAX_TOKENS_PER_RANK)
         if self.moe_overlap not in MOE_OVERLAPS:
             raise ValueError(f"moe_overlap: expected one of {MOE_OVERLAPS}, got {self.moe_overlap!r}")
         for name in ("max_tokens_per_rank", "block_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: expected >= 1, got {self.max_num_batched_tokens}")
         threshold = self.long_prefill_token_threshold
         if not isinstance(threshold, int) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold: expected an int >= 0, got {threshold!r}")
         if self.max_model_len is not None and threshold > self.max_model_len:
             raise ValueError(f"long_prefill_token_threshold: expected at most max_model_len={self.max_model_len}, "
                              f"got {threshold}")
-        if self.max_num_seqs is None:  # frozen: set once, here
+        if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", self.default_max_num_seqs)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected >= 1, got {self.max_num_seqs}")
@@ -168,6 +181,11 @@ class EngineConfig:
             raise ValueError(f"ep_transport: 'ipc' (CUDA IPC) reaches the GPUs of one host, and the ranks run on "
                              f"{self.nnodes or 'several'} hosts; use 'auto' or 'nvshmem' (or nnodes=1 for several "
                              f"ep-serve processes on one host)")
+
+    @property
+    def normal_mode_reaches_all(self) -> bool:
+        """Normal mode's kernels reach every rank: the ranks run on one host, NORMAL_MODE_MAX_RANKS of them at most."""
+        return self.data_parallel_size <= NORMAL_MODE_MAX_RANKS and not self.spans_hosts
 
     @property
     def token_budget(self) -> int:
