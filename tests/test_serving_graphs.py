@@ -347,3 +347,17 @@ def generate(engine: LLMEngine, prompt_ids: list[list[int]], lengths: list[int],
             got[out.request_id] += out.new_token_ids
         steps += 1
     return got
+
+
+def test_eager_block_tables_have_a_multiple_of_16_columns(checkpoint: str) -> None:
+    """An eager step's block tables are as wide as its longest sequence's table rounded up to EAGER_TABLE_COLUMNS
+    (16), so that the attention kernel sees one class of width whatever the step holds; the padding is -1."""
+    engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
+    for i, length in enumerate((3, 20, 50)):
+        engine.add_request(f"r{i}", list(range(3, 3 + length)), SamplingParams(max_tokens=2, ignore_eos=True))
+    batch = engine.scheduler.schedule(0.0)
+    inputs = engine.runner.prepare(batch)
+    used = max(len(seq.block_table) for seq in batch.seqs)
+    tables = inputs.block_tables
+    assert used % 16 and tables.shape[1] == -(-used // 16) * 16
+    assert (tables[:, used:] == -1).all() and (tables[:, :1] >= 0).all()
