@@ -5,6 +5,7 @@ expert-parallel ranks run them in step (FakeModel checks every forward lines up)
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_harness import run_ranks
 from serving_fakes import reference_greedy
 from test_serving_engine import GREEDY, greedy_in_step, make_engine, tokens
@@ -77,3 +78,21 @@ def test_expert_parallel_ranks_warm_up_together() -> None:
     results = run_ranks(_warm_up_rank, 2, timeout_s=60)
     assert all(r["ok"] for r in results), results
     assert results[0]["warm_up_forwards"] == results[1]["warm_up_forwards"] > 0
+
+
+def test_an_eager_step_out_of_memory_names_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm-up eager step that runs out of GPU memory (the KV cache was sized before any step that long ran)
+    fails start-up with the two flags that make room, not a bare allocator error."""
+    engine = make_engine(budget=16, max_num_seqs=8)
+    step = engine.step
+
+    def short_of_memory(sync=None):
+        if any(name.startswith("warm-up-eager") for name in engine.requests):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(sync)
+
+    monkeypatch.setattr(engine, "step", short_of_memory)
+    with pytest.raises(RuntimeError, match=r"warm-up: a step of 16 tokens ran out of GPU memory; lower "
+                                           r"--max-num-batched-tokens \(the step budget, 16 tokens\) or "
+                                           r"--gpu-memory-utilization .*Tried to allocate 2.00 GiB"):
+        warm_up.warm_up(engine)

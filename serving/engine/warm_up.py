@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from .engine import LLMEngine
 from .sequence import SamplingParams
 from .step_sync import StepSync
@@ -46,7 +48,12 @@ def warm_up(engine: LLMEngine, sync: StepSync | None = None) -> float:
     for i, length in enumerate(eager_step_lengths(engine), start=1):
         # Starting at another id than every earlier warm-up prompt: the prefix cache serves none of it.
         engine.add_request(f"warm-up-eager-{length}", prompt_of(engine, length, first=i), PARAMS[0])
-        run_to_completion(engine, sync)
+        try:
+            run_to_completion(engine, sync)
+        except torch.cuda.OutOfMemoryError as e:  # the KV cache was sized before any step this long ran
+            raise RuntimeError(f"warm-up: a step of {length} tokens ran out of GPU memory; lower "
+                               f"--max-num-batched-tokens (the step budget, {engine.scheduler.token_budget} tokens) "
+                               f"or --gpu-memory-utilization (the KV cache's share of the GPU): {e}") from e
     engine.forget_history()
     return time.perf_counter() - start
 
