@@ -422,8 +422,9 @@ def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
         assert ready[1] == server.url, ready[0]
         assert ready[2].startswith(f"model ep-layer-tiny ({model_dir}), dtype float32, 2 data-parallel ranks with "
                                    f"expert parallelism, 8 of 16 experts a rank, Buffer backend reference over "
-                                   f"torch.distributed (gloo), low-latency dispatch of up to 256 tokens a rank, CUDA "
-                                   f"graphs off (no GPU), on cpu; KV cache "), ready[0]
+                                   f"torch.distributed (gloo), dispatch auto: low-latency up to 256 tokens a rank, "
+                                   f"normal mode above (up to 8192 a step), CUDA graphs off (no GPU), on cpu; KV "
+                                   f"cache "), ready[0]
         assert ready[2].endswith("blocks of 16 tokens a rank, prefix caching on, max_model_len 2048"), ready[0]
         assert server.log.read_text().count("ep-serve ready at") == 1
         resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
