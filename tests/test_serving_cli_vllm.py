@@ -20,6 +20,7 @@ The names, defaults and meanings follow vLLM (vllm-project/vllm) at these commit
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import os
 import re
@@ -32,6 +33,7 @@ import httpx
 import pytest
 import torch
 from deploy_helpers import ROOT, EPServe
+from engine_sources import SGLANG_VERSION, VLLM_VERSIONS, source_dir
 
 from serving.cli import (
     UVICORN_LOG_LEVELS,
@@ -44,7 +46,7 @@ from serving.cli import (
     startup_summary,
 )
 from serving.engine.dp_coordinator import Counted
-from serving.engine.engine_config import GIB, EngineConfig
+from serving.engine.engine_config import DEFAULT_MAX_NUM_SEQS, DEFAULT_NORMAL_BUDGET, GIB, EngineConfig
 from serving.engine.messages import ModelInfo, RequestOutput
 from serving.model_config import ConfigError, ModelConfig
 from serving.tiny_model import FP8_QUANTIZATION, TINY_CONFIG, write_config_and_tokenizer
@@ -252,6 +254,33 @@ def test_deepep_mode_sets_the_step_budget_apart_from_the_low_latency_t(capsys):
     normal = config("--deepep-mode", "normal", "--max-num-batched-tokens", "300")
     assert (normal.deepep_mode, normal.max_tokens_per_rank, normal.token_budget) == ("normal", 256, 300)
     assert "invalid choice: 'fast'" in usage_error(capsys, "--deepep-mode", "fast")
+
+
+def vllm_h100_server_defaults(version: str) -> dict[str, int]:
+    """vLLM's OpenAI-server defaults on GPUs of 70 GiB or more (H100, H200), as its EngineArgs source sets them: the
+    `default_*` dicts of the branch on `device_memory >= 70 * GiB_bytes` in vllm/engine/arg_utils.py."""
+    tree = ast.parse((source_dir("vllm", version) / "vllm" / "engine" / "arg_utils.py").read_text())
+    branch = next(node for node in ast.walk(tree)
+                  if isinstance(node, ast.If) and "device_memory >= 70 * GiB_bytes" in ast.unparse(node.test))
+    return {stmt.targets[0].id: ast.literal_eval(value)
+            for stmt in branch.body if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Dict)
+            for key, value in zip(stmt.value.keys, stmt.value.values)
+            if ast.unparse(key) == "UsageContext.OPENAI_API_SERVER"}
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_step_budget_and_sequences_default_as_vllms_server_on_an_h100(version: str) -> None:
+    assert vllm_h100_server_defaults(version) == {"default_max_num_batched_tokens": DEFAULT_NORMAL_BUDGET,
+                                                  "default_max_num_seqs": DEFAULT_MAX_NUM_SEQS}
+
+
+def test_deepep_mode_defaults_as_sglangs() -> None:
+    """SGLang's ServerArgs.deepep_mode defaults to auto (its own source); so does ep-serve's on one host."""
+    tree = ast.parse((source_dir("sglang", SGLANG_VERSION) / "sglang" / "srt" / "server_args.py").read_text())
+    server_args = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "ServerArgs")
+    field = next(stmt for stmt in server_args.body
+                 if isinstance(stmt, ast.AnnAssign) and ast.unparse(stmt.target) == "deepep_mode")
+    assert ast.literal_eval(field.value) == config().deepep_mode == "auto"
 
 
 def test_moe_overlap_reaches_the_config_with_the_layers_modes(capsys):
