@@ -165,3 +165,28 @@ def test_normal_mode_packs_a_multiple_of_16_rows_per_expert(monkeypatch: pytest.
         x = torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16)
         layer(x, mode="normal")
     assert len(packed) == 2 and all(m % 16 == 0 and busiest <= m < busiest + 16 for m, busiest in packed), packed
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_normal_mode_buffer_holds_a_step_of_its_tokens_on_every_rank(ranks: int) -> None:
+    """normal_mode_bytes for 8,192 tokens a rank passes the cuda backend's own capacity checks for a dispatch of that
+    many bf16 tokens (top-8) and a combine of every rank's; DeepEP's size hint alone fails that combine from 2 ranks."""
+    from ep_layer.backends.cuda_normal import CudaNormalMode
+    from ep_layer.config import Config
+    from ep_layer.layout import normal_half_bytes, row_stride
+    from ep_layer.moe.layer import normal_mode_bytes
+
+    hidden, tokens, k = 7168, 8192, 8
+
+    def mode_with(num_bytes: int) -> CudaNormalMode:
+        mode = object.__new__(CudaNormalMode)  # its capacity check reads these two only
+        mode._half, mode._num_bytes = normal_half_bytes(num_bytes), num_bytes
+        return mode
+
+    sized = mode_with(normal_mode_bytes(tokens, hidden, ranks))
+    sized._check_capacity("dispatch", tokens, row_stride(2 * hidden, 0, 8 * k, 4 * k), ranks)
+    sized._check_capacity("combine", ranks * tokens, 2 * hidden, 4 * k)
+    hint = mode_with(Config().get_nvl_buffer_size_hint(2 * hidden, ranks))
+    if ranks > 1:
+        with pytest.raises(ValueError, match="num_nvl_bytes: expected at least"):
+            hint._check_capacity("combine", ranks * tokens, 2 * hidden, 4 * k)

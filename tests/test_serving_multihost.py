@@ -262,11 +262,13 @@ def test_host_count_errors(argv: list[str], message: str):
 
 def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """serving.loading makes the model's one Buffer through ep_layer.moe.make_buffer, with
-    --ep-transport, sized for normal mode exactly when --deepep-mode may use it."""
+    --ep-transport, sized for normal mode exactly when --deepep-mode may use it, and then for a step of the whole
+    token budget."""
     import torch
 
     import ep_layer.moe.layer
     from ep_layer import Buffer
+    from ep_layer.moe.layer import normal_mode_bytes
     from serving import loading
     from serving.engine.engine_config import EngineConfig
     from serving.model_config import ModelConfig
@@ -290,3 +292,7 @@ def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monke
     nvl = {mode: loading.make_ep_buffer(EngineConfig(model=cfg.model, deepep_mode=mode), checkpoint, None,
                                         cpu).num_nvl_bytes for mode in ("low_latency", "auto")}
     assert nvl["low_latency"] == 0 < nvl["auto"]
+    # Normal mode's buffer holds a step of the whole budget: past DeepEP's size hint where the budget needs it.
+    big = EngineConfig(model=cfg.model, deepep_mode="auto", max_num_batched_tokens=32768)
+    assert (loading.make_ep_buffer(big, checkpoint, None, cpu).num_nvl_bytes
+            == normal_mode_bytes(32768, checkpoint.hidden_size, 1) > nvl["auto"])

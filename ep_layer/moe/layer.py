@@ -31,6 +31,7 @@ from ..backends.exchange import group_rank_and_size
 from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
 from ..config import Config
+from ..layout import MAX_TOPK, normal_buffer_bytes, row_stride, stage_bytes
 from ..quant import FP8_GROUP
 from ..streams import current_stream, record
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
@@ -415,16 +416,32 @@ def _check_sizes(hidden: int, intermediate: int, n_shared_experts: int, max_toke
 
 def make_buffer(group: dist.ProcessGroup | None, max_tokens_per_rank: int, hidden: int, num_experts: int,
                 backend: str = "auto", device: torch.device | str | None = None, *,
-                normal_mode: bool = False, transport: str = "auto") -> Buffer:
+                normal_mode: bool = False, normal_tokens: int | None = None, transport: str = "auto") -> Buffer:
     """A low-latency Buffer for `group` (None: the default group, else one rank) sized for MoE layers on
     `device` that dispatch up to max_tokens_per_rank tokens of `hidden` channels to num_experts experts;
-    with `normal_mode`, sized for normal-mode calls too (FusedMoE.forward(..., mode="normal")). `transport`
+    with `normal_mode`, sized for normal-mode calls too (FusedMoE.forward(..., mode="normal")): of up to
+    `normal_tokens` tokens a rank (normal_mode_bytes), and at least DeepEP's size hint (Config). `transport`
     is the Buffer's (the cuda backend's CUDA IPC or NVSHMEM)."""
     _, ranks = group_rank_and_size(group)
     if num_experts % ranks:
         raise ValueError(f"num_experts: expected a multiple of the EP size {ranks}, got {num_experts}")
     size = Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden, ranks, num_experts)
-    nvl_bytes = Config().get_nvl_buffer_size_hint(2 * hidden, ranks) if normal_mode else 0
+    nvl_bytes = 0
+    if normal_mode:
+        nvl_bytes = Config().get_nvl_buffer_size_hint(2 * hidden, ranks)
+        if normal_tokens is not None:
+            nvl_bytes = max(nvl_bytes, normal_mode_bytes(normal_tokens, hidden, ranks))
     backend = resolve_backend(backend, device=torch.empty(0, device=device).device)
     return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
                   transport=transport)
+
+
+def normal_mode_bytes(tokens: int, hidden: int, ranks: int) -> int:
+    """num_nvl_bytes for normal-mode calls of up to `tokens` tokens a rank among `ranks` ranks. Calls stage their
+    rows whole (csrc/normal.cuh): a dispatch its tokens (bf16 rows at most, with FP8 scales, top-k ids and weights,
+    and is_token_in_rank), a combine the rows it received, which are every rank's tokens at most (bf16, with top-k
+    weights). DeepEP's size hint (Config) holds 10,240 rows, fewer than a combine of two ranks' 8,192-token steps."""
+    row = row_stride(2 * hidden, 2 * hidden // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)
+    dispatch = stage_bytes(tokens, row, ranks)
+    combine = stage_bytes(tokens * ranks, 2 * hidden, 4 * MAX_TOPK)
+    return normal_buffer_bytes(max(dispatch, combine))

@@ -33,12 +33,14 @@ def load_model(config: EngineConfig, group: dist.ProcessGroup | None, device: to
 
 def make_ep_buffer(config: EngineConfig, checkpoint: ModelConfig, group: dist.ProcessGroup | None,
                    device: torch.device) -> Buffer | None:
-    """The Buffer all MoE layers of `checkpoint` share (None without MoE layers), with config.ep_transport."""
+    """The Buffer all MoE layers of `checkpoint` share (None without MoE layers), with config.ep_transport; with normal
+    mode, for steps of the whole token budget."""
     if checkpoint.first_k_dense_replace >= checkpoint.num_hidden_layers:
         return None
+    normal_mode = config.deepep_mode != "low_latency"
     return make_buffer(group, config.max_tokens_per_rank, checkpoint.hidden_size, checkpoint.n_routed_experts,
-                       ep_backend_for(config, device), device, normal_mode=config.deepep_mode != "low_latency",
-                       transport=config.ep_transport)
+                       ep_backend_for(config, device), device, normal_mode=normal_mode,
+                       normal_tokens=config.token_budget if normal_mode else None, transport=config.ep_transport)
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
