@@ -40,8 +40,7 @@ class Config:
         buffer."""
         check_positive_int(hidden_bytes, "hidden_bytes")
         num_ranks = min(check_positive_int(num_ranks, "num_ranks"), MAX_RANKS)  # the NVLink peers of one node
-        row = row_stride(hidden_bytes, hidden_bytes // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)
-        return normal_buffer_bytes(stage_bytes(self.tokens_per_call, row, num_ranks))
+        return normal_buffer_bytes(stage_bytes(self.tokens_per_call, _dispatch_row(hidden_bytes), num_ranks))
 
     @property
     def tokens_per_call(self) -> int:
@@ -62,3 +61,18 @@ class Config:
         fields = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                   "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
         return "Config(" + ", ".join(f"{f}={getattr(self, f)}" for f in fields) + ")"
+
+
+def normal_mode_bytes(tokens: int, hidden: int, ranks: int) -> int:
+    """num_nvl_bytes for normal-mode calls of up to `tokens` tokens a rank among `ranks` ranks (ep_layer.moe's
+    make_buffer). Calls stage their rows whole (csrc/normal.cuh): a dispatch its tokens (bf16 rows at most, as
+    the hint sizes them), a combine the rows it received, which are every rank's tokens at most (bf16, with top-k
+    weights). The hint's 10,240 rows are fewer than a combine of two ranks' 8,192-token steps."""
+    dispatch = stage_bytes(tokens, _dispatch_row(2 * hidden), ranks)
+    combine = stage_bytes(tokens * ranks, 2 * hidden, 4 * MAX_TOPK)
+    return normal_buffer_bytes(max(dispatch, combine))
+
+
+def _dispatch_row(hidden_bytes: int) -> int:
+    """Bytes of a staged dispatch row at most: a token's row, its FP8 scales, top-k ids and weights."""
+    return row_stride(hidden_bytes, hidden_bytes // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)

@@ -144,7 +144,7 @@ def test_mode_errors() -> None:
 
 
 def test_normal_mode_packs_a_multiple_of_16_rows_per_expert(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    """The packed layout's rows per expert are the busiest expert's count rounded up to PACKED_ROWS_MULTIPLE (16),
+    """The packed layout's rows per expert are the busiest expert's count rounded up to SPECIALIZED_MULTIPLE (16),
     so that the expert GEMM's strides fall in one class whatever the routing (one Triton compile, at warm-up)."""
     cfg = MoeConfig()
     gen = torch.Generator().manual_seed(seed)
@@ -172,9 +172,8 @@ def test_normal_mode_buffer_holds_a_step_of_its_tokens_on_every_rank(ranks: int)
     """normal_mode_bytes for 8,192 tokens a rank passes the cuda backend's own capacity checks for a dispatch of that
     many bf16 tokens (top-8) and a combine of every rank's; DeepEP's size hint alone fails that combine from 2 ranks."""
     from ep_layer.backends.cuda_normal import CudaNormalMode
-    from ep_layer.config import Config
+    from ep_layer.config import Config, normal_mode_bytes
     from ep_layer.layout import normal_half_bytes, row_stride
-    from ep_layer.moe.layer import normal_mode_bytes
 
     hidden, tokens, k = 7168, 8192, 8
 

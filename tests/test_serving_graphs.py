@@ -350,7 +350,7 @@ def generate(engine: LLMEngine, prompt_ids: list[list[int]], lengths: list[int],
 
 
 def test_eager_block_tables_have_a_multiple_of_16_columns(checkpoint: str) -> None:
-    """An eager step's block tables are as wide as its longest sequence's table rounded up to EAGER_TABLE_COLUMNS
+    """An eager step's block tables are as wide as its longest sequence's table rounded up to SPECIALIZED_MULTIPLE
     (16), so that the attention kernel sees one class of width whatever the step holds; the padding is -1."""
     engine = make_engine(checkpoint, "cpu", use_cuda_graphs=False, backend="reference")
     for i, length in enumerate((3, 20, 50)):

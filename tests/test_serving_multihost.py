@@ -268,7 +268,7 @@ def test_the_default_loader_gives_its_buffer_the_transport(tmp_path: Path, monke
 
     import ep_layer.moe.layer
     from ep_layer import Buffer
-    from ep_layer.moe.layer import normal_mode_bytes
+    from ep_layer.config import normal_mode_bytes
     from serving import loading
     from serving.engine.engine_config import EngineConfig
     from serving.model_config import ModelConfig

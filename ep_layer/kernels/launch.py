@@ -28,6 +28,9 @@ import torch
 from .triton_support import triton
 
 _INT32 = range(-(2**31), 2**31)
+# Triton specialises an integer argument on its divisibility by this (and on equality to 1): code that keeps an
+# integer in one class (a multiple of it) runs one compiled variant. The key functions below use the literal.
+SPECIALIZED_MULTIPLE = 16
 _MAX_VALUE_KEYS = 4096  # per kernel: its call sites' shapes and strides, a token count's few values each
 
 

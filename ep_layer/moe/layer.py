@@ -30,8 +30,7 @@ from ..backends.base import SendSignals
 from ..backends.exchange import group_rank_and_size
 from ..buffer import Buffer
 from ..checks import MAX_TOKENS_PER_RANK
-from ..config import Config
-from ..layout import MAX_TOPK, normal_buffer_bytes, row_stride, stage_bytes
+from ..config import Config, normal_mode_bytes
 from ..quant import FP8_GROUP
 from ..streams import current_stream, record
 from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
@@ -435,13 +434,3 @@ def make_buffer(group: dist.ProcessGroup | None, max_tokens_per_rank: int, hidde
     return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
                   transport=transport)
 
-
-def normal_mode_bytes(tokens: int, hidden: int, ranks: int) -> int:
-    """num_nvl_bytes for normal-mode calls of up to `tokens` tokens a rank among `ranks` ranks. Calls stage their
-    rows whole (csrc/normal.cuh): a dispatch its tokens (bf16 rows at most, with FP8 scales, top-k ids and weights,
-    and is_token_in_rank), a combine the rows it received, which are every rank's tokens at most (bf16, with top-k
-    weights). DeepEP's size hint (Config) holds 10,240 rows, fewer than a combine of two ranks' 8,192-token steps."""
-    row = row_stride(2 * hidden, 2 * hidden // FP8_GROUP * 4, MAX_TOPK * 8, MAX_TOPK * 4)
-    dispatch = stage_bytes(tokens, row, ranks)
-    combine = stage_bytes(tokens * ranks, 2 * hidden, 4 * MAX_TOPK)
-    return normal_buffer_bytes(max(dispatch, combine))

@@ -16,15 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels.launch import SPECIALIZED_MULTIPLE, cdiv
 from ..quant import FP8_GROUP, per_token_cast_to_fp8
 
 if TYPE_CHECKING:
     from .layer import FusedMoE
-
-# The packed layout's rows per expert (its M) are rounded up to this: Triton compiles the expert GEMM for each
-# class of the strides M sets (divisible by 16 or not), so a step whose busiest expert's count fell in another
-# class than warm-up's would compile on a request's time.
-PACKED_ROWS_MULTIPLE = 16
 
 
 def normal_forward(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
@@ -48,7 +44,8 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
     """Writes bf16 `out` [N, H]: for each received row, Σ_k recv_weights[i, k] · expert(recv_idx[i, k])(row i) over its
     local experts (ids ≥ 0), in float32, ascending k, rounded once; the rows are added to the layer's
     expert-load counters. `most_rows`: the most rows any local expert gets (the packed layout's M, rounded up to
-    PACKED_ROWS_MULTIPLE). No host
+    a multiple of SPECIALIZED_MULTIPLE: Triton compiles the expert GEMM per class of the strides M sets, so a busiest
+    count of another class than warm-up's would compile on a request's time). No host
     sync: every row is placed and gathered by index arithmetic, slots of other ranks' experts going to a
     spare row and masked out of the sum."""
     data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
@@ -61,7 +58,7 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
     pos = picks.long().cumsum(dim=0) - 1
     recv_count = picks.sum(dim=0, dtype=torch.int32)
     layer.expert_load.add_(recv_count)  # the expert-load metrics count both modes' rows
-    m = -(-max(most_rows, 1) // PACKED_ROWS_MULTIPLE) * PACKED_ROWS_MULTIPLE
+    m = cdiv(max(most_rows, 1), SPECIALIZED_MULTIPLE) * SPECIALIZED_MULTIPLE
     local = recv_idx >= 0  # [N, K]
     expert = recv_idx.clamp(min=0)
     # Each (row, slot)'s row of the flat layout [E_l * M (+ a spare row), H].

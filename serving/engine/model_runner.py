@@ -35,6 +35,8 @@ import time
 import numpy as np
 import torch
 
+from ep_layer.kernels.launch import SPECIALIZED_MULTIPLE, cdiv
+
 from ..forward_batch import ForwardBatch, HostLayout, to_device
 from ..models import mla_decode_triton
 from ..models.paged_attention import PADDED_DECODE_MAX_KEYS
@@ -42,10 +44,6 @@ from .graph_upload import upload
 from .scheduler import ScheduledBatch
 
 GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts run eagerly without Triton (module docstring)
-# An eager step's block tables have a multiple of this many columns: Triton compiles the attention kernel per class
-# of the table's width (divisible by 16 or not, 1), so a width of another class than warm-up's steps had would
-# compile on a request's time. (A step graph's tables have max_blocks_per_seq columns, one width.)
-EAGER_TABLE_COLUMNS = 16
 _TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "token_seqs")  # a graph's inputs, one row per token
 _SEQ_ROWS = ("block_tables", "seq_lens", "query_start")  # ... per sequence row (see _rows)
 _LAYOUT = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
@@ -165,8 +163,8 @@ class ModelRunner:
         slots = np.full(tokens, self.pad_block * bs, np.int64)
         token_seqs = np.full(tokens, seqs, np.int64)
         width = max([1] + [len(seq.block_table) for seq in batch.seqs])  # the block table columns it reads
-        if not padded:
-            width = -(-width // EAGER_TABLE_COLUMNS) * EAGER_TABLE_COLUMNS
+        if not padded:  # one class of width for Triton's attention kernel, which warm-up compiled (graphs: one width)
+            width = cdiv(width, SPECIALIZED_MULTIPLE) * SPECIALIZED_MULTIPLE
         rows = seqs + 1 if padded else seqs
         tables = np.full((rows, width), -1, np.int32)
         seq_lens = np.zeros(rows, np.int32)

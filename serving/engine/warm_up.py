@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from ep_layer.kernels.launch import SPECIALIZED_MULTIPLE
+
 from .engine import LLMEngine
 from .sequence import SamplingParams
 from .step_sync import StepSync
@@ -63,7 +65,7 @@ def eager_step_lengths(engine: LLMEngine) -> list[int]:
     the longest step, rounded down to a multiple of 16, and one token less."""
     graphs = engine.runner.captured_sizes
     longest = min(engine.scheduler.token_budget, engine.max_model_len - MAX_TOKENS)
-    top = max(longest - longest % 16, 2)
+    top = max(longest - longest % SPECIALIZED_MULTIPLE, 2)
     return [n for n in (top, top - 1) if not graphs or n > graphs[-1]]
 
 
