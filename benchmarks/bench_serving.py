@@ -726,12 +726,20 @@ def main(argv: list[str] | None = None) -> None:
             args.metrics_out.write_text(httpx.get(f"{url}/metrics", headers=headers, timeout=30).text)
     finally:
         if server is not None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+            stop_server(server)
         log.close()
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the launched server's process group, SIGKILL after 30 s; nothing to do where it has already
+    exited (a server that failed to start: its error, not this one, is what the run reports)."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
