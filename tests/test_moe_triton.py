@@ -390,6 +390,28 @@ def test_triton_fp8_cast_equals_the_pytorch_cast(seed: int) -> None:
     assert torch.equal(rows_data.view(torch.uint8), want_data[1].view(torch.uint8))
 
 
+@pytest.mark.parametrize(("tokens", "hidden"), [(0, 256), (37, 7168), (300, 1000)])
+def test_triton_weighted_rows_equal_the_pytorch_sum(tokens: int, hidden: int, seed: int) -> None:
+    """Normal mode's weighted sum (one kernel) against ExpertKernels' PyTorch sum, bit for bit: rows at magnitudes
+    where a fused multiply-add would round differently, slots of other ranks' experts (-1) whose weights and rows
+    must not count, a hidden size past the kernel's block, and a non-contiguous output."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, topk = 50, 8
+    magnitude = 10.0 ** torch.empty(rows, 1, device="cuda").uniform_(-6, 6, generator=gen)
+    y = (torch.randn(rows, hidden, generator=gen, device="cuda") * magnitude).to(torch.bfloat16)
+    slot = torch.randint(0, rows, (tokens, topk), generator=gen, device="cuda")
+    slot[torch.rand(tokens, topk, generator=gen, device="cuda") < 0.3] = -1
+    weights = torch.rand(tokens, topk, generator=gen, device="cuda") * 3
+    want = TorchExperts().weighted_rows(y, slot, weights, torch.empty(tokens, hidden, dtype=torch.bfloat16,
+                                                                      device="cuda"))
+    got = triton_experts.TritonExperts().weighted_rows(y, slot, weights, torch.empty_like(want))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    wide = torch.zeros(tokens, 2 * hidden, dtype=torch.bfloat16, device="cuda")
+    triton_experts.TritonExperts().weighted_rows(y, slot, weights, wide[:, :hidden])
+    assert torch.equal(wide[:, :hidden].view(torch.int16), want.view(torch.int16))
+    assert not wide[:, hidden:].any()
+
+
 @pytest.mark.parametrize("arrangement", ["neighbours", "shuffled"])
 def test_triton_fp8_cast_of_every_bf16_value(arrangement: str, seed: int) -> None:
     """Every finite bf16 bit pattern (-0 included, arranged as fp8_oracle.every_finite_bf16 says) through

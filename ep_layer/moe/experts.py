@@ -83,6 +83,18 @@ class ExpertKernels(ABC):
         """The second half of dense_mlp: the down projection of dense_gate_up's output (cast to FP8
         first for FP8 weights), bf16 [N, H]."""
 
+    def weighted_rows(self, y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+                      ) -> torch.Tensor:
+        """Normal mode's weighted sum of each token's expert outputs: bf16 `out` [N, H] with
+        out[i] = Σ_k weights[i, k] · y[slot[i, k]] over the entries with slot ≥ 0 (y bf16 [R, H], slot int64 [N, K],
+        weights float32 [N, K]), in float32, ascending k, each product and sum rounded on its own (as the
+        low-latency combine sums), rounded to bf16 once."""
+        acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+        for k in range(slot.shape[1]):
+            term = weights[:, k, None] * y[slot[:, k].clamp(min=0)].float()
+            acc = torch.where(slot[:, k, None] >= 0, acc + term, acc)
+        return out.copy_(acc)
+
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 x [E, M, H] cast per token and 128 channels by ep_layer.quant's rule (rows from
         recv_count[e] on may be left unspecified): (float8_e4m3fn [E, M, H], float32 [E, M, H/128])."""

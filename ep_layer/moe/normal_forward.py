@@ -46,36 +46,37 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
     expert-load counters. `most_rows`: the most rows any local expert gets (the packed layout's M, rounded up to
     a multiple of SPECIALIZED_MULTIPLE: Triton compiles the expert GEMM per class of the strides M sets, so a busiest
     count of another class than warm-up's would compile on a request's time). No host
-    sync: every row is placed and gathered by index arithmetic, slots of other ranks' experts going to a
-    spare row and masked out of the sum."""
+    sync: every row is placed and gathered by index arithmetic; entries of other ranks' experts take no row
+    and no part in the sum (ExpertKernels.weighted_rows)."""
     data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
     n, hidden = data.shape
-    num_local = layer.num_local_experts
-    # picks[i, l]: row i goes to local expert l; its place among expert l's rows is pos[i, l].
-    picks = torch.zeros(n, num_local + 1, dtype=torch.bool, device=data.device)
-    picks.scatter_(1, torch.where(recv_idx >= 0, recv_idx, num_local), True)
-    picks = picks[:, :num_local]
-    pos = picks.long().cumsum(dim=0) - 1
-    recv_count = picks.sum(dim=0, dtype=torch.int32)
+    num_local, topk = layer.num_local_experts, recv_idx.shape[1]
+    device = data.device
+    # Each entry's local expert, in (row, slot) order; num_local: an expert of another rank.
+    expert = torch.where(recv_idx >= 0, recv_idx, num_local).flatten()
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))  # not bincount: on a GPU it reads the largest id
+    recv_count = counts[:num_local].to(torch.int32)
     layer.expert_load.add_(recv_count)  # the expert-load metrics count both modes' rows
+    if n == 0:
+        return
     m = cdiv(max(most_rows, 1), SPECIALIZED_MULTIPLE) * SPECIALIZED_MULTIPLE
-    local = recv_idx >= 0  # [N, K]
-    expert = recv_idx.clamp(min=0)
-    # Each (row, slot)'s row of the flat layout [E_l * M (+ a spare row), H].
-    slot = torch.where(local, expert * m + pos.gather(1, expert), num_local * m)
-    packed = data.new_zeros(num_local * m + 1, hidden)
-    packed_scales = None if scales is None else scales.new_zeros(num_local * m + 1, hidden // FP8_GROUP)
-    for k in range(recv_idx.shape[1]):  # a token's experts are distinct: only the spare row is written twice
-        packed[slot[:, k]] = data
-        if packed_scales is not None:
-            packed_scales[slot[:, k]] = scales
-    inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = packed[:-1].view(num_local, m, hidden)
-    if packed_scales is not None:
-        inputs = (inputs, packed_scales[:-1].view(num_local, m, hidden // FP8_GROUP))
-    y = layer.run_experts(inputs, recv_count).reshape(num_local * m, hidden)
-    acc = torch.zeros(n, hidden, dtype=torch.float32, device=data.device)
-    for k in range(recv_idx.shape[1]):
-        here = local[:, k, None]
-        term = recv_weights[:, k, None] * y[torch.where(local[:, k], slot[:, k], 0)].float()
-        acc = torch.where(here, acc + term, acc)
-    out.copy_(acc)
+    # An entry's place among its expert's rows: a stable sort by expert keeps each expert's entries in row order
+    # (a token's experts are distinct), one sort instead of a running count over [N, E_l].
+    order = torch.sort(expert, stable=True).indices
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel(), device=device) - (counts.cumsum(0) - counts)[expert[order]]
+    spare = num_local * m
+    # Each entry's row of the flat packed layout [E_l * M, H]; the spare index for other ranks' experts.
+    slot = torch.where(expert < num_local, expert * m + place, spare)
+    # The token each packed row holds: one gather packs the rows (rows past an expert's count hold any row: the
+    # GEMMs' rows are independent, and theirs are never read).
+    source = torch.zeros(spare + 1, dtype=torch.int64, device=device)
+    source[slot] = torch.arange(n * topk, device=device) // topk  # several entries reach only the spare
+    source = source[:spare]
+    inputs: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = data.index_select(0, source).view(num_local, m, hidden)
+    if scales is not None:
+        inputs = (inputs, scales.index_select(0, source).view(num_local, m, hidden // FP8_GROUP))
+    y = layer.run_experts(inputs, recv_count).reshape(spare, hidden)
+    slot = torch.where(slot < spare, slot, -1).view(n, topk)
+    layer._kernels_for(device).weighted_rows(y, slot, recv_weights, out)

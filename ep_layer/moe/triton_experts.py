@@ -15,6 +15,7 @@ from ..backends.base import RowsInPlace, SendSignals
 from ..kernels.fp8_cast import cast_rows_to_fp8
 from ..kernels.fp8_linear import fp8_block_linear
 from ..kernels.masked_gemm import completion_signals, masked_grouped_gemm
+from ..kernels.weighted_rows import weighted_rows
 from . import triton_routing
 from .experts import Activation, ExpertKernels, RecvX, check_rows_in_place, split_recv_x
 from .routing import RoutingConfig
@@ -86,6 +87,10 @@ class TritonExperts(ExpertKernels):
         if weights.fp8:
             return fp8_block_linear(act, weights.down[0], weights.down_scale[0])  # it picks its GEMM
         return _bf16_one_expert(act, weights.down, weights.hidden)
+
+    def weighted_rows(self, y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+                      ) -> torch.Tensor:
+        return weighted_rows(y, slot, weights.contiguous(), out)  # one launch (the PyTorch sum takes 5 a slot)
 
     def cast_to_fp8(self, x: torch.Tensor, recv_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cast_rows_to_fp8(x.contiguous(), recv_count)  # one launch (the PyTorch cast takes eight)
