@@ -1,0 +1,92 @@
+"""Where a large prompt step's time goes, in one engine without HTTP: `--prompts` prompts of `--length` tokens
+computed in one step through normal (high-throughput) mode, as ep-serve's default runs steps past the largest
+step graph (8,192 tokens a step). Prints the step's wall time (median of `--repeats` after two warm-ups) and
+the GPU kernels that take the most time in one more step (torch.profiler), by kernel name.
+
+    python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
+    python benchmarks/profile_prompt_step.py /tmp/v3-4l --load-format dummy --prompts 16 --length 512
+    python benchmarks/profile_prompt_step.py        # the built-in tiny model (CPU works too)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from serving.engine.engine import LLMEngine
+from serving.engine.sequence import SamplingParams
+from serving.loading.checkpoint import load_checkpoint, read_tokenizer
+from serving.tiny_model import tiny_checkpoint
+
+BLOCK_SIZE = 16
+LOW_LATENCY_T = 256  # ep-serve's default low-latency T (steps up to it replay graphs; this step is larger)
+
+
+def prompt_step(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[float, int]:
+    """Seconds from adding `prompts` (one output token each) to their tokens, and the steps that took."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    sync()
+    start, steps = time.perf_counter(), 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    sync()
+    return time.perf_counter() - start, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the tiny model)")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    parser.add_argument("--prompts", type=int, default=16, help="prompts in the step")
+    parser.add_argument("--length", type=int, default=512, help="tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15, help="kernels to list")
+    args = parser.parse_args()
+    if min(args.prompts, args.length, args.repeats) < 1:
+        parser.error("--prompts, --length and --repeats: expected at least 1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = args.model or tiny_checkpoint()
+    model = load_checkpoint(path, max_tokens_per_rank=LOW_LATENCY_T, device=device, progress=False,
+                            load_format=args.load_format, normal_mode=True).eval()
+    vocab, tokens = int(model.config.vocab_size), args.prompts * args.length
+    if args.length > int(model.config.max_position_embeddings):
+        parser.error(f"--length: expected at most the model's max_position_embeddings, got {args.length}")
+    # No prefix caching and distinct prompts: every step computes all of its tokens.
+    engine = LLMEngine(model, read_tokenizer(path), num_blocks=-(-tokens // BLOCK_SIZE) + args.prompts,
+                       block_size=BLOCK_SIZE, max_model_len=args.length + BLOCK_SIZE, max_num_seqs=args.prompts,
+                       max_tokens_per_rank=LOW_LATENCY_T, device=torch.device(device), token_budget=tokens,
+                       deepep_mode="normal", enable_prefix_caching=False)
+    def prompts(seed: int) -> list[list[int]]:
+        return [[3 + (7 * j + 13 * i + 101 * seed) % (vocab - 3) for j in range(args.length)]
+                for i in range(args.prompts)]
+
+    for seed in range(2):
+        prompt_step(engine, prompts(seed), f"warm-{seed}")
+    runs = [prompt_step(engine, prompts(2 + r), f"run-{r}") for r in range(args.repeats)]
+    print(f"# {path} ({args.load_format}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: "
+          f"{args.prompts} prompts of {args.length} tokens ({tokens} tokens) in {runs[0][1]} step(s), normal mode")
+    print(f"step wall time {statistics.median(s for s, _ in runs) * 1e3:.1f} ms (median of {args.repeats})")
+    if device != "cuda":
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prompt_step(engine, prompts(2 + args.repeats), "profiled")
+    time_by_kernel, calls = Counter(), Counter()
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            time_by_kernel[event.key[:90]] += event.device_time_total
+            calls[event.key[:90]] += event.count
+    print(f"GPU kernel time {sum(time_by_kernel.values()) / 1e3:.1f} ms; the top {args.top}:")
+    print(f"{'ms':>8} | {'calls':>5} | kernel")
+    for name, us in time_by_kernel.most_common(args.top):
+        print(f"{us / 1e3:8.2f} | {calls[name]:5d} | {name}")
+
+
+if __name__ == "__main__":
+    main()
