@@ -118,7 +118,10 @@ class _GroupQuantLauncher:
                 fp8_min: float, fp8_max: float, use_ue8m0: bool, **kwargs: Any) -> None:
         eps = next(a for a in args if isinstance(a, float))
         groups = x.float().unflatten(-1, (-1, group_size))
-        scale = groups.abs().amax(dim=-1).clamp(min=eps) / fp8_max
+        amax = groups.abs().amax(dim=-1).clamp(min=eps)
+        # A division by a tensor: torch divides a CUDA tensor by a Python number as a product with its reciprocal,
+        # a rounding off the division (and off the CPU's) for a scale like 1 / 448.
+        scale = amax / torch.full_like(amax, fp8_max)
         if use_ue8m0:
             scale = torch.exp2(torch.ceil(torch.log2(scale)))
         x_q.copy_((groups / scale.unsqueeze(-1)).clamp(fp8_min, fp8_max).flatten(-2).to(x_q.dtype))

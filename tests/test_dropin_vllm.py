@@ -405,7 +405,8 @@ def ht_exact_step(v: Any, pf: Any, qc: Any, every: list[Tokens], rank: int, mode
         recv, sent = expert_x, [tok.x for tok in every]
     else:
         recv = (expert_x, scale)
-        sent = [v.fp8_utils.per_token_group_quant_fp8(tok.x, BLOCK) for tok in every]
+        # Each sender casts on its own device (vLLM's cast there, as prepare runs it): the same math, on dev.
+        sent = [on_cpu(v.fp8_utils.per_token_group_quant_fp8(tok.x.to(dev), BLOCK)) for tok in every]
     local = torch.where((ids >= lo) & (ids < lo + num_local), ids - lo, -1)
     check_normal_dispatch(on_cpu((recv,))[0], local.cpu(), wts.cpu(), meta.expert_num_tokens.cpu().tolist(), sent,
                           every, rank, E, 1, where)
