@@ -196,7 +196,8 @@ def per_token_group_quant(input: torch.Tensor, output_q: torch.Tensor, output_s:
     assert not (scale_ue8m0 or fuse_silu_and_mul) and masked_m is None, "only Hopper's DeepGEMM dispatch cast"
     assert output_q.dtype == torch.float8_e4m3fn and output_s.dtype == torch.float32, (output_q.dtype, output_s.dtype)
     groups = input.float().unflatten(-1, (-1, group_size))
-    scale = groups.abs().amax(dim=-1).clamp(min=1e-10) / 448.0
+    amax = groups.abs().amax(dim=-1).clamp(min=1e-10)
+    scale = amax / torch.full_like(amax, 448.0)  # by a tensor: a CUDA tensor by a number divides by its reciprocal
     output_q.copy_((groups / scale.unsqueeze(-1)).clamp(-448.0, 448.0).flatten(-2).to(torch.float8_e4m3fn))
     output_s.copy_(scale)
 
