@@ -382,6 +382,36 @@ def test_async_scheduling_computes_at_most_a_row_more_per_sequence_stopping_on_a
     assert sync_rows <= async_rows <= sync_rows + stopped_on_eos
 
 
+def test_pending_outputs_go_out_before_an_eager_step_where_graphs_are_captured(monkeypatch: pytest.MonkeyPatch):
+    """With step graphs of up to 4 tokens: a pending token stays pending before a prompt step that a graph holds,
+    and goes out before one that may take more (it runs eagerly: in normal mode it waits for its dispatch)."""
+    engine = make_engine(async_scheduling=True, token_budget=16)
+    monkeypatch.setattr(type(engine.runner), "captured_sizes", property(lambda self: [1, 2, 4]))
+    engine.add_request("a", prompt_of(3), GREEDY)
+    engine.execute(engine.schedule())  # a's prompt: its first token pending
+    engine.add_request("b", prompt_of(2, 1), GREEDY)
+    assert engine.flush_if_prompt_next() == []  # a's decode and b's prompt: 3 tokens, a graph's step
+    assert engine.requests["a"].num_pending == 1
+    engine.add_request("c", prompt_of(6, 2), GREEDY)
+    assert [(o.request_id, o.num_output_tokens) for o in engine.flush_if_prompt_next()] == [("a", 1)]
+
+
+def test_the_next_schedule_bounds_its_tokens():
+    """Scheduler.may_take_more_than: each running sequence's next tokens (a decode's one, a prompt's chunk up to
+    the long-prefill cap), then the waiting prompts that may start, against the budget."""
+    engine = make_engine(token_budget=32, max_num_seqs=3, long_prefill_token_threshold=10)
+    scheduler = engine.scheduler
+    assert not scheduler.may_take_more_than(0)
+    for rid, n in (("a", 3), ("b", 25), ("c", 7), ("d", 9)):
+        engine.add_request(rid, prompt_of(n), GREEDY)
+    # Waiting: a (3), b (25, capped at 10), c (7); d waits for a free place among max_num_seqs = 3.
+    assert scheduler.may_take_more_than(19) and not scheduler.may_take_more_than(20)
+    engine.execute(engine.schedule(), moe_mode="normal")  # a whole, b's first 10, c whole
+    # Next: a's and c's decodes and b's next 10; d still waits (three run).
+    assert scheduler.may_take_more_than(11) and not scheduler.may_take_more_than(12)
+    assert not scheduler.may_take_more_than(32)  # the budget bounds every step
+
+
 def test_pending_outputs_go_out_before_a_prompt_step():
     engine = make_engine(async_scheduling=True)
     engine.add_request("a", prompt_of(3), GREEDY)

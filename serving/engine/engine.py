@@ -194,10 +194,14 @@ class LLMEngine:
         return self._receive(before) if before is not None else []
 
     def flush_if_prompt_next(self) -> list[RequestOutput]:
-        """flush, where the next step may take a prompt and no step graphs are captured (async scheduling):
-        such a step runs eagerly and its launch takes the host longer than a decode step takes the GPU, so
-        the pending outputs (first tokens among them) go out before it, not after."""
-        if self._pending is None or self.runner.captured_sizes or not self.scheduler.has_prompt_work():
+        """flush, where the next step may take a prompt and run eagerly (async scheduling): no step graphs are
+        captured, or it may hold more tokens than the largest. An eager step's launch takes the host longer
+        than a decode step takes the GPU (and a normal-mode step waits for its dispatch's counts), so the
+        pending outputs (first tokens among them) go out before it, not after it."""
+        if self._pending is None or not self.scheduler.has_prompt_work():
+            return []
+        sizes = self.runner.captured_sizes
+        if sizes and not self.scheduler.may_take_more_than(sizes[-1]):
             return []
         return self.flush()
 

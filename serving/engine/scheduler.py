@@ -9,6 +9,7 @@ scheduling) will finish it is left out."""
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +61,19 @@ class Scheduler:
         if self.waiting and len(self.running) < self.max_num_seqs:
             return True
         return any(seq.num_uncomputed_tokens > 1 for seq in self.running)
+
+    def may_take_more_than(self, tokens: int) -> bool:
+        """Whether the next schedule may take more than `tokens` tokens (an upper bound: a prompt's cached prefix,
+        blocks and preemption are not looked at)."""
+        if tokens >= self.token_budget:
+            return False
+        room = max(0, self.max_num_seqs - len(self.running))
+        total = 0
+        for seq in itertools.chain(self.running, itertools.islice(self.waiting, room)):
+            total += min(max(seq.num_uncomputed_tokens, 1), self.chunk_cap)
+            if total > tokens:
+                return True
+        return False
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch()
