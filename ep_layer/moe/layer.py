@@ -318,6 +318,10 @@ class FusedMoE(nn.Module):
         """This rank's experts on dispatch's output: bf16 [E_l, R*T, H] in dispatch's row order (into `out`)."""
         return self._kernels_for(recv_count.device)(x, recv_count, self.experts, out)
 
+    def weighted_rows(self, y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+        """Normal mode's weighted sum of each received token's expert outputs (ExpertKernels.weighted_rows)."""
+        self._kernels_for(out.device).weighted_rows(y, slot, weights, out)
+
     def shared_expert(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output bf16 [N, H] (None without shared experts): one expert's MLP on all N
         tokens (ExpertKernels.dense_mlp)."""

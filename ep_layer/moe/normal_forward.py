@@ -79,4 +79,4 @@ def local_expert_sums(layer: FusedMoE, recv_x: torch.Tensor | tuple[torch.Tensor
         inputs = (inputs, scales.index_select(0, source).view(num_local, m, hidden // FP8_GROUP))
     y = layer.run_experts(inputs, recv_count).reshape(spare, hidden)
     slot = torch.where(slot < spare, slot, -1).view(n, topk)
-    layer._kernels_for(device).weighted_rows(y, slot, recv_weights, out)
+    layer.weighted_rows(y, slot, recv_weights, out)
