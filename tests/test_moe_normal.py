@@ -167,6 +167,45 @@ def test_normal_mode_packs_a_multiple_of_16_rows_per_expert(monkeypatch: pytest.
     assert len(packed) == 2 and all(m % 16 == 0 and busiest <= m < busiest + 16 for m, busiest in packed), packed
 
 
+def test_normal_mode_packs_each_experts_rows_in_receive_order(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """local_expert_sums hands the expert kernels, for each local expert, exactly the received rows that picked it,
+    in the order received (a row of only other ranks' experts, -1, in none), with their counts; a rank that received
+    nothing runs no experts and counts nothing."""
+    from ep_layer.moe.normal_forward import local_expert_sums
+
+    cfg = MoeConfig()
+    gen = torch.Generator().manual_seed(seed)
+    buffer = make_buffer(None, cfg.max_tokens, cfg.hidden, cfg.num_experts, "reference", "cpu", normal_mode=True)
+    layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, None, n_group=cfg.n_group,
+                     topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+                     n_shared_experts=cfg.n_shared_experts, buffer=buffer, max_tokens_per_rank=cfg.max_tokens)
+    layer.load_weights(hf_weights(cfg, gen, "bf16").items())
+    seen = []
+    run = layer.run_experts
+
+    def spy(inputs: torch.Tensor, recv_count: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        seen.append((inputs.clone(), recv_count.clone()))
+        return run(inputs, recv_count, out)
+
+    monkeypatch.setattr(layer, "run_experts", spy)
+    n, k, experts = 37, cfg.top_k, layer.num_local_experts
+    recv_idx = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(n)])
+    recv_idx[torch.rand(n, k, generator=gen) < 0.3] = -1
+    recv_idx[5] = -1
+    data = torch.randn(n, cfg.hidden, generator=gen).to(torch.bfloat16)
+    weights = torch.where(recv_idx >= 0, torch.rand(n, k, generator=gen), 0.0)
+    busiest = int(torch.bincount(recv_idx[recv_idx >= 0], minlength=experts).max())
+    local_expert_sums(layer, data, recv_idx, weights, busiest, torch.empty(n, cfg.hidden, dtype=torch.bfloat16))
+    (inputs, recv_count), = seen
+    for e in range(experts):
+        rows = [i for i in range(n) if e in recv_idx[i].tolist()]
+        assert recv_count[e] == len(rows) and torch.equal(inputs[e, :len(rows)], data[rows]), f"seed={seed} expert {e}"
+    load = layer.expert_load.clone()
+    out = torch.full((0, cfg.hidden), 7.0, dtype=torch.bfloat16)
+    local_expert_sums(layer, data[:0], recv_idx[:0], weights[:0], 0, out)
+    assert len(seen) == 1 and torch.equal(layer.expert_load, load)
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 8])
 def test_normal_mode_buffer_holds_a_step_of_its_tokens_on_every_rank(ranks: int) -> None:
     """normal_mode_bytes for 8,192 tokens a rank passes the cuda backend's own capacity checks for a dispatch of that
