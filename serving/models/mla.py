@@ -5,13 +5,16 @@ q_pe; [c_kv | k_pe] = kv_a_proj_with_mqa(x), c_kv normalised by kv_a_layernorm; 
 RoPE. The cache keeps [c_kv | k_pe] only. kv_b_proj maps c_kv to each head's k_nope (W_UK) and v
 (W_UV); instead of expanding the cache, q_nope is absorbed into W_UK (q_nope . W_UK c = (W_UK^T
 q_nope) . c), so a head's score is [q_nope W_UK | q_pe] . [c_kv | k_pe], and its output is W_UV
-applied to the attention-weighted sum of c_kv.
+applied to the attention-weighted sum of c_kv. An eager step's long prompt chunks attend in the expanded form
+instead (`prompt_attention`): their keys expanded once serve all of their tokens.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from ..model_config import ModelConfig
 from .linear import Linear, StackedLinear
@@ -84,7 +87,44 @@ class MLAttention(nn.Module):
         k_pe = RotaryEmbedding.rotate(k_pe, cos, sin, self.interleave)
         write_kv(cache, meta.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
 
+        prompts = meta.prompts if isinstance(meta, TokenMetadata) else None
+        if prompts is None:
+            out = self._absorbed(q_nope, q_pe, cache, meta)
+        else:  # an eager step's long prompt chunks as blocks, its other rows per token
+            out = q_nope.new_empty(n, self.num_heads, self.v_head_dim)
+            if prompts.rows is not None:
+                out[prompts.rows] = self._absorbed(q_nope[prompts.rows], q_pe[prompts.rows], cache, prompts.others)
+            flat = cache.view(-1, cache.shape[-1])
+            for chunk in prompts.chunks:
+                span = slice(chunk.start, chunk.end)
+                out[span] = prompt_attention(q_nope[span], q_pe[span], flat[chunk.slots], self.w_uk, self.w_uv,
+                                             self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata | TokenMetadata) -> torch.Tensor:
+        """Attention in the absorbed form over the paged cache: [T, H, v_head_dim]."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)  # q_nope absorbed into W_UK
         attn = paged_mla_attention(q_latent, q_pe, cache, meta, self.scale)
-        out = torch.einsum("thc,hvc->thv", attn, self.w_uv)  # W_UV after attention
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_head_dim))
+        return torch.einsum("thc,hvc->thv", attn, self.w_uv)  # W_UV after attention
+
+
+def prompt_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, w_uk: torch.Tensor,
+                     w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA in the expanded form (DeepSeek's and transformers' own) for one sequence's chunk of n new tokens, the last
+    n of its L keys: q_nope [n, H, nope], q_pe [n, H, rope], keys [L, kv_lora_rank + rope] (its cache entries).
+    Each head's k_nope and v are expanded from c_kv once (W_UK, W_UV), the RoPE part is shared by the heads, and
+    new token i sees keys [0, L - n + i], in one fused attention call (flash attention on a GPU) instead of
+    reading every key once per token. Returns [n, H, v_head_dim]."""
+    n, heads, _ = q_nope.shape
+    lora, length = w_uk.shape[-1], keys.shape[0]
+    keys = keys.to(q_nope.dtype)
+    c_kv, k_pe = keys[:, :lora], keys[:, lora:]
+    k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk), k_pe.expand(heads, length, -1)], dim=-1)
+    v = torch.einsum("lc,hvc->hlv", c_kv, w_uv)
+    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)
+    v_dim = v.shape[-1]
+    v = F.pad(v, (0, k.shape[-1] - v_dim))  # values as wide as the keys: every fused kernel takes them
+    causal = {"is_causal": True} if n == length else {"attn_mask": causal_lower_right(n, length)}
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
+    return out[0, ..., :v_dim].transpose(0, 1)

@@ -12,7 +12,8 @@ Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
   included) can be captured in a CUDA graph. On a GPU with Triton, serving.models.mla_decode_triton
   reads each token's own keys (flash-decoding over its block table): one kernel for prefill and decode
   alike. Elsewhere every token reads its sequence's whole block table with the keys past its position
-  masked (max_blocks_per_seq * block_size keys, whatever its position).
+  masked (max_blocks_per_seq * block_size keys, whatever its position). In an eager step (the engine's host
+  layout given too), `TokenMetadata.prompts` names its long prompt chunks, which MLAttention attends as blocks.
 - `AttentionMetadata` (a batch without token_seqs), which reads and checks the batch layout on the host
   (the engine's copy of it, else the device's, which waits for the device). A sequence with several new
   tokens attends on its own, as matrix products over chunks of its rows (PROMPT_SCORE_ELEMENTS scores at
@@ -23,6 +24,7 @@ Two layouts of a step's metadata, both plain PyTorch and correct on CPU and GPU:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,10 @@ PADDED_DECODE_MAX_KEYS = 4096
 # of rows, so that a step of a long prompt (a large --max-num-batched-tokens) needs a bounded few hundred MB for its
 # scores and their softmax instead of tens of GB (an 8k-token prompt's whole [8k, 128, 8k]).
 PROMPT_SCORE_ELEMENTS = 1 << 26
+# In an eager step with the per-token layout (a GPU's), a sequence with at least this many new tokens attends as a
+# block, in MLA's expanded form (serving.models.mla.prompt_attention): its keys expanded once per head serve all of
+# its new tokens, where the per-token kernel reads every key once per token.
+PROMPT_BLOCK_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -108,23 +114,68 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class PromptChunk:
+    """A sequence's new tokens [start, end) of the flat batch, the last of its keys: `slots` int64 [L] are the cache
+    slots of its positions 0..L-1 (L - (end - start) keys before the chunk, then the chunk's own)."""
+
+    start: int
+    end: int
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PromptBlocks:
+    """An eager step's long prompt chunks (PROMPT_BLOCK_MIN_TOKENS new tokens or more), each attending as a block;
+    the step's other rows (`rows`, int64; None if there are none) attend per token with `others`."""
+
+    chunks: tuple[PromptChunk, ...]
+    rows: torch.Tensor | None
+    others: TokenMetadata | None
+
+
+@dataclass(frozen=True)
 class TokenMetadata:
     """Row t (a new token) attends to keys [0, key_counts[t]) of its own block table, read on the device
-    only: block_tables int32 [T, max_blocks] (-1 past the sequence's blocks), key_counts int32 [T]."""
+    only: block_tables int32 [T, max_blocks] (-1 past the sequence's blocks), key_counts int32 [T].
+    `prompts`: in an eager step (the engine's host layout given), its long prompt chunks, which attend as blocks
+    instead (MLAttention), and the per-token metadata of the other rows."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     key_counts: torch.Tensor
     block_size: int
+    prompts: PromptBlocks | None = None
 
     @classmethod
     def from_batch(cls, batch: ForwardBatch, block_size: int) -> TokenMetadata:
         """Each token's block table (its sequence's row, gathered on the device) and its key count (its
-        position + 1: the keys before it and its own, written to the cache first)."""
+        position + 1: the keys before it and its own, written to the cache first); with the host layout, the
+        long prompt chunks as blocks."""
         if batch.token_seqs is None:
             raise ValueError("batch.token_seqs: TokenMetadata needs each token's sequence (got None)")
-        return cls(batch.slot_mapping, batch.block_tables.index_select(0, batch.token_seqs),
+        meta = cls(batch.slot_mapping, batch.block_tables.index_select(0, batch.token_seqs),
                    (batch.positions + 1).to(torch.int32), block_size)
+        layout = batch.host_layout
+        if layout is None:
+            return meta
+        starts, lens = layout.query_start, layout.seq_lens
+        if not any(starts[i + 1] - starts[i] >= PROMPT_BLOCK_MIN_TOKENS for i in range(len(lens))):
+            return meta
+        device = batch.positions.device
+        chunks, others = [], []
+        for i, seq_len in enumerate(lens):
+            start, end = starts[i], starts[i + 1]
+            if end - start < PROMPT_BLOCK_MIN_TOKENS:
+                others.extend(range(start, end))
+                continue
+            pos = torch.arange(seq_len, device=device)
+            blocks = batch.block_tables[i, :-(-seq_len // block_size)].long()
+            chunks.append(PromptChunk(start, end, blocks[pos // block_size] * block_size + pos % block_size))
+        if not others:
+            return dataclasses.replace(meta, prompts=PromptBlocks(tuple(chunks), None, None))
+        rows = to_device(others, torch.int64, device)
+        rest = cls(meta.slot_mapping[rows], meta.block_tables[rows], meta.key_counts[rows], block_size)
+        return dataclasses.replace(meta, prompts=PromptBlocks(tuple(chunks), rows, rest))
 
     def padded_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots int64 [T, L], visible bool [T, L]): the cache slot of every position the block tables
