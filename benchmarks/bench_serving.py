@@ -289,6 +289,7 @@ class Timed:
     tokens: int = 0  # completion tokens: the usage's, else the chunks that carried tokens
     prompt_tokens: int | None = None
     error: str | None = None
+    sent_at: float = 0.0  # time.perf_counter() when it was sent
 
     @property
     def ok(self) -> bool:
@@ -320,8 +321,8 @@ def carries_tokens(chunk: dict) -> bool:
 async def timed_request(client: httpx.AsyncClient, endpoint: str, body: dict) -> Timed:
     """Send one streamed request and time its chunks; any failure (an HTTP status, an error event, the
     connection) is the result's `error`, so that one request's failure does not end a level."""
-    out = Timed()
     start = time.perf_counter()
+    out = Timed(sent_at=start)
     try:
         async with client.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
@@ -359,6 +360,17 @@ def percentile_or_nan(values: list[float], q: float) -> float:
     return percentile(values, q) if values else math.nan
 
 
+def per_request(results: list[Timed], start: float) -> list[dict]:
+    """Each request of a level as --json-out saves it (ms; `sent_ms` from the level's start): to tell which requests
+    make the p99s (their prompt and output lengths, when they were sent)."""
+    def ms(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * 1e3
+
+    return [{"sent_ms": ms(r.sent_at - start), "prompt_tokens": r.prompt_tokens, "tokens": r.tokens,
+             "ttft_ms": ms(r.ttft) if r.ok else None, "tpot_ms": ms(r.tpot) if r.ok else None,
+             "latency_ms": ms(r.latency) if r.ok else None, "error": r.error} for r in results]
+
+
 def summarize(results: list[Timed], elapsed: float) -> dict[str, float]:
     """A level's row: counts, TTFT and TPOT p50/p99 and ITL p99 (ms, ITL pooled over all requests'
     gaps) of the completed requests, their output tokens/s over the level's time, their mean prompt
@@ -377,9 +389,10 @@ def summarize(results: list[Timed], elapsed: float) -> dict[str, float]:
 
 
 async def run_level(target: Target, workload: list[WorkloadRequest], prompts: list[str | list[int]],
-                    concurrency: int | None) -> tuple[list[Timed], float]:
+                    concurrency: int | None) -> tuple[list[Timed], float, float]:
     """Send the workload: `concurrency` requests in flight at a time, or (None) each at its arrival time;
-    the results and the seconds from the first send to the last stream's end."""
+    the results, the seconds from the first send to the last stream's end, and the level's start
+    (time.perf_counter())."""
     gate = asyncio.Semaphore(concurrency or len(workload))
 
     async def one(request: WorkloadRequest, prompt: str | list[int]) -> Timed:
@@ -392,7 +405,7 @@ async def run_level(target: Target, workload: list[WorkloadRequest], prompts: li
         await warm_client(client)
         start = time.perf_counter()
         results = await asyncio.gather(*(one(r, p) for r, p in zip(workload, prompts)))
-        return list(results), time.perf_counter() - start
+        return list(results), time.perf_counter() - start, start
 
 
 async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int,
@@ -418,7 +431,7 @@ async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int
         print("# (this server may not take ignore_eos / min_tokens: leave out --ignore-eos)", flush=True)
     levels = [("rate", r) for r in args.request_rate] if args.request_rate else \
         [("conc", c) for c in args.concurrency]
-    rows, errors = [], {}
+    rows, requests, errors = [], [], {}
     async with target.client() as tools:
         maker, reserve, how = await prompt_maker(tools, target.model, target.api == "chat", args.seed, first_text,
                                                  first.prompt_tokens if first.ok else None, max_model_len)
@@ -439,8 +452,9 @@ async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int
             workload = mixed_workload(n, args.seed, prompt_len, output_len,
                                       rate=value if kind == "rate" else math.inf)
             prompts = await gather_limited([maker.make(r, f"{run_id}x{label}") for r in workload])
-            results, elapsed = await run_level(target, workload, prompts, value if kind == "conc" else None)
+            results, elapsed, start = await run_level(target, workload, prompts, value if kind == "conc" else None)
             rows.append({"level": label, **summarize(results, elapsed)})
+            requests.append({"level": label, "requests": per_request(results, start)})
             if floor_us is not None:
                 rows[-1]["step_floor_us"] = floor_us(value) if kind == "conc" else math.nan
             for r in results:
@@ -451,7 +465,7 @@ async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int
                               "ttft_ms": first.ttft * 1e3 if first.ok else None, "tokens": first.tokens,
                               "warm_ttft_ms": warm_ttft * 1e3 if warm_ttft is not None else None,
                               "latency_ms": first.latency * 1e3 if first.ok else None},
-            "first_line": first_line, "levels": rows, "errors": errors}
+            "first_line": first_line, "levels": rows, "errors": errors, "per_request": requests}
 
 
 def output_range(values: list[int]) -> tuple[int, int]:
@@ -599,7 +613,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mixed.add_argument("--seed", type=int, default=0, help="of the lengths, arrivals and words (default 0)")
     mixed.add_argument("--max-model-len", type=int, default=None,
                        help="the server's context length (default: max_model_len from /v1/models)")
-    mixed.add_argument("--json-out", type=Path, default=None, help="save the results here as JSON")
+    mixed.add_argument("--json-out", type=Path, default=None,
+                       help="save the results here as JSON: each level's row, and each request's send time, "
+                       "prompt and output tokens, TTFT, TPOT and latency")
     parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
     parser.add_argument("--metrics-out", type=Path, default=None,
                         help="save the server's /metrics text here after the sweep")

@@ -300,6 +300,13 @@ def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> N
     assert 16 <= level["prompt_tok"] <= 256 - 8 and level["step_floor_us"] > 0
     assert 0 < level["ttft_p50_ms"] <= level["ttft_p99_ms"] and 0 < level["tpot_p50_ms"] <= level["tpot_p99_ms"]
     assert level["itl_p99_ms"] > 0 and level["out_tok/s"] > 0
+    [records] = result["per_request"]
+    assert records["level"] == "c=2" and len(records["requests"]) == 3
+    rows = records["requests"]
+    assert all(r["error"] is None and r["sent_ms"] >= 0 and 4 <= r["tokens"] <= 8 for r in rows), rows
+    assert sum(r["prompt_tokens"] for r in rows) / 3 == pytest.approx(level["prompt_tok"])
+    assert max(r["ttft_ms"] for r in rows) >= level["ttft_p99_ms"] >= min(r["ttft_ms"] for r in rows)
+    assert all(r["ttft_ms"] <= r["latency_ms"] for r in rows)
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("level |"))
     assert [c.strip() for c in header.split("|")][-3:] == ["itl_p99_ms", "out_tok/s", "step_floor_us"]
     assert "# first request after ready" in proc.stdout
@@ -379,7 +386,7 @@ def test_each_client_is_warmed_by_an_untimed_get_before_its_timed_requests(monke
     samples, _ = asyncio.run(bench.sweep_level("http://server", "completions", "m", 2, 3, 4, 1, None, "salt"))
     target = bench.Target("http://server", "m", "completions", {})
     workload = wl.mixed_workload(3, 0, (16, 32), (1, 1), rate=math.inf)
-    results, _ = asyncio.run(bench.run_level(target, workload, ["a b", "c d", "e f"], 2))
+    results, _, _ = asyncio.run(bench.run_level(target, workload, ["a b", "c d", "e f"], 2))
     assert len(samples) == 3 and all(r.ok for r in results)
     assert len(clients) == 2
     for client in clients:
