@@ -1,7 +1,10 @@
 """Where a large prompt step's time goes, in one engine without HTTP: `--prompts` prompts of `--length` tokens
 computed in one step through normal (high-throughput) mode, as ep-serve's default runs steps past the largest
-step graph (8,192 tokens a step). Prints the step's wall time (median of `--repeats` after two warm-ups) and
-the GPU kernels that take the most time in one more step (torch.profiler), by kernel name.
+step graph (8,192 tokens a step). Prints the step's wall time (median of `--repeats` after two warm-ups) with
+each form of its prompt attention side by side, interleaved (on a GPU: the long chunks as blocks in MLA's
+expanded form, as ep-serve runs them, and every token through the per-token MLA kernel, as before; on CPU both
+take the host layout), and the GPU kernels that take the most time in one more step (torch.profiler, the
+blocks), by kernel name.
 
     python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
     python benchmarks/profile_prompt_step.py /tmp/v3-4l --load-format dummy --prompts 16 --length 512
@@ -12,18 +15,35 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from serving.engine.engine import LLMEngine
 from serving.engine.sequence import SamplingParams
 from serving.loading.checkpoint import load_checkpoint, read_tokenizer
+from serving.models import paged_attention
 from serving.tiny_model import tiny_checkpoint
 
 BLOCK_SIZE = 16
 LOW_LATENCY_T = 256  # ep-serve's default low-latency T (steps up to it replay graphs; this step is larger)
+# The prompt attention's forms: the fewest new tokens of a sequence that attend as a block.
+ATTENTION_FORMS = {"blocks": paged_attention.PROMPT_BLOCK_MIN_TOKENS, "per-token": sys.maxsize}
+
+
+@contextmanager
+def attention_form(name: str) -> Iterator[None]:
+    """Steps in this form of the prompt attention (ATTENTION_FORMS), then ep-serve's again."""
+    kept = paged_attention.PROMPT_BLOCK_MIN_TOKENS
+    paged_attention.PROMPT_BLOCK_MIN_TOKENS = ATTENTION_FORMS[name]
+    try:
+        yield
+    finally:
+        paged_attention.PROMPT_BLOCK_MIN_TOKENS = kept
 
 
 def prompt_step(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[float, int]:
@@ -67,16 +87,23 @@ def main() -> None:
         return [[3 + (7 * j + 13 * i + 101 * seed) % (vocab - 3) for j in range(args.length)]
                 for i in range(args.prompts)]
 
-    for seed in range(2):
-        prompt_step(engine, prompts(seed), f"warm-{seed}")
-    runs = [prompt_step(engine, prompts(2 + r), f"run-{r}") for r in range(args.repeats)]
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in ATTENTION_FORMS}
+    for r in range(-2, args.repeats):  # two warm-ups of each form, then the forms in turn
+        for i, name in enumerate(ATTENTION_FORMS):
+            with attention_form(name):
+                run = prompt_step(engine, prompts(2 * (r + 2) + i), f"{name}-{r}")
+            if r >= 0:
+                runs[name].append(run)
     print(f"# {path} ({args.load_format}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: "
-          f"{args.prompts} prompts of {args.length} tokens ({tokens} tokens) in {runs[0][1]} step(s), normal mode")
-    print(f"step wall time {statistics.median(s for s, _ in runs) * 1e3:.1f} ms (median of {args.repeats})")
+          f"{args.prompts} prompts of {args.length} tokens ({tokens} tokens) in {runs['blocks'][0][1]} step(s), "
+          "normal mode")
+    for name, timed in runs.items():
+        print(f"step wall time, prompt attention {name}: {statistics.median(s for s, _ in timed) * 1e3:.1f} ms "
+              f"(median of {args.repeats})")
     if device != "cuda":
         return
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        prompt_step(engine, prompts(2 + args.repeats), "profiled")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, attention_form("blocks"):
+        prompt_step(engine, prompts(2 * (args.repeats + 2)), "profiled")
     time_by_kernel, calls = Counter(), Counter()
     for event in prof.key_averages():
         if event.device_time_total > 0:
