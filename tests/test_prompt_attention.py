@@ -5,9 +5,11 @@ other rows per token) against the host-layout attention of the same step (an ind
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
-from test_serving_graphs import BLOCK_SIZE, checkpoint, make_engine, until_mixed  # noqa: F401 (fixture)
+from test_serving_graphs import NEEDS_KERNELS, checkpoint, make_engine, until_mixed  # noqa: F401 (fixture)
 
 from serving.engine.engine import LLMEngine
 from serving.engine.scheduler import ScheduledBatch
@@ -87,5 +89,53 @@ def test_eager_step_with_prompt_blocks_equals_the_host_layout_step(checkpoint: s
     got = model(blocks)
     layers = model.config.num_hidden_layers
     assert sorted(calls) == sorted([n for n in batch.num_new_tokens if n >= 3] * layers)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    torch.testing.assert_close(model.kv_cache, cache_want, rtol=0, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_prompt_attention_on_gpu_in_bf16_equals_the_float64_oracle(seed: int) -> None:
+    """DeepSeek-V3's head widths (128 + 64 query, 512 latent, 128 value) in bf16 on the GPU (flash attention, values
+    padded to the keys' width), a chunk after cached keys and a whole prompt: within bf16's rounding of the inputs
+    and the output (2**-8 relative) of the float64 oracle."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(seed)
+    heads, nope, rope, lora, v_dim = 16, 128, 64, 512, 128
+    for n, length in ((96, 96), (80, 300)):
+        tensors = (torch.randn(n, heads, nope, generator=gen), torch.randn(n, heads, rope, generator=gen),
+                   torch.randn(length, lora + rope, generator=gen),
+                   torch.randn(heads, nope, lora, generator=gen) / lora ** 0.5,
+                   torch.randn(heads, v_dim, lora, generator=gen) / lora ** 0.5)
+        bf16 = [t.to(torch.bfloat16) for t in tensors]
+        got = mla.prompt_attention(*(t.cuda() for t in bf16), (nope + rope) ** -0.5)
+        assert got.dtype == torch.bfloat16 and got.shape == (n, heads, v_dim)
+        want = oracle(*bf16, (nope + rope) ** -0.5)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@NEEDS_KERNELS
+def test_eager_gpu_step_with_prompt_blocks_equals_the_per_token_kernel(checkpoint: str,  # noqa: F811
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU, an eager step whose long chunk (15 tokens after 30 cached, beside two decodes) attends as a block
+    against the same step through the per-token Triton kernel: the same logits and KV cache up to the summation
+    order's float32 roundings and the bf16 flips they may cause in the first MoE layer (as on CPU)."""
+    engine = make_engine(checkpoint, "cuda", use_cuda_graphs=False, backend="cuda")
+    batch = second_chunk_beside_decodes(engine)
+    runner, model = engine.runner, engine.model
+    cache_before = model.kv_cache.clone()
+    monkeypatch.setattr(paged_attention, "PROMPT_BLOCK_MIN_TOKENS", sys.maxsize)
+    per_token = runner.prepare(batch)
+    assert per_token.token_seqs is not None and per_token.host_layout is not None
+    want = model(per_token)
+    cache_want = model.kv_cache.clone()
+    model.kv_cache.copy_(cache_before)
+    monkeypatch.setattr(paged_attention, "PROMPT_BLOCK_MIN_TOKENS", 3)
+    calls = []
+    attend = mla.prompt_attention
+    monkeypatch.setattr(mla, "prompt_attention", lambda *a: calls.append(a[0].shape[0]) or attend(*a))
+    got = model(runner.prepare(batch))
+    assert calls == [15] * model.config.num_hidden_layers
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
     torch.testing.assert_close(model.kv_cache, cache_want, rtol=0, atol=2e-2)
