@@ -35,12 +35,13 @@ def engine_for(model: torch.nn.Module, tokenizer: object, device: str, mode: str
                      deepep_mode=mode, enable_prefix_caching=False)
 
 
-def time_to_first_token(engine: LLMEngine, prompt: list[int], tag: str) -> tuple[float, int]:
-    """Seconds from adding a one-token request to its token, and the steps that took."""
+def time_to_first_tokens(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[float, int]:
+    """Seconds from adding `prompts` (one output token each) to their tokens, and the steps that took."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()
-    engine.add_request(tag, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     steps = 0
     while engine.has_work():
         engine.step()
@@ -74,8 +75,8 @@ def main() -> None:
         for mode in ("low_latency", "normal"):
             engine = engine_for(model, tokenizer, device, mode, args.max_tokens_per_rank, args.budget or length,
                                 longest + BLOCK_SIZE)
-            time_to_first_token(engine, prompt, f"warm-{mode}-{length}")
-            runs = [time_to_first_token(engine, prompt, f"{mode}-{length}-{i}") for i in range(args.repeats)]
+            time_to_first_tokens(engine, [prompt], f"warm-{mode}-{length}")
+            runs = [time_to_first_tokens(engine, [prompt], f"{mode}-{length}-{i}") for i in range(args.repeats)]
             seconds = statistics.median(s for s, _ in runs)
             results[length, mode] = seconds
             print(f"{length:>7} | {mode:>11} | {runs[0][1]:>5} | {seconds * 1e3:9.1f} | {length / seconds:9.0f}",

@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from bench_prefill import time_to_first_tokens
 
 from serving.engine.engine import LLMEngine
-from serving.engine.sequence import SamplingParams
 from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 from serving.models import paged_attention
 from serving.tiny_model import tiny_checkpoint
@@ -44,20 +43,6 @@ def attention_form(name: str) -> Iterator[None]:
         yield
     finally:
         paged_attention.PROMPT_BLOCK_MIN_TOKENS = kept
-
-
-def prompt_step(engine: LLMEngine, prompts: list[list[int]], tag: str) -> tuple[float, int]:
-    """Seconds from adding `prompts` (one output token each) to their tokens, and the steps that took."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    sync()
-    start, steps = time.perf_counter(), 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
-    sync()
-    return time.perf_counter() - start, steps
 
 
 def main() -> None:
@@ -91,7 +76,7 @@ def main() -> None:
     for r in range(-2, args.repeats):  # two warm-ups of each form, then the forms in turn
         for i, name in enumerate(ATTENTION_FORMS):
             with attention_form(name):
-                run = prompt_step(engine, prompts(2 * (r + 2) + i), f"{name}-{r}")
+                run = time_to_first_tokens(engine, prompts(2 * (r + 2) + i), f"{name}-{r}")
             if r >= 0:
                 runs[name].append(run)
     print(f"# {path} ({args.load_format}) on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: "
@@ -103,7 +88,7 @@ def main() -> None:
     if device != "cuda":
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof, attention_form("blocks"):
-        prompt_step(engine, prompts(2 * (args.repeats + 2)), "profiled")
+        time_to_first_tokens(engine, prompts(2 * (args.repeats + 2)), "profiled")
     time_by_kernel, calls = Counter(), Counter()
     for event in prof.key_averages():
         if event.device_time_total > 0:
