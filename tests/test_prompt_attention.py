@@ -35,7 +35,12 @@ def oracle(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tensor, w_uk: t
 
 
 @pytest.mark.parametrize(("n", "length"), [(5, 5), (3, 11), (1, 7), (16, 40)])
-def test_prompt_attention_equals_the_float64_oracle(n: int, length: int, seed: int) -> None:
+@pytest.mark.parametrize("heads_at_once", [3, 2, 1])
+def test_prompt_attention_equals_the_float64_oracle(n: int, length: int, heads_at_once: int, seed: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """All three heads at once, and in groups of two (the last one short) and one, as a budget of expanded keys and
+    values (PROMPT_BLOCK_KV_ELEMENTS) makes them go."""
+    monkeypatch.setattr(paged_attention, "PROMPT_BLOCK_KV_ELEMENTS", heads_at_once * 2 * length * (16 + 8))
     gen = torch.Generator().manual_seed(seed)
     heads, nope, rope, lora, v_dim = 3, 16, 8, 32, 12
     q_nope, q_pe = torch.randn(n, heads, nope, generator=gen), torch.randn(n, heads, rope, generator=gen)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from ..model_config import ModelConfig
+from . import paged_attention
 from .linear import Linear, StackedLinear
 from .norm import RMSNorm
 from .paged_attention import AttentionMetadata, TokenMetadata, paged_mla_attention, write_kv
@@ -115,16 +116,21 @@ def prompt_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tenso
     n of its L keys: q_nope [n, H, nope], q_pe [n, H, rope], keys [L, kv_lora_rank + rope] (its cache entries).
     Each head's k_nope and v are expanded from c_kv once (W_UK, W_UV), the RoPE part is shared by the heads, and
     new token i sees keys [0, L - n + i], in one fused attention call (flash attention on a GPU) instead of
-    reading every key once per token. Returns [n, H, v_head_dim]."""
+    reading every key once per token; the heads go in groups whose expanded keys and values fit
+    PROMPT_BLOCK_KV_ELEMENTS. Returns [n, H, v_head_dim]."""
     n, heads, _ = q_nope.shape
-    lora, length = w_uk.shape[-1], keys.shape[0]
+    lora, length, v_dim = w_uk.shape[-1], keys.shape[0], w_uv.shape[1]
+    width = q_nope.shape[-1] + q_pe.shape[-1]  # a key's, and a padded value's
     keys = keys.to(q_nope.dtype)
     c_kv, k_pe = keys[:, :lora], keys[:, lora:]
-    k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk), k_pe.expand(heads, length, -1)], dim=-1)
-    v = torch.einsum("lc,hvc->hlv", c_kv, w_uv)
-    q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)
-    v_dim = v.shape[-1]
-    v = F.pad(v, (0, k.shape[-1] - v_dim))  # values as wide as the keys: every fused kernel takes them
     causal = {"is_causal": True} if n == length else {"attn_mask": causal_lower_right(n, length)}
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
-    return out[0, ..., :v_dim].transpose(0, 1)
+    group = max(1, paged_attention.PROMPT_BLOCK_KV_ELEMENTS // (2 * length * width))
+    out = q_nope.new_empty(n, heads, v_dim)
+    for first in range(0, heads, group):
+        h = slice(first, min(first + group, heads))
+        k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk[h]), k_pe.expand(h.stop - first, -1, -1)], dim=-1)
+        v = F.pad(torch.einsum("lc,hvc->hlv", c_kv, w_uv[h]), (0, width - v_dim))  # every fused kernel takes it
+        q = torch.cat([q_nope[:, h], q_pe[:, h]], dim=-1).transpose(0, 1)
+        attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
+        out[:, h] = attended[0, ..., :v_dim].transpose(0, 1)
+    return out

@@ -43,6 +43,10 @@ PROMPT_SCORE_ELEMENTS = 1 << 26
 # block, in MLA's expanded form (serving.models.mla.prompt_attention): its keys expanded once per head serve all of
 # its new tokens, where the per-token kernel reads every key once per token.
 PROMPT_BLOCK_MIN_TOKENS = 64
+# The most expanded key and value elements such a block holds at once: its heads go in groups, so that a chunk deep
+# into a long context (DeepSeek-V3's 128 heads of 192 + 192 values over 64k keys: 6 GB at once) takes a bounded
+# 256 MB in bf16.
+PROMPT_BLOCK_KV_ELEMENTS = 1 << 27
 
 
 @dataclass(frozen=True)
