@@ -8,6 +8,11 @@ stats tensor, FP8 dispatch, no hook; --group: a one-rank NCCL group as there). B
 call with the GPU idle, the pair is timed queued back to back and as DeepEP's `bench` reads it (CUDA events
 around each pair, after one L2 flush).
 
+--stand-in: the Python part of the same dispatch and combine on any machine (no GPU): the cuda backend with a
+stand-in for its compiled module (`_C`: launches that do nothing) over CPU tensors, in DeepEP's loop (each call's
+results held until the next call rebinds them); host µs per call (medians), then cProfile's view. What Python
+adds to a call's launch, to compare code on a development machine; the GPU's host runs its own speed.
+
 --layer: one FusedMoE layer at DeepSeek-V3's shapes (bench_moe.py's: FP8 block weights, EP = 1, the cuda
 backend), its eager time (call to GPU done) beside its CUDA-graph replay, as bench_moe times them: the
 eager path's host overhead per layer, which a model pays on every eager step; and the CUDA runtime and
@@ -18,6 +23,7 @@ is taken twice in the same process, side by side: Triton kernels through ep_laye
     python benchmarks/profile_eager.py                       # T = 128, H = 7168, E = 288, top-8, EP = 1
     python benchmarks/profile_eager.py --tokens 1 --top 25
     python benchmarks/profile_eager.py --layer --tokens 1
+    python benchmarks/profile_eager.py --stand-in                # CPU
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from ep_layer import Buffer
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", action="store_true", help="profile one FusedMoE layer instead of a Buffer's calls")
+    p.add_argument("--stand-in", action="store_true",
+                   help="the calls' Python part on CPU, with a stand-in for the compiled kernels (no GPU)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=288)
@@ -54,6 +62,9 @@ def main() -> None:
     args = p.parse_args()
     if args.layer:
         profile_layer(args)
+        return
+    if args.stand_in:
+        profile_stand_in(args)
         return
 
     group = one_rank_group() if args.group else None
@@ -142,6 +153,86 @@ def deepep_bench_time(fn: Callable[[], object], calls: int) -> float:
     return statistics.mean(s.elapsed_time(e) * 1e3 for s, e in list(zip(starts, ends))[1:])
 
 
+class StandInC:
+    """The cuda backend's compiled module as its dispatch and combine calls use it, doing nothing: the host time
+    that remains is the calls' Python."""
+
+    @staticmethod
+    def read_host_flag(pointer: int) -> int:
+        return 0
+
+    @staticmethod
+    def launch(*args: object) -> None:
+        pass
+
+    dispatch_both_halves = dispatch_send = dispatch_receive = launch
+    combine_both_halves = combine_send = combine_receive = launch
+
+    @staticmethod
+    def prepared(*args: object, **kwargs: object) -> object:
+        return object()
+
+    DispatchShape = CombineShape = CombineOverlap = prepare_dispatch = prepare_combine = prepared
+
+
+def stand_in_buffer(num_rdma_bytes: int) -> Buffer:
+    """A one-rank Buffer on the cuda backend with StandInC for `_C`, on the CPU: its __init__ would allocate
+    and map GPU memory, so the backend is assembled from the fields its dispatch and combine read."""
+    from ep_layer.backends import cuda
+    from ep_layer.backends.base import Backend
+
+    backend = cuda.CudaBackend.__new__(cuda.CudaBackend)
+    Backend.__init__(backend, None, 0, 1, num_rdma_bytes, 100.0)
+    fields = dict(_c=StandInC, _device=torch.device("cpu"), _num_sms=132, _gpu_share=1, _system_scope=False,
+                  _put_ranks=0, _host_flag=0, _commons={}, _output_sets={}, _combine_views={}, _combine_outputs={},
+                  _base=1 << 40)
+    for name, value in fields.items():
+        setattr(backend, name, value)
+    backend._common = lambda *args: None  # the launch plan: the stand-in's launches take any
+    backend._stream = lambda: 0
+    return Buffer.from_backend(backend)
+
+
+def profile_stand_in(args: argparse.Namespace) -> None:
+    """The calls' Python on CPU (--stand-in): dispatch and combine in DeepEP's loop, host µs per call."""
+    t, h, e = args.tokens, args.hidden, args.experts
+    buf = stand_in_buffer(Buffer.get_low_latency_rdma_size_hint(t, h, 1, e))
+    x = torch.randn(t, h, dtype=torch.bfloat16)
+    idx = torch.rand(t, e).topk(args.topk, dim=1).indices
+    w = torch.rand(t, args.topk)
+    y = torch.randn(e, t, h, dtype=torch.bfloat16)
+    stats = torch.zeros(e, dtype=torch.int32)
+    capturing, torch._C._cuda_isCurrentStreamCapturing = torch._C._cuda_isCurrentStreamCapturing, lambda: False
+    try:
+        def loop(calls: int) -> tuple[list[float], list[float]]:
+            """As DeepEP's test calls them: each call's results held until the next call rebinds them."""
+            dispatch_us, combine_us = [], []
+            clock = time.perf_counter_ns
+            held: list[object] = [None, None]  # the last results, held as the caller's names hold them
+            for _ in range(calls):
+                start = clock()
+                recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e,
+                                                                   cumulative_local_expert_recv_stats=stats,
+                                                                   use_fp8=True)
+                middle = clock()
+                held[:] = recv_x, buf.low_latency_combine(y, idx, w, handle)[0]
+                dispatch_us.append((middle - start) / 1e3)
+                combine_us.append((clock() - middle) / 1e3)
+            return dispatch_us, combine_us
+
+        loop(50)
+        dispatch_us, combine_us = loop(args.calls)
+        print_profile(lambda: loop(1), args.calls, args.top)
+    finally:
+        torch._C._cuda_isCurrentStreamCapturing = capturing
+    d, c = statistics.median(dispatch_us), statistics.median(combine_us)
+    print(f"stand-in _C on CPU, T = {t}, H = {h}, E = {e}, top-{args.topk}, EP = 1, DeepEP's loop; host us per call "
+          "(medians):")
+    print(f"{'call':22s} {'us':>8s}")
+    for name, us in (("dispatch", d), ("combine", c), ("pair", d + c)):
+        print(f"{name:22s} {us:8.2f}")
+
+
 def profile_layer(args: argparse.Namespace) -> None:
     """One FusedMoE layer's eager call against its graph replay, then where its host time goes."""
     from bench_moe import Shape, cuda_buffers, hf_tensors, new_layer, require_gpu, time_eager, time_graph
@@ -212,7 +303,8 @@ def print_profile(calls: Callable[[], object], n: int, top: int) -> None:
     for _ in range(n):
         calls()
     profile.disable()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("tottime").print_stats(top)

@@ -87,22 +87,22 @@ class _CombineCheck(NamedTuple):
     num_local: int
 
 
-class _DispatchRecord:
+class _DispatchRecord(NamedTuple):
     """What the Buffer remembers about one dispatch, found again from its handle in combine, until the
     dispatch two calls later replaces it. It names the handle without holding it: its tensors are the
-    caller's to keep or drop (a backend may recycle outputs nobody holds)."""
+    caller's to keep or drop (a backend may recycle outputs nobody holds). Made on every dispatch, with
+    `_DispatchRecord.of` (a tuple without the NamedTuple constructor's Python frame)."""
 
-    __slots__ = ("handle_id", "private", "recv_count_ptr", "slot", "src_info")
+    handle_id: int  # id(handle): unique while the caller holds the tuple, which is when it can pass it
+    src_info: weakref.ref  # to handle[0]
+    slot: int  # which zero-copy combine buffer belongs to this dispatch
+    private: object  # backend state that combine needs (e.g. the cuda backend's output set)
+    recv_count_ptr: int  # the dispatch's recv_count (overlap's packed_recv_count)
 
-    def __init__(self, handle: Handle, slot: int, private: object, recv_count: torch.Tensor) -> None:
-        self.handle_id = id(handle)  # unique while the caller holds the tuple, which is when it can pass it
-        self.src_info = weakref.ref(handle[0])
-        self.slot = slot  # which zero-copy combine buffer belongs to this dispatch
-        self.private = private  # backend state that combine needs (e.g. the cuda backend's output set)
-        self.recv_count_ptr = recv_count.data_ptr()  # the dispatch's recv_count (overlap's packed_recv_count)
-
-    def matches(self, handle: tuple) -> bool:
-        return id(handle) == self.handle_id and self.src_info() is handle[0]
+    @staticmethod
+    def of(handle: Handle, slot: int, private: object, recv_count: torch.Tensor) -> _DispatchRecord:
+        return tuple.__new__(_DispatchRecord, (id(handle), weakref.ref(handle[0]), slot, private,
+                                               recv_count.data_ptr()))
 
 
 class Buffer(NormalMode):
@@ -166,7 +166,9 @@ class Buffer(NormalMode):
         self.timeout_s = backend.timeout_s
         self._backend: Backend | None = backend
         self.backend_name = backend.name
-        self._records: list[_DispatchRecord | None] = [None] * _OUTSTANDING
+        # The last _OUTSTANDING dispatches' records, by the id of their handle tuples, and by their slot.
+        self._records: dict[int, _DispatchRecord] = {}
+        self._slots: list[_DispatchRecord | None] = [None] * _OUTSTANDING
         self._num_dispatches = 0
         self._dispatch_checks: dict[tuple, DispatchSpec] = {}
         self._combine_checks: dict[tuple, _CombineCheck] = {}
@@ -229,8 +231,7 @@ class Buffer(NormalMode):
         check_positive_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", MAX_TOKENS_PER_RANK)
         check_positive_int(hidden, "hidden")
         check_experts(num_experts, self.group_size)
-        self._records = [None] * _OUTSTANDING
-        self._combine_buffers.clear()
+        self._forget_dispatches()
         backend.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0,
@@ -279,8 +280,7 @@ class Buffer(NormalMode):
         if self._backend is not None:
             self._backend.destroy()
         self._backend = None
-        self._records = [None] * _OUTSTANDING
-        self._combine_buffers.clear()
+        self._forget_dispatches()
 
     def _live(self) -> Backend:
         if self._backend is None:
@@ -331,7 +331,7 @@ class Buffer(NormalMode):
             _refuse_unknown("low_latency_dispatch", unknown)
         recv_stats, wait_stats = cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats
         with _no_torch_function():
-            backend = self._live()
+            backend = self._backend or self._live()
             try:
                 key = (type(x), x.shape, x.dtype, x.device, type(topk_idx), topk_idx.shape, topk_idx.dtype,
                        topk_idx.device, type(num_max_dispatch_tokens_per_rank), num_max_dispatch_tokens_per_rank,
@@ -424,7 +424,7 @@ class Buffer(NormalMode):
             _refuse_unknown("low_latency_combine", unknown)
         wait_stats = combine_wait_recv_cost_stats
         with _no_torch_function():
-            backend = self._live()
+            backend = self._backend or self._live()
             record = self._record(handle)
             signals = self._send_signals(record, handle, overlap, packed_recv_count, comp_signal, block_m, threshold,
                                          src_signals, src_signal_expect_value) if overlap else None
@@ -560,21 +560,28 @@ class Buffer(NormalMode):
     def _remember(self, handle: Handle, private: object, recv_count: torch.Tensor) -> None:
         slot = self._num_dispatches % _OUTSTANDING
         self._num_dispatches += 1
-        for i, record in enumerate(self._records):  # a dead handle's id can come back: its record is stale
-            if record is not None and record.handle_id == id(handle):
-                self._records[i] = None
-        self._records[slot] = _DispatchRecord(handle, slot, private, recv_count)
+        records, replaced = self._records, self._slots[slot]
+        if replaced is not None and records.get(replaced.handle_id) is replaced:
+            del records[replaced.handle_id]
+        record = self._slots[slot] = _DispatchRecord.of(handle, slot, private, recv_count)
+        records[record.handle_id] = record  # a dead handle's id can come back: its record is replaced
 
     def _record(self, handle: object) -> _DispatchRecord:
         """The dispatch that returned `handle` (the tuple itself: a later dispatch may return the same
         tensors, recycled, so only the tuple tells the two apart)."""
+        if type(handle) is tuple and len(handle) == 5:
+            record = self._records.get(id(handle))
+            if record is not None and record.src_info() is handle[0]:
+                return record
         ok = isinstance(handle, tuple) and len(handle) == 5 and isinstance(handle[0], torch.Tensor)
         expect(ok, "handle", "the handle returned by low_latency_dispatch", type(handle).__name__)
-        for record in self._records:
-            if record is not None and record.matches(handle):
-                return record
         raise ValueError(f"handle: not the handle tuple of one of this Buffer's last {_OUTSTANDING} dispatches "
                          "(at most two results may be outstanding; pass the tuple as dispatch returned it)")
+
+    def _forget_dispatches(self) -> None:
+        self._records.clear()
+        self._slots = [None] * _OUTSTANDING
+        self._combine_buffers.clear()
 
     def _combine_buffer(self, record: _DispatchRecord, handle: Handle, device: torch.device) -> torch.Tensor:
         own = self._live().combine_buffer(record.slot, handle)

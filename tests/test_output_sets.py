@@ -115,4 +115,4 @@ def test_a_combined_tensor_is_handed_out_again_only_once_dropped() -> None:
     assert pool.take(STREAM).data_ptr() == address and made[0] == 4
     held = [pool.take(STREAM) for _ in range(6)]  # more than four at once: the oldest are dropped
     assert len({t.data_ptr() for t in held}) == 6
-    assert len(pool._tensors) == 4
+    assert len(pool._entries) == 4

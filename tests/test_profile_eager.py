@@ -4,11 +4,13 @@ package under its name and the standard library as python."""
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import os
 import pstats
 import sys
 
+import pytest
 import torch
 
 _BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -64,3 +66,36 @@ def test_triton_own_launches_sends_every_launch_through_triton_then_restores_the
             launcher[(2, 1)](7, 8, BLOCK=64)
     assert launched == [((2, 1), (7, 8), {"BLOCK": 64})] * 3
     assert Launcher.launch is fast and not launcher._variants
+
+
+def test_stand_in_runs_the_cuda_backends_python_and_recycles_its_outputs(capsys: pytest.CaptureFixture[str]) -> None:
+    """--stand-in: the cuda backend's dispatch and combine with launches that do nothing, on CPU. In DeepEP's loop
+    (each call's results held until the next call returns) two output sets and two combined tensors serve every
+    call: the previous ones are held, the ones before them come back."""
+    args = argparse.Namespace(tokens=4, hidden=256, experts=16, topk=2, calls=30, top=3)
+    profile_eager.profile_stand_in(args)
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        words = line.split()
+        if len(words) == 2 and words[0] in ("dispatch", "combine", "pair"):
+            rows[words[0]] = float(words[1])
+    assert rows["dispatch"] > 0 and rows["combine"] > 0
+    assert rows["pair"] == pytest.approx(rows["dispatch"] + rows["combine"], abs=0.011)
+
+    buf = profile_eager.stand_in_buffer(1 << 30)
+    x, idx = torch.randn(4, 256, dtype=torch.bfloat16), torch.randint(0, 16, (4, 2))
+    y, w = torch.randn(16, 4, 256, dtype=torch.bfloat16), torch.rand(4, 2)
+    addresses = set()
+    capturing, torch._C._cuda_isCurrentStreamCapturing = torch._C._cuda_isCurrentStreamCapturing, lambda: False
+    try:
+        recv_x = combined = None
+        for _ in range(6):
+            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, 4, 16, use_fp8=False)
+            combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            addresses.add((recv_x.data_ptr(), combined.data_ptr()))
+    finally:
+        torch._C._cuda_isCurrentStreamCapturing = capturing
+    backend = buf._backend
+    assert [len(pool) for pool in backend._output_sets.values()] == [2]
+    assert [len(pool._entries) for pool in backend._combine_outputs.values()] == [2]
+    assert len(addresses) == 2
