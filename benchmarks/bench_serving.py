@@ -485,6 +485,16 @@ def print_mixed(result: dict, floor: bool) -> None:
         print(f"failed {count}x: {error}")
     print("prompt_tok: the usage's mean prompt tokens; itl: the gaps between chunks that carried tokens, "
           "over all requests" + ("; step_floor_us: at a fixed concurrency only" if floor else ""))
+    for level in result["per_request"]:
+        for measure in ("ttft_ms", "tpot_ms"):
+            print(f"{level['level']}, the slowest {measure[:4].upper()}s: {slowest(level['requests'], measure)}")
+
+
+def slowest(requests: list[dict], measure: str, count: int = 3) -> str:
+    """The `count` completed requests with the largest `measure` (per_request's records): what makes a p99."""
+    done = sorted((r for r in requests if r[measure] is not None), key=lambda r: -r[measure])[:count]
+    return "; ".join(f"{r[measure]:.1f} ms (sent at {r['sent_ms']:.0f} ms, {r['prompt_tokens']} prompt tokens, "
+                     f"{r['tokens']} out)" for r in done) or "none completed"
 
 
 def decode_step_bytes(model_dir: Path, tokens_per_rank: int, ranks: int) -> float:

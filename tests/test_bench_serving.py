@@ -267,6 +267,14 @@ def test_the_openai_backend_sends_openai_fields_only() -> None:
         assert set(vllm) - OPENAI_FIELDS == {"ignore_eos", "min_tokens"} and vllm["min_tokens"] == 8
 
 
+def test_slowest_lists_the_requests_that_make_a_p99() -> None:
+    rows = [{"ttft_ms": t, "sent_ms": 10.0 * i, "prompt_tokens": 100 + i, "tokens": 5} for i, t in
+            enumerate([3.0, 9.5, None, 7.25, 1.0])]
+    assert bench.slowest(rows, "ttft_ms", 2) == ("9.5 ms (sent at 10 ms, 101 prompt tokens, 5 out); "
+                                                 "7.2 ms (sent at 30 ms, 103 prompt tokens, 5 out)")
+    assert bench.slowest([{"ttft_ms": None}], "ttft_ms") == "none completed"
+
+
 def test_argument_checks() -> None:
     for argv in (["--request-rate", "2"], ["--workload", "mixed", "--request-rate", "0"],
                  ["--workload", "mixed", "--logprobs", "2"], ["--ignore-eos"], ["--output-len", "8", "4"],
@@ -307,6 +315,8 @@ def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> N
     assert sum(r["prompt_tokens"] for r in rows) / 3 == pytest.approx(level["prompt_tok"])
     assert max(r["ttft_ms"] for r in rows) >= level["ttft_p99_ms"] >= min(r["ttft_ms"] for r in rows)
     assert all(r["ttft_ms"] <= r["latency_ms"] for r in rows)
+    slowest_ttft = max(rows, key=lambda r: r["ttft_ms"])
+    assert f"c=2, the slowest TTFTs: {slowest_ttft['ttft_ms']:.1f} ms (sent at" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("level |"))
     assert [c.strip() for c in header.split("|")][-3:] == ["itl_p99_ms", "out_tok/s", "step_floor_us"]
     assert "# first request after ready" in proc.stdout
