@@ -362,6 +362,15 @@ def test_metrics_count_what_the_requests_did(client):
     assert delta("vllm:e2e_request_latency_seconds_count") == 4
     assert delta("vllm:request_queue_time_seconds_count") == 4
     assert delta("vllm:inter_token_latency_seconds_count") == gen - 4
+    prompt_tokens = sum(len(TOK.encode(p)) for p in [*prompts, "metric stop"])
+    assert (delta("vllm:request_prompt_tokens_count"), delta("vllm:request_prompt_tokens_sum")) == (4, prompt_tokens)
+    assert (delta("vllm:request_generation_tokens_count"), delta("vllm:request_generation_tokens_sum")) == (4, gen)
+    phases = {name: delta(f"vllm:request_{name}_seconds_sum") for name in ("prefill_time", "decode_time",
+                                                                          "inference_time")}
+    assert all(delta(f"vllm:request_{name}_seconds_count") == 4 for name in phases)
+    assert phases["inference_time"] == pytest.approx(phases["prefill_time"] + phases["decode_time"])
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 4
+    assert delta("vllm:num_preemptions_total") == 0
     assert total(after, "vllm:num_requests_running", model_name=NAME) == 0
     assert total(after, "vllm:kv_cache_usage_perc", model_name=NAME) == 0
     assert (("vllm:num_requests_waiting", (("engine", "0"), ("model_name", NAME)))) in after

@@ -1,6 +1,7 @@
-"""serving/api/metrics.py's EPCollector and serving/engine/ep_stats.py without a server: the dispatch /
-combine latency histograms as Prometheus reads them (prometheus_client's own text parser), and read
-out of a model's MoE layers, summed over their Buffers. Against a live server: tests/test_deploy_live.py."""
+"""serving/api/metrics.py and serving/engine/ep_stats.py without a server: the dispatch / combine latency
+histograms as Prometheus reads them (prometheus_client's own text parser), and read out of a model's MoE layers,
+summed over their Buffers; the vllm: series against vLLM's own definitions (its source) and a finished request's
+phases. Against a live server: tests/test_deploy_live.py."""
 
 from __future__ import annotations
 
@@ -134,3 +135,108 @@ def test_a_fresh_engine_exports_every_kind_of_step_at_zero():
     engine.step()
     steps = exposition([engine.ep_stats()])["ep_layer:engine_steps"]
     assert {s.labels["kind"]: s.value for s in steps.samples} == {"prefill": 1, "decode": 0, "empty": 0}
+
+
+# ---------------------------------------------------------------------------- the vllm: series
+def vllm_metric_definitions(version: str) -> tuple[dict[str, dict], dict[str, object]]:
+    """vLLM's own metric definitions, read from its source (vllm/v1/metrics/loggers.py, through `ast`): by name,
+    the documentation and the buckets as written (a list of numbers, a local list's name, or a call of
+    build_1_2_5_buckets); and vLLM's bucket builders, run from that source."""
+    import ast
+
+    from engine_sources import source_dir
+
+    path = source_dir("vllm", version) / "vllm" / "v1" / "metrics" / "loggers.py"
+    tree = ast.parse(path.read_text())
+    local_lists = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.walk(tree)
+                   if isinstance(node, ast.Assign) and isinstance(node.value, ast.List) and len(node.targets) == 1
+                   and isinstance(node.targets[0], ast.Name) and all(isinstance(e, ast.Constant)
+                                                                     for e in node.value.elts)}
+    definitions = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        name = keywords.get("name")
+        if not (isinstance(name, ast.Constant) and str(name.value).startswith("vllm:")):
+            continue
+        buckets = keywords.get("buckets")
+        if isinstance(buckets, ast.List):
+            buckets = ast.literal_eval(buckets)
+        elif isinstance(buckets, ast.Name):
+            buckets = local_lists[buckets.id]
+        elif buckets is not None:
+            buckets = ast.unparse(buckets)
+        definitions[name.value] = {"documentation": ast.literal_eval(keywords["documentation"]), "buckets": buckets}
+    builders: dict[str, object] = {}
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+                 and node.name in ("build_buckets", "build_1_2_5_buckets")]
+    exec(compile(ast.Module(body=functions, type_ignores=[]), str(path), "exec"), builders)
+    return definitions, builders
+
+
+@pytest.mark.parametrize("max_model_len", [256, 163840])
+def test_the_vllm_series_are_vllms_own_names_documentation_and_buckets(max_model_len: int) -> None:
+    """Every vllm: series ServingMetrics exports is one of vLLM 0.20.0's, with its documentation and buckets: a
+    dashboard or alert written for vLLM reads ours alike. The token-count buckets come from vLLM's own builder,
+    run from its source, at the model's context length."""
+    from serving.api.metrics import ServingMetrics
+
+    definitions, builders = vllm_metric_definitions("0.20.0")
+    metrics = ServingMetrics(MODEL, 1, max_model_len)
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    ours = {name: f for name, f in families.items() if name.startswith("vllm:")}
+    assert len(ours) >= 17
+    for name, family in ours.items():
+        assert name in definitions, name
+        want = definitions[name]
+        assert family.documentation == want["documentation"], name
+        if family.type != "histogram":
+            continue
+        bounds = sorted({float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")})
+        buckets = want["buckets"]
+        if buckets == "build_1_2_5_buckets(max_model_len)":
+            buckets = builders["build_1_2_5_buckets"](max_model_len)
+        assert bounds == [*map(float, buckets), math.inf], name
+
+
+def test_a_finished_requests_phases_and_counts() -> None:
+    """vLLM's phases of a finished request, from the arrival, the engine's queue time and the tokens' arrivals:
+    prefill (first scheduled to first token), decode (first to last token), inference (both), the mean time per
+    output token after the first; its prompt and generated token counts. A second choice of a prompt does not
+    count the prompt again, an echo of the prompt alone counts no output, and a request aborted before its first
+    token has no phases. The ranks' cumulative preemption counts add up as they grow."""
+    from serving.api.metrics import ServingMetrics
+    from serving.engine.dp_coordinator import Counted
+    from serving.engine.messages import RequestOutput, SchedulerStats
+
+    metrics = ServingMetrics(MODEL, 1, 1024)
+
+    def output(rid: str, tokens: int, finish: str | None = None, queue: float | None = None) -> RequestOutput:
+        return RequestOutput(rid, [5] * tokens, "x" * tokens, 7, 0, finish_reason=finish, queue_time=queue)
+
+    metrics.on_request(0, "a", 100.0, Counted())
+    metrics.on_output(0, output("a", 1, queue=0.25), 101.0)
+    metrics.on_output(0, output("a", 2), 101.5)
+    metrics.on_output(0, output("a", 1, "length"), 101.75)
+    metrics.on_request(0, "b", 200.0, Counted(prompt=False))  # a second choice of a's prompt
+    metrics.on_output(0, output("b", 1, "length", queue=0.5), 201.0)
+    metrics.on_request(0, "c", 300.0, Counted(output=False))  # an echo of its prompt alone
+    metrics.on_output(0, output("c", 1, "length", queue=0.0), 300.5)
+    metrics.on_request(0, "d", 400.0, Counted())
+    metrics.on_output(0, output("d", 0, "abort"), 401.0)  # aborted while it waited
+    for preemptions in (2, 2, 5):
+        metrics.on_stats(0, SchedulerStats(num_preemptions=preemptions))
+    values = {(s.name, s.labels.get("le")): s.value
+              for f in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in f.samples}
+
+    def observed(name: str) -> tuple[float, float]:
+        return values[(f"vllm:{name}_count", None)], values[(f"vllm:{name}_sum", None)]
+
+    assert observed("request_prompt_tokens") == (3, 21)  # a, c, d: 7 tokens each
+    assert observed("request_generation_tokens") == (3, 4 + 1 + 0)  # a, b, d
+    assert observed("request_prefill_time_seconds") == pytest.approx((2, 0.75 + 0.5))
+    assert observed("request_decode_time_seconds") == pytest.approx((2, 0.75 + 0.0))
+    assert observed("request_inference_time_seconds") == pytest.approx((2, 1.5 + 0.5))
+    assert observed("request_time_per_output_token_seconds") == pytest.approx((2, 0.25 + 0.0))
+    assert values[("vllm:num_preemptions_total", None)] == 5

@@ -8,9 +8,13 @@ the cuda backend) and only read here.
 
 The vllm: metrics are fed by `ServingMetrics` as the coordinator's observer (from its reader thread):
 TTFT, inter-token latency and end-to-end latency are measured in the server process from request
-arrival to the arrival of each output; queue time is the engine's (arrival to first scheduled). The
-prefix cache counters are the ranks' own (serving.engine.block_manager.PrefixCacheStats), which come
-cumulative with each rank's scheduler state and are added here as they grow."""
+arrival to the arrival of each output; queue time is the engine's (arrival to first scheduled). A
+finished request's phases are vLLM's (vllm/v1/metrics/stats.py, `update_from_finished_request`): prefill
+from first scheduled (here: the server's arrival plus the engine's queue time) to the first token, decode
+from the first token to the last, inference the two together, and the mean time per output token after
+the first. The prefix cache and preemption counters are the ranks' own (serving.engine.block_manager.
+PrefixCacheStats, the scheduler's preemptions), which come cumulative with each rank's scheduler state and
+are added here as they grow."""
 
 from __future__ import annotations
 
@@ -36,22 +40,37 @@ INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
                        20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = INTER_TOKEN_BUCKETS  # the same list there
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 _LABELS = ("model_name", "engine")
+
+
+def token_count_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets of per-request token counts (loggers.py,
+    build_1_2_5_buckets(max_model_len))."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass
 class _Timing:
     arrival: float
     counted: Counted
-    started: bool = False  # an output with tokens has come
+    scheduled: float | None = None  # arrival plus the engine's queue time, once its first output says it
+    first_token: float | None = None
     last_token: float | None = None
+    tokens: int = 0
 
 
 class ServingMetrics:
     """The registry behind /metrics; an EngineObserver for the DPCoordinator."""
 
-    def __init__(self, model_name: str, num_ranks: int) -> None:
+    def __init__(self, model_name: str, num_ranks: int, max_model_len: int) -> None:
         disable_created_metrics()  # no *_created series, as vLLM (a process-wide prometheus_client setting)
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -81,6 +100,26 @@ class ServingMetrics:
                                    "tokens.", _LABELS, registry=r)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                (*_LABELS, "finished_reason"), registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                   _LABELS, registry=r)
+        counts = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               _LABELS, buckets=counts, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", _LABELS, buckets=counts,
+                                                   registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", _LABELS,
+                                      buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", _LABELS,
+                                     buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", _LABELS,
+                                        buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("vllm:request_time_per_output_token_seconds",
+                                               "Histogram of time_per_output_token_seconds per request.", _LABELS,
+                                               buckets=TIME_PER_OUTPUT_TOKEN_BUCKETS, registry=r)
         self.rejected = Counter("ep_layer:requests_rejected", "Requests refused with a 503 because the engine "
                                 "ranks' running and waiting sequences were at their limits.", ["model_name"],
                                 registry=r)
@@ -91,13 +130,15 @@ class ServingMetrics:
             labels = (model_name, str(rank))
             for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting,
                            self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
-                           self.prefix_hits):
+                           self.prefix_hits, self.preemptions, self.request_prompt_tokens,
+                           self.request_generation_tokens, self.prefill_time, self.decode_time, self.inference_time,
+                           self.time_per_output_token):
                 metric.labels(*labels)
             for reason in FINISH_REASONS:
                 self.success.labels(*labels, reason)
         self._lock = threading.Lock()
         self._timing: dict[str, _Timing] = {}
-        self._prefix_seen: dict[int, tuple[int, int]] = {}  # rank -> (queries, hits) counted so far
+        self._counters_seen: dict[int, tuple[int, int, int]] = {}  # rank -> (queries, hits, preemptions) so far
 
     # ------------------------------------------------------------------ EngineObserver
     def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
@@ -114,20 +155,41 @@ class ServingMetrics:
                 del self._timing[output.request_id]
         if output.queue_time is not None:
             self.queue_time.labels(*labels).observe(output.queue_time)
+            timing.scheduled = timing.arrival + output.queue_time
         n = len(output.new_token_ids)
-        first, timing.started = n > 0 and not timing.started, timing.started or n > 0
+        first = n > 0 and timing.first_token is None
         if first and timing.counted.prompt:
             self.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
-        if n and timing.counted.output:
+        if n:
             if first:
-                self.ttft.labels(*labels).observe(now - timing.arrival)
-            else:
-                self.itl.labels(*labels).observe(now - timing.last_token)
-            timing.last_token = now
-            self.generation_tokens.labels(*labels).inc(n)
+                timing.first_token = now
+            if timing.counted.output:
+                if first:
+                    self.ttft.labels(*labels).observe(now - timing.arrival)
+                else:
+                    self.itl.labels(*labels).observe(now - timing.last_token)
+                self.generation_tokens.labels(*labels).inc(n)
+            timing.last_token, timing.tokens = now, timing.tokens + n
         if output.finished:
             self.e2e.labels(*labels).observe(now - timing.arrival)
             self.success.labels(*labels, output.finish_reason).inc()
+            self._finished(labels, timing, output.num_prompt_tokens)
+
+    def _finished(self, labels: tuple[str, str], timing: _Timing, prompt_tokens: int) -> None:
+        """A finished request's token counts and, where a token came, its phases (the module docstring)."""
+        counted = timing.counted
+        if counted.prompt:
+            self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
+        if not counted.output:
+            return
+        self.request_generation_tokens.labels(*labels).observe(timing.tokens)
+        if timing.first_token is None or timing.scheduled is None:
+            return
+        decode = timing.last_token - timing.first_token
+        self.prefill_time.labels(*labels).observe(timing.first_token - timing.scheduled)
+        self.decode_time.labels(*labels).observe(decode)
+        self.inference_time.labels(*labels).observe(timing.last_token - timing.scheduled)
+        self.time_per_output_token.labels(*labels).observe(decode / (timing.tokens - 1) if timing.tokens > 1 else 0)
 
     def on_rejected(self) -> None:
         self.rejected.labels(self.model_name).inc()
@@ -137,10 +199,11 @@ class ServingMetrics:
         self.running.labels(*labels).set(stats.num_running)
         self.waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
-        queries, hits = self._prefix_seen.get(rank, (0, 0))
+        queries, hits, preemptions = self._counters_seen.get(rank, (0, 0, 0))
         self.prefix_queries.labels(*labels).inc(stats.prefix_cache_queries - queries)
         self.prefix_hits.labels(*labels).inc(stats.prefix_cache_hits - hits)
-        self._prefix_seen[rank] = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        self.preemptions.labels(*labels).inc(stats.num_preemptions - preemptions)
+        self._counters_seen[rank] = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
 
     # ------------------------------------------------------------------ exposition
     def render(self, ep_stats: list[EPStats]) -> bytes:

@@ -157,9 +157,12 @@ def make_server_state(config: EngineConfig, api_key: str | None = None, start_ti
     template = load_chat_template(config.tokenizer or config.model, config.chat_template)
     tokenizer = importlib.import_module(config.loader).load_tokenizer(config)
     codec = as_codec(tokenizer)
-    metrics = ServingMetrics(config.served_model_name, config.data_parallel_size)
-    coordinator = DPCoordinator(config, metrics, rank_stall_timeout_s)
+    coordinator = DPCoordinator(config, stall_timeout_s=rank_stall_timeout_s)
     info = coordinator.start(start_timeout_s)
+    # Made once the ranks say the context length (the token-count buckets'), before any request: the cumulative
+    # counters of the ranks' stats lose nothing, and no output comes before a request.
+    metrics = coordinator.observer = ServingMetrics(config.served_model_name, config.data_parallel_size,
+                                                    info.max_model_len)
     capacity = len(coordinator.load()) * (config.max_num_seqs + max_waiting_seqs)  # over the ranks served here
     return ServerState(coordinator, codec, metrics, config.served_model_name, config.model, info.max_model_len,
                        info.vocab_size, api_key, frozenset(open_paths), capacity, tokenizer=tokenizer,
