@@ -18,7 +18,7 @@ from ep_layer.latency import BOUNDS_S, OPS, HostLatencyRecorder, LatencyHistogra
 from ep_layer.moe import FusedMoE
 from serving.api.metrics import EPCollector
 from serving.engine.ep_stats import read_ep_stats
-from serving.engine.messages import EPStats
+from serving.engine.messages import EPStats, StepCounters
 
 MODEL = "m"
 
@@ -105,7 +105,7 @@ def test_read_ep_stats_sums_the_model_buffers(shared: bool):
     steps = 3
     for _ in range(steps):
         model(torch.randn(5, 128).to(torch.bfloat16))
-    stats = read_ep_stats(model, 0, 1, {"decode": steps}, {"decode": 1.0})
+    stats = read_ep_stats(model, 0, 1, StepCounters({"decode": steps}, {"decode": 1.0}))
     assert sorted(stats.expert_load) == [1, 2]
     for op in OPS:
         hist = stats.dispatch_latency if op == "dispatch" else stats.combine_latency
@@ -116,7 +116,7 @@ def test_read_ep_stats_sums_the_model_buffers(shared: bool):
 
 
 def test_read_ep_stats_without_moe_layers_has_no_latency():
-    stats = read_ep_stats(torch.nn.Linear(2, 2), 0, 1, {}, {})
+    stats = read_ep_stats(torch.nn.Linear(2, 2), 0, 1, None)
     assert stats.dispatch_latency is None and stats.combine_latency is None
     assert "ep_layer:dispatch_latency_seconds_bucket" not in generate_latest(_registry_with(stats)).decode()
 
@@ -135,6 +135,36 @@ def test_a_fresh_engine_exports_every_kind_of_step_at_zero():
     engine.step()
     steps = exposition([engine.ep_stats()])["ep_layer:engine_steps"]
     assert {s.labels["kind"]: s.value for s in steps.samples} == {"prefill": 1, "decode": 0, "empty": 0}
+
+
+def test_iteration_tokens_count_each_steps_prompt_tokens_and_samples() -> None:
+    """vllm:iteration_tokens_total, as vLLM counts an iteration: the prompt tokens a step computes plus the tokens it
+    samples. A 3-token prompt's step (3 + 1), two decodes (1 each), a 20-token prompt in a 16-token step (16 + 0)
+    and its last 4 tokens (4 + 1); an empty step counts as a step but not here."""
+    from test_serving_engine import make_engine
+
+    from serving.engine.messages import ITERATION_TOKEN_BUCKETS
+    from serving.engine.scheduler import ScheduledBatch
+    from serving.engine.sequence import SamplingParams
+
+    engine = make_engine(budget=16, max_num_seqs=8)
+    engine.add_request("short", [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    engine.add_request("long", [3 + i % 7 for i in range(20)], SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    engine.execute(ScheduledBatch())
+    family = exposition([engine.ep_stats()])["vllm:iteration_tokens_total"]
+    samples = {(s.name.removeprefix("vllm:iteration_tokens_total"), s.labels.get("le")): s.value
+               for s in family.samples}
+    steps = [4, 1, 1, 16, 5]
+    for bound in (*ITERATION_TOKEN_BUCKETS, math.inf):
+        le = "+Inf" if bound == math.inf else str(float(bound))
+        assert samples[("_bucket", le)] == sum(n <= bound for n in steps), bound
+    assert (samples[("_count", None)], samples[("_sum", None)]) == (5, sum(steps))
+    counts = {s.labels["kind"]: s.value for s in exposition([engine.ep_stats()])["ep_layer:engine_steps"].samples}
+    assert counts == {"prefill": 3, "decode": 2, "empty": 1}
 
 
 # ---------------------------------------------------------------------------- the vllm: series
@@ -184,9 +214,10 @@ def test_the_vllm_series_are_vllms_own_names_documentation_and_buckets(max_model
 
     definitions, builders = vllm_metric_definitions("0.20.0")
     metrics = ServingMetrics(MODEL, 1, max_model_len)
+    metrics.ep.snapshot = [EPStats(0, 1, steps=StepCounters({"decode": 0}, {"decode": 0.0}))]
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
     ours = {name: f for name, f in families.items() if name.startswith("vllm:")}
-    assert len(ours) >= 17
+    assert len(ours) >= 18
     for name, family in ours.items():
         assert name in definitions, name
         want = definitions[name]

@@ -42,7 +42,9 @@ def test_warm_up_leaves_a_fresh_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bm.num_free_blocks == bm.num_blocks and bm.reset()
     stats = engine.scheduler_stats()
     assert (stats.num_running, stats.num_waiting, stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0, 0, 0)
-    assert set(engine._steps.values()) == {0} and set(engine._step_seconds.values()) == {0}
+    counters = engine.ep_stats().steps
+    assert set(counters.count.values()) == {0} and set(counters.seconds.values()) == {0}
+    assert (set(counters.tokens_per_bucket), counters.tokens_sum) == ({0}, 0)
     # A warm-up prompt again: computed in full (nothing cached), and served as by a fresh engine.
     prompt = warm_up.prompt_of(engine, lengths[-1])
     fresh = make_engine(budget=16, max_num_seqs=8, async_scheduling=True)

@@ -18,6 +18,8 @@ are added here as they grow."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from prometheus_client.utils import floatToGoString
 from ep_layer.latency import OPS, LatencyHistogram
 
 from ..engine.dp_coordinator import Counted
-from ..engine.messages import EPStats, RequestOutput, SchedulerStats
+from ..engine.messages import ITERATION_TOKEN_BUCKETS, EPStats, RequestOutput, SchedulerStats
 from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py).
@@ -223,7 +225,9 @@ class EPCollector(Collector):
       a send and its hook not), summed over the model's Buffers (Buffer.latency_stats(): device timers
       on the cuda backend, host time on the reference backend); every call counts, warm-up runs too;
     - engine_steps_total / engine_step_seconds_total{engine, kind}: steps by kind (prefill, decode, empty)
-      and their host time, model forward + sampling (mean step latency = the ratio of their rates)."""
+      and their host time, model forward + sampling (mean step latency = the ratio of their rates);
+    and vLLM's vllm:iteration_tokens_total{engine}, a histogram of the tokens of each non-empty step (the prompt
+    tokens it computed and the tokens it sampled), from the same step counters."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -269,12 +273,21 @@ class EPCollector(Collector):
                                     labels=["model_name", "engine", "kind"])
         seconds = CounterMetricFamily("ep_layer:engine_step_seconds", "Host time of engine steps by kind "
                                       "(model forward and sampling).", labels=["model_name", "engine", "kind"])
+        iteration = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.",
+                                          labels=["model_name", "engine"])
+        bounds = [floatToGoString(b) for b in (*ITERATION_TOKEN_BUCKETS, math.inf)]
         for s in stats:
-            for kind, count in sorted(s.steps.items()):
+            if s.steps is None:
+                continue
+            for kind, count in sorted(s.steps.count.items()):
                 steps.add_metric([name, str(s.rank), kind], count)
-                seconds.add_metric([name, str(s.rank), kind], s.step_seconds.get(kind, 0.0))
+                seconds.add_metric([name, str(s.rank), kind], s.steps.seconds.get(kind, 0.0))
+            cumulative = itertools.accumulate(s.steps.tokens_per_bucket)
+            iteration.add_metric([name, str(s.rank)], list(zip(bounds, cumulative)), s.steps.tokens_sum)
         yield steps
         yield seconds
+        yield iteration
 
 
 def _buckets(hist: LatencyHistogram) -> list[tuple[str, float]]:

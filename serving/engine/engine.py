@@ -37,7 +37,7 @@ from .block_manager import BlockManager, PrefixCacheStats
 from .detokenizer import Codec, OutputText, as_codec
 from .engine_config import capture_sizes, graph_budget
 from .ep_stats import read_ep_stats
-from .messages import EPStats, RequestOutput, SchedulerStats, TokenLogprobs
+from .messages import EPStats, RequestOutput, SchedulerStats, StepCounters, TokenLogprobs
 from .model_runner import ModelRunner, logits_rows
 from .sampling import Sampler, SamplerOutput, TokenCounts, make_generator, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler
@@ -54,7 +54,7 @@ from .step_sync import StepPlan, StepSync, plan_alone
 
 log = logging.getLogger(__name__)
 
-STEP_KINDS = ("prefill", "decode", "empty")  # the kinds of step the engine counts (EPStats.steps)
+STEP_KINDS = ("prefill", "decode", "empty")  # the kinds of step the engine counts (StepCounters)
 
 
 def eos_token_ids(config: Any) -> frozenset[int]:
@@ -114,9 +114,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self._pending: PendingStep | None = None
         self._alone = StepSync()  # the agreement of a step without peers
-        # Steps and their host seconds by kind, every kind from the start (so each exports a series at 0).
-        self._steps = dict.fromkeys(STEP_KINDS, 0)
-        self._step_seconds = dict.fromkeys(STEP_KINDS, 0.0)
+        self._step_counters = StepCounters.zero(STEP_KINDS)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -170,6 +168,10 @@ class LLMEngine:
         self._prompt_logprobs(batch, ends, logits)
         done = [i for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if seq.num_computed_tokens + n == seq.num_tokens]
+        # The step's tokens as vLLM counts an iteration's: the prompt tokens it computed and the tokens it samples.
+        iteration_tokens = len(done) if kind == "decode" else len(done) + sum(
+            min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens < seq.num_prompt_tokens)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         if done:
@@ -184,8 +186,7 @@ class LLMEngine:
                 outputs += self._receive(step)
         if before is not None:
             outputs += self._receive(before)
-        self._steps[kind] += 1
-        self._step_seconds[kind] += time.perf_counter() - start
+        self._step_counters.add(kind, time.perf_counter() - start, iteration_tokens)
         return outputs
 
     def flush(self) -> list[RequestOutput]:
@@ -276,12 +277,11 @@ class LLMEngine:
             raise RuntimeError("forget_history: the engine still has requests")
         self.block_manager.stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
-        self._steps = dict.fromkeys(STEP_KINDS, 0)
-        self._step_seconds = dict.fromkeys(STEP_KINDS, 0.0)
+        self._step_counters = StepCounters.zero(STEP_KINDS)
 
     def ep_stats(self) -> EPStats:
-        """Cumulative device counters (a device sync: call at scrape time only) and step timings."""
-        return read_ep_stats(self.model, self.rank, self.num_ranks, dict(self._steps), dict(self._step_seconds))
+        """Cumulative device counters (a device sync: call at scrape time only) and step counters."""
+        return read_ep_stats(self.model, self.rank, self.num_ranks, self._step_counters.copy())
 
     # ------------------------------------------------------------------ helpers
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[RequestOutput]) -> PendingStep:

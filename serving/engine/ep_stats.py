@@ -13,7 +13,7 @@ from ep_layer import Buffer
 from ep_layer.latency import LatencyHistogram
 from ep_layer.moe import FusedMoE
 
-from .messages import EPStats
+from .messages import EPStats, StepCounters
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -28,16 +28,15 @@ def moe_layers(model: torch.nn.Module) -> list[tuple[int, FusedMoE]]:
     return found
 
 
-def read_ep_stats(model: torch.nn.Module, rank: int, num_ranks: int, steps: dict[str, int],
-                  step_seconds: dict[str, float]) -> EPStats:
-    """This rank's EPStats: its MoE layers' counters, with the step counts and times given."""
+def read_ep_stats(model: torch.nn.Module, rank: int, num_ranks: int, steps: StepCounters | None) -> EPStats:
+    """This rank's EPStats: its MoE layers' counters, with the step counters given."""
     layers = moe_layers(model)
     stats = [(i, m.stats()) for i, m in layers]
     loads = {i: s.expert_load.tolist() for i, s in stats}
     dispatch_latency, combine_latency = _latencies([m.buffer for _, m in layers])
     return EPStats(rank, num_ranks, loads, _summed([s.dispatch_wait_ns for _, s in stats], num_ranks),
-                   _summed([s.combine_wait_ns for _, s in stats], num_ranks), steps, step_seconds,
-                   dispatch_latency, combine_latency)
+                   _summed([s.combine_wait_ns for _, s in stats], num_ranks), steps, dispatch_latency,
+                   combine_latency)
 
 
 def _summed(tensors: list[torch.Tensor], num_ranks: int) -> list[int]:

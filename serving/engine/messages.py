@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -147,11 +148,42 @@ class EPStats:
     expert_load: dict[int, list[int]] = field(default_factory=dict)  # MoE layer -> tokens per local expert
     dispatch_wait_ns: list[int] = field(default_factory=list)  # per source rank, summed over layers
     combine_wait_ns: list[int] = field(default_factory=list)
-    steps: dict[str, int] = field(default_factory=dict)  # step kind -> count
-    step_seconds: dict[str, float] = field(default_factory=dict)  # step kind -> summed host time
+    steps: StepCounters | None = None
     # Per call of dispatch / combine, summed over the model's Buffers; None without any Buffer.
     dispatch_latency: LatencyHistogram | None = None
     combine_latency: LatencyHistogram | None = None
+
+
+# vLLM's buckets of vllm:iteration_tokens_total (vllm/v1/metrics/loggers.py).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class StepCounters:
+    """A rank's engine steps: count and host seconds by kind; and each non-empty step's tokens as vLLM counts an
+    iteration's (prompt tokens computed plus tokens sampled): how many steps fell at or under each bound of
+    ITERATION_TOKEN_BUCKETS and above (the last entry), and their sum."""
+
+    count: dict[str, int]
+    seconds: dict[str, float]
+    tokens_per_bucket: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    tokens_sum: int = 0
+
+    @classmethod
+    def zero(cls, kinds: tuple[str, ...]) -> StepCounters:
+        """Every kind at 0, so that each exports a series from the start."""
+        return cls(dict.fromkeys(kinds, 0), dict.fromkeys(kinds, 0.0))
+
+    def add(self, kind: str, seconds: float, tokens: int) -> None:
+        """A step of `kind` that took `seconds` of host time and, unless empty, `tokens` iteration tokens."""
+        self.count[kind] += 1
+        self.seconds[kind] += seconds
+        if kind != "empty":
+            self.tokens_per_bucket[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self.tokens_sum += tokens
+
+    def copy(self) -> StepCounters:
+        return StepCounters(dict(self.count), dict(self.seconds), list(self.tokens_per_bucket), self.tokens_sum)
 
 
 @dataclass(frozen=True)
