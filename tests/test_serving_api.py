@@ -385,8 +385,9 @@ def test_metrics_count_what_the_requests_did(client):
 
 
 def test_metrics_count_a_prompt_once_and_only_the_tokens_usage_reports(client):
-    """n choices share their prompt: its tokens count once, as usage.prompt_tokens does. An echo of the
-    prompt alone (max_tokens 0) reports no completion token, and the metrics count none either."""
+    """n choices share their prompt: its tokens count once, as usage.prompt_tokens does, and the request's n
+    once (vLLM's parent request), with the most tokens a choice generated. An echo of the prompt alone
+    (max_tokens 0) reports no completion token, and the metrics count none either."""
     before = scrape(client)
     for body in ({"prompt": "three choices", "max_tokens": 4, "n": 3},
                  {"prompt": ["just the prompt", "and another"], "max_tokens": 0, "echo": True}):
@@ -394,10 +395,16 @@ def test_metrics_count_a_prompt_once_and_only_the_tokens_usage_reports(client):
         assert resp.status_code == 200, resp.text
         usage = resp.json()["usage"]
         after = scrape(client)
-        delta = {name: total(after, name, model_name=NAME) - total(before, name, model_name=NAME)
-                 for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")}
+        names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_params_n_count",
+                 "vllm:request_params_n_sum", "vllm:request_max_num_generation_tokens_sum")
+        delta = {name: total(after, name, model_name=NAME) - total(before, name, model_name=NAME) for name in names}
+        prompts = 1 if isinstance(body["prompt"], str) else len(body["prompt"])
+        n = body.get("n", 1)
         assert delta == {"vllm:prompt_tokens_total": usage["prompt_tokens"],
-                         "vllm:generation_tokens_total": usage["completion_tokens"]}, (body, usage)
+                         "vllm:generation_tokens_total": usage["completion_tokens"],
+                         "vllm:request_params_n_count": prompts, "vllm:request_params_n_sum": prompts * n,
+                         # ignore_eos: every choice generates max_tokens
+                         "vllm:request_max_num_generation_tokens_sum": prompts * body["max_tokens"]}, (body, usage)
         before = after
 
 

@@ -234,9 +234,10 @@ def test_the_vllm_series_are_vllms_own_names_documentation_and_buckets(max_model
 def test_a_finished_requests_phases_and_counts() -> None:
     """vLLM's phases of a finished request, from the arrival, the engine's queue time and the tokens' arrivals:
     prefill (first scheduled to first token), decode (first to last token), inference (both), the mean time per
-    output token after the first; its prompt and generated token counts. A second choice of a prompt does not
-    count the prompt again, an echo of the prompt alone counts no output, and a request aborted before its first
-    token has no phases. The ranks' cumulative preemption counts add up as they grow."""
+    output token after the first; its prompt and generated token counts and its max_tokens. A second choice of a
+    prompt does not count the prompt again, an echo of the prompt alone counts no output, and a request aborted
+    before its first token has no phases. A parent request's n and the most tokens one of its choices generated
+    count once, when its last choice finishes. The ranks' cumulative preemption counts add up as they grow."""
     from serving.api.metrics import ServingMetrics
     from serving.engine.dp_coordinator import Counted
     from serving.engine.messages import RequestOutput, SchedulerStats
@@ -246,15 +247,18 @@ def test_a_finished_requests_phases_and_counts() -> None:
     def output(rid: str, tokens: int, finish: str | None = None, queue: float | None = None) -> RequestOutput:
         return RequestOutput(rid, [5] * tokens, "x" * tokens, 7, 0, finish_reason=finish, queue_time=queue)
 
-    metrics.on_request(0, "a", 100.0, Counted())
+    metrics.on_request(0, "a", 100.0, Counted(max_tokens=4, choices=2, parent="ab"))
+    metrics.on_request(0, "b", 100.0, Counted(prompt=False, max_tokens=4, choices=2, parent="ab"))  # a's sibling
     metrics.on_output(0, output("a", 1, queue=0.25), 101.0)
     metrics.on_output(0, output("a", 2), 101.5)
     metrics.on_output(0, output("a", 1, "length"), 101.75)
-    metrics.on_request(0, "b", 200.0, Counted(prompt=False))  # a second choice of a's prompt
-    metrics.on_output(0, output("b", 1, "length", queue=0.5), 201.0)
-    metrics.on_request(0, "c", 300.0, Counted(output=False))  # an echo of its prompt alone
+    after_a = {(s.name, s.labels.get("le")): s.value
+               for f in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in f.samples}
+    assert after_a[("vllm:request_params_n_count", None)] == 0  # b, a choice of the same request, still runs
+    metrics.on_output(0, output("b", 1, "stop", queue=100.5), 201.0)
+    metrics.on_request(0, "c", 300.0, Counted(output=False, max_tokens=1))  # an echo of its prompt alone
     metrics.on_output(0, output("c", 1, "length", queue=0.0), 300.5)
-    metrics.on_request(0, "d", 400.0, Counted())
+    metrics.on_request(0, "d", 400.0, Counted(max_tokens=5))
     metrics.on_output(0, output("d", 0, "abort"), 401.0)  # aborted while it waited
     for preemptions in (2, 2, 5):
         metrics.on_stats(0, SchedulerStats(num_preemptions=preemptions))
@@ -271,3 +275,6 @@ def test_a_finished_requests_phases_and_counts() -> None:
     assert observed("request_inference_time_seconds") == pytest.approx((2, 1.5 + 0.5))
     assert observed("request_time_per_output_token_seconds") == pytest.approx((2, 0.25 + 0.0))
     assert values[("vllm:num_preemptions_total", None)] == 5
+    assert observed("request_params_max_tokens") == (4, 4 + 4 + 1 + 5)
+    assert observed("request_params_n") == (3, 2 + 1 + 1)  # ab, c, d
+    assert observed("request_max_num_generation_tokens") == (3, 4 + 0 + 0)

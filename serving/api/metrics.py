@@ -43,6 +43,7 @@ INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TIME_PER_OUTPUT_TOKEN_BUCKETS = INTER_TOKEN_BUCKETS  # the same list there
+N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 _LABELS = ("model_name", "engine")
 
@@ -119,6 +120,14 @@ class ServingMetrics:
         self.inference_time = Histogram("vllm:request_inference_time_seconds",
                                         "Histogram of time spent in RUNNING phase for request.", _LABELS,
                                         buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self.max_tokens_param = Histogram("vllm:request_params_max_tokens",
+                                          "Histogram of the max_tokens request parameter.", _LABELS, buckets=counts,
+                                          registry=r)
+        self.n_param = Histogram("vllm:request_params_n", "Histogram of the n request parameter.", _LABELS,
+                                 buckets=N_BUCKETS, registry=r)
+        self.max_generation_tokens = Histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.",
+                                               _LABELS, buckets=counts, registry=r)
         self.time_per_output_token = Histogram("vllm:request_time_per_output_token_seconds",
                                                "Histogram of time_per_output_token_seconds per request.", _LABELS,
                                                buckets=TIME_PER_OUTPUT_TOKEN_BUCKETS, registry=r)
@@ -134,13 +143,16 @@ class ServingMetrics:
                            self.kv_usage, self.prompt_tokens, self.generation_tokens, self.prefix_queries,
                            self.prefix_hits, self.preemptions, self.request_prompt_tokens,
                            self.request_generation_tokens, self.prefill_time, self.decode_time, self.inference_time,
-                           self.time_per_output_token):
+                           self.time_per_output_token, self.max_tokens_param, self.n_param,
+                           self.max_generation_tokens):
                 metric.labels(*labels)
             for reason in FINISH_REASONS:
                 self.success.labels(*labels, reason)
         self._lock = threading.Lock()
         self._timing: dict[str, _Timing] = {}
         self._counters_seen: dict[int, tuple[int, int, int]] = {}  # rank -> (queries, hits, preemptions) so far
+        # A parent request's choices not yet finished, and the most tokens one of its finished choices generated.
+        self._parents: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ EngineObserver
     def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
@@ -176,12 +188,16 @@ class ServingMetrics:
             self.e2e.labels(*labels).observe(now - timing.arrival)
             self.success.labels(*labels, output.finish_reason).inc()
             self._finished(labels, timing, output.num_prompt_tokens)
+            self._choice_finished(labels, timing, output.request_id)
 
     def _finished(self, labels: tuple[str, str], timing: _Timing, prompt_tokens: int) -> None:
-        """A finished request's token counts and, where a token came, its phases (the module docstring)."""
+        """A finished request's token counts, its max_tokens and, where a token came, its phases (the module
+        docstring)."""
         counted = timing.counted
         if counted.prompt:
             self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
+        if counted.max_tokens:
+            self.max_tokens_param.labels(*labels).observe(counted.max_tokens)
         if not counted.output:
             return
         self.request_generation_tokens.labels(*labels).observe(timing.tokens)
@@ -192,6 +208,21 @@ class ServingMetrics:
         self.decode_time.labels(*labels).observe(decode)
         self.inference_time.labels(*labels).observe(timing.last_token - timing.scheduled)
         self.time_per_output_token.labels(*labels).observe(decode / (timing.tokens - 1) if timing.tokens > 1 else 0)
+
+    def _choice_finished(self, labels: tuple[str, str], timing: _Timing, request_id: str) -> None:
+        """Once every choice of a parent request has finished: its n and the most tokens a choice generated
+        (vLLM's vllm/v1/engine/parallel_sampling.py, `observe_finished_request`)."""
+        counted = timing.counted
+        parent = counted.parent or request_id
+        with self._lock:
+            entry = self._parents.setdefault(parent, [counted.choices, 0])
+            entry[0] -= 1
+            entry[1] = max(entry[1], timing.tokens if counted.output else 0)
+            if entry[0] > 0:
+                return
+            del self._parents[parent]
+        self.n_param.labels(*labels).observe(counted.choices)
+        self.max_generation_tokens.labels(*labels).observe(entry[1])
 
     def on_rejected(self) -> None:
         self.rejected.labels(self.model_name).inc()

@@ -458,7 +458,8 @@ class _CompletionCall:
         self._admit(len(params))  # again: the load changed while tokenizing; no await from here to submit
         n = self.body.n
         submissions = [Submission(rid, prompts[i // n], p, self._sink(loop, i),
-                                  Counted(prompt=i % n == 0, output=not self.prompt_only))
+                                  Counted(prompt=i % n == 0, output=not self.prompt_only, max_tokens=p.max_tokens,
+                                          choices=n, parent=f"{self.id}-prompt-{i // n}"))
                        for i, (rid, p) in enumerate(zip(self.request_ids, params))]
         try:
             self.state.coordinator.submit(submissions)

@@ -58,10 +58,14 @@ _HOST = "127.0.0.1"
 class Counted:
     """What an engine request counts for in the metrics: its prompt's tokens (not for the second and
     later choices of one prompt, which share it) and its output's (not for an echo of the prompt alone,
-    whose one token the server drops)."""
+    whose one token the server drops); its max_tokens parameter; and the request it is a choice of (vLLM's
+    parent request: its `choices` share `parent`, which defaults to the request itself)."""
 
     prompt: bool = True
     output: bool = True
+    max_tokens: int | None = None
+    choices: int = 1
+    parent: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
