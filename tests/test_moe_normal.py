@@ -143,16 +143,22 @@ def test_mode_errors() -> None:
         layer(x.float(), mode="normal")
 
 
-def test_normal_mode_packs_a_multiple_of_16_rows_per_expert(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
-    """The packed layout's rows per expert are the busiest expert's count rounded up to SPECIALIZED_MULTIPLE (16),
-    so that the expert GEMM's strides fall in one class whatever the routing (one Triton compile, at warm-up)."""
-    cfg = MoeConfig()
-    gen = torch.Generator().manual_seed(seed)
+def one_rank_normal_layer(cfg: MoeConfig, gen: torch.Generator) -> FusedMoE:
+    """A one-rank bf16 layer on the reference backend with a normal-mode buffer, its weights drawn from `gen`."""
     buffer = make_buffer(None, cfg.max_tokens, cfg.hidden, cfg.num_experts, "reference", "cpu", normal_mode=True)
     layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, None, n_group=cfg.n_group,
                      topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
                      n_shared_experts=cfg.n_shared_experts, buffer=buffer, max_tokens_per_rank=cfg.max_tokens)
     layer.load_weights(hf_weights(cfg, gen, "bf16").items())
+    return layer
+
+
+def test_normal_mode_packs_a_multiple_of_16_rows_per_expert(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The packed layout's rows per expert are the busiest expert's count rounded up to SPECIALIZED_MULTIPLE (16),
+    so that the expert GEMM's strides fall in one class whatever the routing (one Triton compile, at warm-up)."""
+    cfg = MoeConfig()
+    gen = torch.Generator().manual_seed(seed)
+    layer = one_rank_normal_layer(cfg, gen)
     packed = []
     run = layer.run_experts
 
@@ -175,11 +181,7 @@ def test_normal_mode_packs_each_experts_rows_in_receive_order(monkeypatch: pytes
 
     cfg = MoeConfig()
     gen = torch.Generator().manual_seed(seed)
-    buffer = make_buffer(None, cfg.max_tokens, cfg.hidden, cfg.num_experts, "reference", "cpu", normal_mode=True)
-    layer = FusedMoE(cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate, None, n_group=cfg.n_group,
-                     topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                     n_shared_experts=cfg.n_shared_experts, buffer=buffer, max_tokens_per_rank=cfg.max_tokens)
-    layer.load_weights(hf_weights(cfg, gen, "bf16").items())
+    layer = one_rank_normal_layer(cfg, gen)
     seen = []
     run = layer.run_experts
 
