@@ -437,4 +437,3 @@ def make_buffer(group: dist.ProcessGroup | None, max_tokens_per_rank: int, hidde
     backend = resolve_backend(backend, device=torch.empty(0, device=device).device)
     return Buffer(group, num_nvl_bytes=nvl_bytes, num_rdma_bytes=size, low_latency_mode=True, backend=backend,
                   transport=transport)
-
