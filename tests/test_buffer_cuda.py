@@ -444,7 +444,7 @@ def test_emulated_options(seed: int) -> None:
     for b, o, y in zip(buffers, outs, ys):
         zero_copy = b.get_next_low_latency_combine_buffer(o[2])
         # In the communication buffer, where the ranks sharing this GPU read the rows (none are copied).
-        assert b._live()._row_in_buffer(zero_copy) >= 0
+        assert b._live()._row_in_buffer(zero_copy.data_ptr(), o[2]) >= 0
         zero_copy.copy_(y)
     outs_buf = [torch.full((i.shape[0], hidden), float("nan"), device="cuda", dtype=torch.bfloat16) for i in idxs]
     sent = [b.low_latency_combine(torch.empty_like(y), i, w, o[2], zero_copy=True, out=ob,
