@@ -1,14 +1,16 @@
 """The cuda backend's recycled dispatch outputs (backends/cuda.py `_OutputSet`) and combined tensors
 (`_CombineOutputs`), on CPU tensors: a set is
 free for the next dispatch only when the caller holds none of its returned objects and no view of its
-memory, no hook that uses it is pending, and every use was on the stream that asks; a set used on two
-streams is never recycled. (The kernels that fill the sets run in tests/test_buffer_cuda.py.)"""
+memory, no hook that uses it is pending, and it asks on the set's own stream, which then waits for the set's
+uses on other streams; a set used on another stream in a graph capture is never recycled. (The kernels that fill
+the sets run in tests/test_buffer_cuda.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from ep_layer.backends import cuda
 from ep_layer.backends.base import RowsInPlace
 from ep_layer.backends.cuda import _CombineOutputs, _OutputSet
 
@@ -32,7 +34,7 @@ def output_set(kind: str) -> _OutputSet:
         offsets, scales = torch.empty(4, 10, dtype=torch.int64), torch.empty(4, 1, 10).transpose(1, 2)
         recv_x = RowsInPlace(torch.empty(16, dtype=torch.uint8), offsets, scales, 128)
         owned += [offsets, scales]
-    return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, {}, owned, STREAM)
+    return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, {}, owned, STREAM, 0)
 
 
 def settled(kind: str) -> _OutputSet:
@@ -75,15 +77,53 @@ def test_a_set_is_free_only_when_nothing_of_it_is_held(kind: str) -> None:
         assert out.free_on(STREAM), (kind, i)
 
 
-def test_pending_hooks_and_other_streams_keep_a_set_busy() -> None:
+class FakeStreams:
+    """The fences' CUDA events, on CPU: which stream is current, and what was recorded and waited for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.current, self.capturing = STREAM, False
+        self.log: list[tuple] = []
+        monkeypatch.setattr(cuda, "_record_fence", self.record)
+        monkeypatch.setattr(cuda, "_wait_fences", self.wait)
+        monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: self.capturing)
+
+    def record(self, device_index: int, event: object) -> object:
+        event = event or [len(self.log)]  # a new event: a fresh list
+        self.log.append(("record", self.current, id(event)))
+        return event
+
+    def wait(self, device_index: int, fences: object) -> None:
+        self.log.append(("wait", self.current, sorted(id(e) for e in fences)))
+
+
+def test_pending_hooks_keep_a_set_busy_and_other_streams_fence_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeStreams(monkeypatch)
     out = settled("fp8")
     out.pending = 1  # a hook that writes or reads it has not been launched
     assert not out.free_on(STREAM)
     out.pending = 0
     assert out.free_on(STREAM) and not out.free_on(OTHER)
     out.used_on(STREAM)
-    assert out.free_on(STREAM)
-    out.used_on(OTHER)  # a hook or combine on another stream: the two streams' order is unknown
+    out.join_uses()
+    assert fake.log == []  # its own stream: stream order suffices
+    fake.current = OTHER
+    out.used_on(OTHER)  # a combine on a side stream
+    out.used_on(OTHER)  # and its hook: the same event, recorded again
+    assert [entry[:2] for entry in fake.log] == [("record", OTHER)] * 2 and fake.log[0][2] == fake.log[1][2]
+    fake.current = STREAM
+    assert out.free_on(STREAM) and not out.free_on(OTHER)
+    out.join_uses()  # the next dispatch on the set's own stream waits for the fence, once
+    out.join_uses()
+    assert fake.log[2:] == [("wait", STREAM, [fake.log[0][2]])]
+    fake.current = OTHER
+    out.used_on(OTHER)
+    fake.capturing = True  # a fence recorded outside a capture cannot be waited for inside it
+    assert not out.free_on(STREAM)
+    fake.capturing = False
+    fake.current = STREAM
+    out.join_uses()
+    fake.capturing, fake.current = True, OTHER
+    out.used_on(OTHER)  # inside a capture: the set is the graph's, never recycled
     assert out.stream == _OutputSet.RETIRED
     assert not out.free_on(STREAM) and not out.free_on(OTHER)
 

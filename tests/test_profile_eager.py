@@ -99,3 +99,32 @@ def test_stand_in_runs_the_cuda_backends_python_and_recycles_its_outputs(capsys:
     assert [len(pool) for pool in backend._output_sets.values()] == [2]
     assert [len(pool._entries) for pool in backend._combine_outputs.values()] == [2]
     assert len(addresses) == 2
+
+
+def test_stand_in_recycles_a_set_whose_combine_runs_on_another_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FusedMoE's schedule on the stand-in: each dispatch and its hook on one side stream, the combine and its hook on
+    another. One output set serves every call: its combine's uses fence it, and each later dispatch that recycles
+    it waits for that fence first."""
+    from ep_layer.backends import cuda
+
+    buf = profile_eager.stand_in_buffer(1 << 30)
+    backend = buf._backend
+    current = [1]
+    log: list[tuple[str, int]] = []
+    monkeypatch.setattr(backend, "_stream", lambda: current[0])
+    monkeypatch.setattr(cuda, "_record_fence", lambda device, event: log.append(("record", current[0])) or "event")
+    monkeypatch.setattr(cuda, "_wait_fences", lambda device, fences: log.append(("wait", current[0])))
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+    x, idx = torch.randn(4, 256, dtype=torch.bfloat16), torch.randint(0, 16, (4, 2))
+    y, w = torch.randn(16, 4, 256, dtype=torch.bfloat16), torch.rand(4, 2)
+    for call in range(4):
+        current[0] = 1
+        recv_x, _, handle, _, hook = buf.low_latency_dispatch(x, idx, 4, 16, use_fp8=False, return_recv_hook=True)
+        hook()
+        current[0] = 2
+        combined, _, hook = buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)
+        hook()
+        del recv_x, handle, combined, hook
+        assert log == [("wait", 1)] * (call > 0) + [("record", 2)] * 2, call
+        log.clear()
+    assert [len(pool) for pool in backend._output_sets.values()] == [1]

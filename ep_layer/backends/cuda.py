@@ -17,12 +17,12 @@ from __future__ import annotations
 import math
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from .. import latency, layout, native
+from .. import latency, layout, native, streams
 from ..checks import expect
 from ..errors import EPTimeoutError, overlap_signal_timeout
 from ..kernel_args import CombinePointers, DispatchPointers
@@ -106,23 +106,31 @@ class _OutputSet:
     """One set of dispatch outputs, and their device addresses for the kernels. A set is recycled by a
     later dispatch of its shape once nothing but the backend refers to its tensors (the caller holds
     none of the returned objects and no view of their memory), no hook that uses it is pending, and the
-    later dispatch runs on the stream of all its uses (whose order then puts it after every reader): the
-    caller sees fresh tensors, as from torch's allocator, without an allocation's host time per call."""
+    later dispatch runs on the set's own stream (its first dispatch's): the caller sees fresh tensors, as from
+    torch's allocator, without an allocation's host time per call. Stream order puts the later dispatch after
+    every use on the set's own stream; a use on another stream (FusedMoE's combine runs on a side stream of its
+    own) records a fence there, which the later dispatch waits for (`join_uses`) before it writes the set."""
 
-    __slots__ = ("_baseline", "_storages", "_watched", "combines", "dispatches", "ints", "layout_range", "pending",
-                 "pointers", "recv_count", "recv_x", "src_info", "stream")
-    RETIRED = -1  # `stream` once the set was used on two streams: their order is unknown, so never recycled
+    __slots__ = ("_baseline", "_fences", "_storages", "_unjoined", "_watched", "combines", "device_index",
+                 "dispatches", "ints", "layout_range", "pending", "pointers", "recv_count", "recv_x", "src_info",
+                 "stream")
+    RETIRED = -1  # `stream` once the set was used on another stream in a CUDA graph capture: never recycled
 
     def __init__(self, recv_x: object, recv_count: torch.Tensor, src_info: torch.Tensor, layout_range: torch.Tensor,
-                 ints: torch.Tensor, pointers: DispatchPointers, owned: list[torch.Tensor], stream: int) -> None:
+                 ints: torch.Tensor, pointers: DispatchPointers, owned: list[torch.Tensor], stream: int,
+                 device_index: int) -> None:
         self.recv_x, self.recv_count, self.src_info, self.layout_range = recv_x, recv_count, src_info, layout_range
         self.ints = ints  # int32: the tickets of the dispatch and of its combine, recv_count, src_info, combine_map
         self.pointers = pointers
         # The calls into this set, prepared once (_C.PreparedDispatch, _C.PreparedCombine), by (tokens, top-k).
         self.dispatches: dict[tuple[int, int], object] = {}
         self.combines: dict[tuple[int, int], object] = {}
-        self.stream = stream
+        self.stream, self.device_index = stream, device_index
         self.pending = 0  # hooks not yet launched that write or read the set
+        # By stream other than the set's own: an event recorded there after the set's last use (its fence), and
+        # whether one was recorded since the set's own stream last waited for them.
+        self._fences: dict[int, torch.cuda.Event] = {}
+        self._unjoined = False
         # A caller may hold a returned object itself (more Python references to it) or a view of its
         # memory (more tensors on its storage): each is compared with what the set alone holds.
         parts = recv_x if isinstance(recv_x, tuple) else (recv_x.offsets, recv_x.scales) \
@@ -139,12 +147,39 @@ class _OutputSet:
         return [*map(sys.getrefcount, self._watched), *map(_use_count, self._storages)]
 
     def free_on(self, stream: int) -> bool:
-        return self.pending == 0 and stream == self.stream and self._references() == self._baseline
+        # Inside a graph capture the fences cannot be waited for: events recorded outside it are not its work.
+        return (self.pending == 0 and stream == self.stream and self._references() == self._baseline
+                and not (self._unjoined and torch._C._cuda_isCurrentStreamCapturing()))
 
     def used_on(self, stream: int) -> None:
-        """Our kernels read or wrote the set on `stream`."""
-        if stream != self.stream:
+        """Our kernels read or wrote the set on `stream`, the current stream: call it right after their launch."""
+        if stream == self.stream:
+            return
+        if torch._C._cuda_isCurrentStreamCapturing():  # a fence recorded in a capture is the graph's alone
             self.stream = _OutputSet.RETIRED
+            return
+        self._fences[stream] = _record_fence(self.device_index, self._fences.get(stream))
+        self._unjoined = True
+
+    def join_uses(self) -> None:
+        """Make the current stream, the set's own, wait for the set's uses on other streams (before writing it)."""
+        if self._unjoined:
+            _wait_fences(self.device_index, self._fences.values())
+            self._unjoined = False
+
+
+def _record_fence(device_index: int, event: torch.cuda.Event | None) -> torch.cuda.Event:
+    """`event` (a new one where None) recorded on the current stream of device `device_index`."""
+    event = torch._C._CudaEventBase() if event is None else event
+    event.record(streams.current_stream(device_index))
+    return event
+
+
+def _wait_fences(device_index: int, fences: Iterable[torch.cuda.Event]) -> None:
+    """Make the current stream of device `device_index` wait for each event's last record."""
+    stream = streams.current_stream(device_index)
+    for event in fences:
+        event.wait(stream)
 
 
 _use_count = torch._C._storage_Use_Count
@@ -424,6 +459,7 @@ class CudaBackend(Backend):
             if out.free_on(stream):
                 if i + 1 < len(pool):
                     pool.append(pool.pop(i))  # most recently used last
+                out.join_uses()
                 return out
         pool[:] = [out for out in pool if out.stream != _OutputSet.RETIRED]
         out = self._new_outputs(spec, rows_in_place, stream)
@@ -464,7 +500,7 @@ class CudaBackend(Backend):
                                     recv_count=base + 8, src_info=base + 4 * (2 + num_local),
                                     layout_range=layout_range.data_ptr(),
                                     combine_map=base + 4 * (2 + num_local + num_local * rows))
-        return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, pointers, owned, stream)
+        return _OutputSet(recv_x, recv_count, src_info, layout_range, ints, pointers, owned, stream, dev.index)
 
     def _prepare_dispatch(self, out: _OutputSet, spec: DispatchSpec, num_tokens: int, num_topk: int,
                           rows_in_place: bool) -> object:
@@ -542,13 +578,14 @@ class CudaBackend(Backend):
                 self._stage_row(x_ptr, slot, handle) if self._put_ranks else -1, topk_idx.data_ptr(),
                 topk_weights.data_ptr(), out.data_ptr(), 0 if wait_stats is None else wait_stats.data_ptr(), overlap)
         stream = self._stream()
-        outputs.used_on(stream)  # the send reads recv_count and combine_map
         # One kernel does both halves, unless its senders wait for the GEMM or are held to a few SMs: then its
         # reducers could hold the SMs the GEMM needs (csrc/ll_combine.cu, combine_fused).
         if not hook and overlap is None:
             self._c.combine_both_halves(*args, stream)
+            outputs.used_on(stream)  # it reads recv_count and combine_map
             return _nothing
         self._c.combine_send(*args, stream)
+        outputs.used_on(stream)  # the send reads recv_count and combine_map
         # What the receive half reads (x: its own rows in place) and writes (out, even if the caller has
         # dropped it), alive until it has been launched.
         keep = _KeptForHook(stream, x, topk_idx, topk_weights, out, wait_stats,
