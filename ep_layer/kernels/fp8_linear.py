@@ -19,8 +19,11 @@ from .triton_support import sm_count, tl, triton
 BLOCK_N_FEW_ROWS = 32  # at most BLOCK_M rows on the masked GEMM: 4x the programs, each streams less weight
 SPLITK_MAX_ROWS = 16  # at most this many rows: split-K GEMM (one 16-row tile)
 SPLITK_MIN_DEPTH = 4096  # this deep or deeper: split-K GEMM for up to BLOCK_M rows
+# The split-K GEMM's tunables (benchmarks/bench_linears.py --sweep times others).
 SPLITK_BLOCK_N = 64
 SPLITK_PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
+SPLITK_WARPS = 4
+SPLITK_STAGES = 3  # Triton's default
 # Outputs per program of the split-K parts' sum: the wide block where it still makes two programs per SM,
 # else the narrow one (a decode step's sums are bound by latency; benchmarks/RESULTS.md, profile_decode.py).
 SUM_BLOCK, SUM_BLOCK_NARROW = 1024, 256
@@ -96,20 +99,29 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if m == 0:
         return out
     data, scales = cast_rows_to_fp8(x.contiguous(), None)  # all m rows: no count to fill first
-    # A decode step's few rows make one row tile: narrow column tiles spread the weight over more SMs (at
-    # 128 columns a 576- or 7168-wide projection runs on 5 or 56 programs). Where even those tiles are
-    # fewer than the SMs, K is split as well; and for a deep projection in one row tile, where each narrow
-    # tile would stream all of K alone (a 2048-deep one stays masked). The shared expert's gated gate_up
-    # takes split-K too (benchmarks/RESULTS.md, profile_decode.py).
-    # The gated GEMM keeps its own column tile (two accumulators: wider tiles spill).
-    block_n = BLOCK_N_GATED if gated else BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
-    deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH
-    if m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, n, block_n, x.device):
+    if takes_splitk(m, k, n, gated, x.device):
         return _fp8_splitk_linear(data, scales, weight, weight_scale_inv, out, gated)
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one expert's m rows
     masked_grouped_gemm(data[None], scales[None], weight[None], weight_scale_inv[None], count, out[None],
-                        up_offset=n if gated else 0, gated=gated, block_n=block_n)
+                        up_offset=n if gated else 0, gated=gated, block_n=_masked_block_n(m, gated))
     return out
+
+
+def takes_splitk(m: int, k: int, n: int, gated: bool, device: torch.device) -> bool:
+    """Whether fp8_block_linear runs x [m, k] through an [n, k] weight (gated: n outputs from 2n rows) on the
+    split-K GEMM. A decode step's few rows make one row tile: narrow column tiles spread the weight over more
+    SMs (at 128 columns a 576- or 7168-wide projection runs on 5 or 56 programs). Where even those tiles are
+    fewer than the SMs, K is split as well; and for a deep projection in one row tile, where each narrow tile
+    would stream all of K alone (a 2048-deep one stays masked). The shared expert's gated gate_up takes
+    split-K too (benchmarks/RESULTS.md, profile_decode.py)."""
+    deep = m <= BLOCK_M and k >= SPLITK_MIN_DEPTH
+    return m <= SPLITK_MAX_ROWS or deep or _fewer_tiles_than_sms(m, n, _masked_block_n(m, gated), device)
+
+
+def _masked_block_n(m: int, gated: bool) -> int:
+    """The masked GEMM's column tile for m rows; the gated GEMM keeps its own (two accumulators: wider tiles
+    spill)."""
+    return BLOCK_N_GATED if gated else BLOCK_N_FEW_ROWS if m <= BLOCK_M else BLOCK_N
 
 
 def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.device) -> bool:
@@ -134,7 +146,8 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     _fp8_splitk_kernel[(cdiv(n, SPLITK_BLOCK_N), split, cdiv(m, block_m))](
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=NUM_WARPS)
+        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=SPLITK_WARPS,
+        num_stages=SPLITK_STAGES)
     block = SUM_BLOCK if cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
     _sum_parts_kernel[(cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
                                                    BLOCK=block, num_warps=NUM_WARPS)
