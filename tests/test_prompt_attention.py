@@ -52,6 +52,31 @@ def test_prompt_attention_equals_the_float64_oracle(n: int, length: int, heads_a
     torch.testing.assert_close(got, oracle(*args), rtol=1e-10, atol=1e-10)
 
 
+def test_prompt_attention_never_takes_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused call of a prompt block runs with cuDNN's attention off (it plans again for every new prompt
+    length) and the other fused kernels on, whatever the process had set; the setting is restored after."""
+    seen: list[tuple[bool, bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        backends = torch.backends.cuda
+        seen.append((backends.cudnn_sdp_enabled(), backends.flash_sdp_enabled(), backends.mem_efficient_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(mla.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(paged_attention, "PROMPT_BLOCK_KV_ELEMENTS", 2 * 9 * 24)  # one head at a time
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        heads, n = 3, 9
+        mla.prompt_attention(torch.randn(n, heads, 16), torch.randn(n, heads, 8), torch.randn(n, 40),
+                             torch.randn(heads, 16, 32), torch.randn(heads, 12, 32), 0.3)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    assert seen == [(False, True, True)] * heads
+
+
 def second_chunk_beside_decodes(engine: LLMEngine) -> ScheduledBatch:
     """Two short prompts run to their decodes, then a 45-token prompt whose second chunk (15 tokens after 30 cached:
     a step holds 32 tokens, two of them the decodes) is scheduled beside their decodes (not yet run)."""

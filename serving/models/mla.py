@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..model_config import ModelConfig
@@ -26,6 +27,11 @@ from .rotary import RotaryEmbedding, softmax_scale
 # DeepSeek's code and transformers build q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
 # not config.rms_norm_eps (the two agree in V3's config).
 LATENT_NORM_EPS = 1e-6
+# The fused attention kernels a prompt block may take, in torch's own order of preference, without cuDNN's, which
+# torch 2.11 picks first on an H100 or H200 for these shapes (benchmarks/RESULTS.md, profile_prompt_step.py): cuDNN
+# builds an execution plan for every new shape (0.44 s each on a B200 under torch 2.11: modelscope/FunASR#3704), and
+# every prompt length is a new shape; flash attention plans nothing.
+PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class MLAttention(nn.Module):
@@ -131,6 +137,7 @@ def prompt_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tenso
         k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk[h]), k_pe.expand(h.stop - first, -1, -1)], dim=-1)
         v = F.pad(torch.einsum("lc,hvc->hlv", c_kv, w_uv[h]), (0, width - v_dim))  # every fused kernel takes it
         q = torch.cat([q_nope[:, h], q_pe[:, h]], dim=-1).transpose(0, 1)
-        attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
+        with sdpa_kernel(PROMPT_SDPA_BACKENDS):
+            attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
         out[:, h] = attended[0, ..., :v_dim].transpose(0, 1)
     return out
