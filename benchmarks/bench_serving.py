@@ -27,7 +27,9 @@ Poisson arrivals (exponential gaps from the seed; inf: all at once), and prints 
 p50/p99, ITL p99 (the gaps between streamed chunks that carry tokens, over all requests), output tokens/s,
 completed and failed requests, and the TTFT of the first request the run sends (with --launch, the first
 request once /health is 200, before any other: the cold start) beside the warm TTFT of its length (the median
-of a few prompts of as many words, each with a word of its own, sent right after it).
+of a few prompts of as many words, each with a word of its own, sent right after it). Each level's slowest
+requests follow, and at a fixed concurrency c the TTFT and TPOT p50/p99 of the requests after its first c (those
+go at once, and their queue alone makes the level's p99 TTFT).
 
 `--backend openai` drives any OpenAI-compatible server (vLLM, SGLang) in every mode: OpenAI's request
 fields only (plus vLLM's ignore_eos and min_tokens with --ignore-eos), --api-key, no ep-serve /metrics,
@@ -388,6 +390,18 @@ def summarize(results: list[Timed], elapsed: float) -> dict[str, float]:
             "out_tok/s": sum(r.tokens for r in done) / elapsed if elapsed > 0 else math.nan}
 
 
+def after_opening(results: list[Timed], concurrency: int) -> dict[str, float]:
+    """TTFT and TPOT p50 / p99 (ms) of the completed requests sent after a fixed-concurrency level's first
+    `concurrency`, which all go at once: their prompts queue behind each other, so that burst alone makes the
+    level's p99 TTFT; the rest arrive one at a time, as earlier ones finish."""
+    later = sorted(results, key=lambda r: r.sent_at)[concurrency:]
+    done = [r for r in later if r.ok]
+    ttft = [r.ttft * 1e3 for r in done]
+    tpot = [r.tpot * 1e3 for r in done if r.tpot is not None]
+    return {"ttft_p50_ms": percentile_or_nan(ttft, 50), "ttft_p99_ms": percentile_or_nan(ttft, 99),
+            "tpot_p50_ms": percentile_or_nan(tpot, 50), "tpot_p99_ms": percentile_or_nan(tpot, 99)}
+
+
 async def run_level(target: Target, workload: list[WorkloadRequest], prompts: list[str | list[int]],
                     concurrency: int | None) -> tuple[list[Timed], float, float]:
     """Send the workload: `concurrency` requests in flight at a time, or (None) each at its arrival time;
@@ -455,6 +469,8 @@ async def run_mixed(args: argparse.Namespace, target: Target, max_model_len: int
             results, elapsed, start = await run_level(target, workload, prompts, value if kind == "conc" else None)
             rows.append({"level": label, **summarize(results, elapsed)})
             requests.append({"level": label, "requests": per_request(results, start)})
+            if kind == "conc":
+                requests[-1]["after_opening"] = after_opening(results, value)
             if floor_us is not None:
                 rows[-1]["step_floor_us"] = floor_us(value) if kind == "conc" else math.nan
             for r in results:
@@ -488,6 +504,11 @@ def print_mixed(result: dict, floor: bool) -> None:
     for level in result["per_request"]:
         for measure in ("ttft_ms", "tpot_ms"):
             print(f"{level['level']}, the slowest {measure[:4].upper()}s: {slowest(level['requests'], measure)}")
+        if "after_opening" in level:
+            later = level["after_opening"]
+            print(f"{level['level']}, after its opening {level['level'][2:]} requests (sent at once): TTFT p50 / p99 "
+                  f"{later['ttft_p50_ms']:.1f} / {later['ttft_p99_ms']:.1f} ms, TPOT p50 / p99 "
+                  f"{later['tpot_p50_ms']:.2f} / {later['tpot_p99_ms']:.2f} ms")
 
 
 def slowest(requests: list[dict], measure: str, count: int = 3) -> str:

@@ -210,6 +210,22 @@ def test_summary_of_a_level_by_hand() -> None:
     assert math.isnan(bench.summarize([bench.Timed(error="x")], 1.0)["ttft_p50_ms"])
 
 
+def test_after_the_opening_leaves_out_the_first_requests_sent_by_send_time() -> None:
+    """The opening burst of a concurrency level is its first `c` requests by send time, whatever their order in the
+    results; the figures are those of the later requests that completed."""
+    def timed(sent_at: float, ttft: float, latency: float, tokens: int, error: str | None = None) -> bench.Timed:
+        return bench.Timed(times=[ttft], latency=latency, tokens=tokens, sent_at=sent_at, error=error)
+
+    results = [timed(5.0, 0.020, 0.120, 11), timed(0.0, 0.900, 1.000, 11), timed(0.1, 0.800, 0.900, 2),
+               timed(6.0, 0.040, 0.080, 3), timed(7.0, 0, 0, 0, error="HTTP 500"), timed(8.0, 0.030, 0.030, 1)]
+    later = bench.after_opening(results, concurrency=2)
+    assert later["ttft_p50_ms"] == pytest.approx(30.0)  # of 20, 40, 30 (the failed one left out)
+    assert later["ttft_p99_ms"] == pytest.approx(40.0)
+    assert later["tpot_p50_ms"] == pytest.approx(10.0)  # of (120 - 20) / 10 and (80 - 40) / 2; none for one token
+    assert later["tpot_p99_ms"] == pytest.approx(20.0)
+    assert math.isnan(bench.after_opening(results[:2], concurrency=2)["ttft_p50_ms"])
+
+
 @pytest.mark.parametrize(("chunk", "carries"), [
     ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, False),
     ({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}, "finish_reason": None}]}, True),
@@ -317,6 +333,9 @@ def test_mixed_workload_launching_ep_serve(tiny_cache: str, tmp_path: Path) -> N
     assert all(r["ttft_ms"] <= r["latency_ms"] for r in rows)
     slowest_ttft = max(rows, key=lambda r: r["ttft_ms"])
     assert f"c=2, the slowest TTFTs: {slowest_ttft['ttft_ms']:.1f} ms (sent at" in proc.stdout
+    last = max(rows, key=lambda r: r["sent_ms"])  # the one request after the opening two
+    assert records["after_opening"]["ttft_p99_ms"] == pytest.approx(last["ttft_ms"])
+    assert "c=2, after its opening 2 requests (sent at once): TTFT p50 / p99" in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.strip().startswith("level |"))
     assert [c.strip() for c in header.split("|")][-3:] == ["itl_p99_ms", "out_tok/s", "step_floor_us"]
     assert "# first request after ready" in proc.stdout
