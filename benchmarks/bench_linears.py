@@ -20,6 +20,7 @@ import argparse
 import itertools
 import math
 import statistics
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -159,11 +160,11 @@ def sweep(args: argparse.Namespace, rate: float, shown: int = 4) -> None:
     own = {name: getattr(fp8_linear, name) for name in TUNABLES}
     header = ("projection", "rows", *(name.removeprefix("SPLITK_").lower() for name in TUNABLES), "us", "%floor",
               "vs_own")
-    table = []
     for index, projection in enumerate(PROJECTIONS):
         for rows in args.rows:
             if not takes_splitk(projection, rows):
                 continue
+            table = []
             ops = operands(projection, rows, seed=index)
             floor = ops.bytes_per_call(projection) / rate * 1e6
             results: list[tuple[float, dict[str, int]]] = []
@@ -178,9 +179,10 @@ def sweep(args: argparse.Namespace, rate: float, shown: int = 4) -> None:
             for us, config in [results[0], *best]:
                 mark = "own" if config is own else f"{own_us / us:.2f}x"
                 table.append((projection.name, rows, *config.values(), us, 100 * floor / us, mark))
+            print_table(header, table)  # as each projection ends: a long sweep cut short keeps what it found
+            sys.stdout.flush()
             del ops
             release_memory()
-    print_table(header, table)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
