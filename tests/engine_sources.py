@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 FETCH = ROOT / "scripts" / "fetch_engines.py"
-VLLM_VERSIONS = ("0.20.0", "0.29.0")  # torch 2.11's first release; the newest whose sources import here
+VLLM_VERSIONS = ("0.20.0", "0.34.0")  # torch 2.11's first release; the newest (scripts/fetch_engines.py)
 SGLANG_VERSION = "0.5.17"
 
 
@@ -93,6 +93,11 @@ def _register_ops(custom_ops: ModuleType) -> None:
         torch.accelerator.empty_cache = lambda: None
         torch.cuda.is_current_stream_capturing = lambda: False
         torch.accelerator.current_stream = lambda device=None: CPU_STREAM
+        # record_stream has no CPU kernel; on a CPU rank every operation is done when it returns, so there is
+        # nothing to record.
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("record_stream", lambda tensor, stream: None, "CPU")
+        _LIBS.append(lib)
     moe_sum = "moe_sum(Tensor input, Tensor(a!) output) -> ()"
     if "expert_map" in inspect.signature(custom_ops.moe_sum).parameters:
         moe_sum = "moe_sum(Tensor input, Tensor(a!) output, Tensor? topk_ids, Tensor? expert_map) -> ()"
@@ -164,8 +169,10 @@ def engine_config(vllm: SimpleNamespace, device: torch.device, **parallel: Any) 
 
 
 # ------------------------------------------------------------------------------------------ DBO stand-ins
-class CpuStream:
-    """The one stream of a CPU rank, in both of UBatchContext's roles (compute and comm)."""
+class CpuStream(torch.Stream):
+    """The one stream of a CPU rank, in both of UBatchContext's roles (compute and comm): a torch.Stream, since
+    vLLM's DBO paths hand it to Tensor.record_stream (deepep_ht.py `_dbo_record_stream`, 0.34.0), which the CPU
+    shim below takes as done."""
 
     def wait_event(self, event: Any) -> None:
         pass
@@ -177,7 +184,7 @@ class CpuStream:
         return False
 
 
-CPU_STREAM = CpuStream()
+CPU_STREAM = CpuStream(device="cpu")
 
 
 class CpuEvent:
@@ -249,6 +256,11 @@ def use_vllm(version: str) -> SimpleNamespace:
     elif path not in sys.path:
         sys.path.insert(0, path)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's info and warnings about what a CPU rank lacks
+    if not torch.accelerator.is_available() and importlib.util.find_spec("vllm.utils.platform_utils") is not None:
+        # torch without an accelerator pins no memory. vLLM's sources without a built platform take pinned memory as
+        # available, and its CPU platform, which says otherwise (vllm/platforms/cpu.py), needs triton-cpu: the CPU
+        # ranks answer as that platform does, before vllm.utils.torch_utils reads it into PIN_MEMORY.
+        importlib.import_module("vllm.utils.platform_utils").is_pin_memory_available = lambda: False
     fm = "vllm.model_executor.layers.fused_moe."
     names = {
         "vllm": "vllm", "envs": "vllm.envs", "parallel_state": "vllm.distributed.parallel_state",

@@ -1,8 +1,9 @@
 """vLLM's own classes drive the `deep_ep` drop-in (dropin/) on CPU ranks: nothing of vLLM is re-written here.
 
-vLLM's sources are those of its PyPI wheels, releases 0.20.0 and 0.29.0 (engine_sources.VLLM_VERSIONS, fetched by
-`scripts/fetch_engines.py`; tests/engine_sources.py imports them and says exactly what is stubbed: the parallel
-state, compiled ops and torch queries a CPU build cannot answer, CUDA stream and event objects). Per release,
+vLLM's sources are those of its PyPI wheels, releases 0.20.0 and 0.34.0 (engine_sources.VLLM_VERSIONS, fetched by
+`scripts/fetch_engines.py` with the compiled packages 0.34.0's imports need; tests/engine_sources.py imports them
+and says exactly what is stubbed: the parallel state, compiled ops and torch queries a CPU build cannot answer
+(pinned memory, record_stream), CUDA stream and event objects). Per release,
 on gloo ranks (tests/dist_harness.py), the reference backend (the `gpu` variants: the cuda backend, two processes
 on one GPU):
 - `vllm/distributed/device_communicators/all2all.py`: `DeepEPLLAll2AllManager` / `DeepEPHTAll2AllManager`

@@ -46,6 +46,33 @@ def test_sglang_keeps_its_jit_kernel_sources(tmp_path: Path, monkeypatch: pytest
     assert fetch_engines.cached("sglang", "0.0.1")
 
 
+def test_an_imported_package_is_kept_whole(tmp_path: Path) -> None:
+    """A compiled package a release imports keeps its shared objects and its metadata (importlib.metadata reads
+    it), not only its Python files."""
+    wheel = tmp_path / "pkg-1.0-cp311-cp311-manylinux_2_28_x86_64.whl"
+    members = {"pkg/__init__.py": "", "pkg/_core.so": "\0", "pkg-1.0.dist-info/METADATA": "Name: pkg\nVersion: 1.0\n"}
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in members.items():
+            archive.writestr(name, text)
+    fetch_engines.extract_package(wheel, tmp_path / "out")
+    kept = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert kept == sorted(members)
+
+
+def test_a_release_cached_without_its_imported_packages_is_fetched_again(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release's marker lists the wheels its folder was made from: one made before its imported packages were
+    fetched beside it does not count as cached."""
+    monkeypatch.setenv("EP_LAYER_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setitem(fetch_engines.IMPORTED_PACKAGES, "eng==0.0.1", ("pkg==1.0", "other==2.0"))
+    dest = fetch_engines.source_dir("eng", "0.0.1")
+    dest.mkdir()
+    (dest / ".complete").write_text("eng-0.0.1-py3-none-any.whl\n")
+    assert not fetch_engines.cached("eng", "0.0.1")
+    (dest / ".complete").write_text("eng-0.0.1-py3-none-any.whl\npkg-1.0-cp311-abi3.whl\nother-2.0-py3-none-any.whl\n")
+    assert fetch_engines.cached("eng", "0.0.1")
+
+
 def test_a_cached_release_is_not_fetched_again(tmp_path: Path) -> None:
     """With the release's folder complete in the cache, the script prints it and asks pip nothing (pip would
     fail on this made-up name)."""
