@@ -1,6 +1,6 @@
 """The request fields vLLM users rely on (issue 46), against independent oracles:
 
-- every field of vLLM's own completion and chat request schemas (vLLM 0.29.0's sources, read, not
+- every field of vLLM's own completion and chat request schemas (vLLM 0.34.0's sources, read, not
   imported) is declared here, served or refused: a refused one set to anything but its default is a 400
   naming it; README's endpoint table lists exactly the fields served;
 - min_tokens, include_stop_str_in_output, skip_special_tokens against the fake model's reference greedy
@@ -49,7 +49,7 @@ def served(model: type[SamplingRequest]) -> set[str]:
 # ---------------------------------------------------------------------------- the schema
 @pytest.mark.parametrize("model", list(VLLM_SCHEMAS), ids=lambda m: m.__name__)
 def test_every_field_of_vllms_schema_is_served_or_refused(model):
-    fields = vllm_fields(source_dir("vllm", "0.29.0") / VLLM_SCHEMAS[model], model.__name__)
+    fields = vllm_fields(source_dir("vllm", "0.34.0") / VLLM_SCHEMAS[model], model.__name__)
     assert len(fields) > 40, fields  # the parse found the class
     missing = sorted(set(fields) - set(model.model_fields))
     assert not missing, f"vLLM's {model.__name__} fields neither served nor refused here: {missing}"

@@ -64,12 +64,14 @@ class SamplingRequest(BaseModel):
         "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "bad_words", "structured_outputs",
         "response_format", "priority", "session_id", "return_tokens_as_token_ids", "return_token_ids",
         "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params",
-        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval")
+        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval",
+        "watermarking", "return_weight_versions", "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         "logit_bias": _empty, "best_of": lambda value, request: value == request.n, "bad_words": _empty,
         "response_format": _one_of({"type": "text"}), "return_tokens_as_token_ids": _one_of(False),
-        "return_token_ids": _one_of(False), "stream_interval": _one_of(1)}
+        "return_token_ids": _one_of(False), "stream_interval": _one_of(1), "watermarking": _one_of(False),
+        "return_mm_kwargs": _one_of(False)}
 
     model: Text | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
@@ -119,6 +121,10 @@ class SamplingRequest(BaseModel):
     repetition_detection: Any = None
     thinking_token_budget: Any = None
     stream_interval: Any = None
+    watermarking: Any = None
+    return_weight_versions: Any = False
+    mm_payload: Any = "tensors"  # what vLLM's multimodal render responses carry
+    return_mm_kwargs: Any = None
 
     def refused_field(self) -> str | None:
         """The first field this server does not serve that the request sets to anything but its default."""
