@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from bench_ll import capture_graph, copy_bandwidth, event_us, print_table  # this script's folder is on sys.path
-from bench_moe import random_fp8_weight, release_memory, require_gpu
+from bench_ll import copy_bandwidth, print_table  # this script's folder is on sys.path
+from bench_moe import random_fp8_weight, release_memory, require_gpu, time_graph
 
 from ep_layer.block_fp8 import expand_block_scales
 from ep_layer.kernels import fp8_linear
@@ -41,6 +40,11 @@ class Projection:
     rows: int  # the weight's rows (gated: gate rows then up rows)
     columns: int  # input features
     gated: bool = False
+
+    @property
+    def outputs(self) -> int:
+        """Output features: the weight's rows, or half of them for a gated projection."""
+        return self.rows // 2 if self.gated else self.rows
 
 
 # DeepSeek-V3's decode-step projections through fp8_block_linear (serving/models/mla.py, deepseek_v3.py).
@@ -64,9 +68,7 @@ class Operands:
 
     def bytes_per_call(self, projection: Projection) -> int:
         weight, scales = self.weights[0]
-        out_columns = weight.shape[0] // 2 if projection.gated else weight.shape[0]
-        return (weight.numel() + 4 * scales.numel() + self.x.numel() * 2
-                + self.x.shape[0] * out_columns * 2)
+        return weight.numel() + 4 * scales.numel() + self.x.numel() * 2 + self.x.shape[0] * projection.outputs * 2
 
 
 def operands(projection: Projection, rows: int, seed: int) -> Operands:
@@ -107,12 +109,7 @@ def us_per_call(projection: Projection, ops: Operands, reps: int) -> float:
         for weight, scales in ops.weights:
             fp8_block_linear(ops.x, weight, scales, gated=projection.gated)
 
-    graph = capture_graph(calls, 2, 1)
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = [event_us(graph.replay) / len(ops.weights) for _ in range(reps)]
-    del graph
-    return statistics.median(samples)
+    return time_graph(calls, reps) / len(ops.weights)
 
 
 @contextmanager
@@ -130,8 +127,7 @@ def tunables(values: dict[str, int]) -> Iterator[None]:
 
 def takes_splitk(projection: Projection, rows: int) -> bool:
     """Whether fp8_block_linear runs this projection's rows on the split-K GEMM (its own rule)."""
-    return fp8_linear.takes_splitk(rows, projection.columns, projection.rows // (2 if projection.gated else 1),
-                                   projection.gated, torch.device("cuda"))
+    return fp8_linear.takes_splitk(rows, projection.columns, projection.outputs, projection.gated, torch.device("cuda"))
 
 
 def sweep_configs() -> list[dict[str, int]]:

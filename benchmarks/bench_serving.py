@@ -378,16 +378,20 @@ def summarize(results: list[Timed], elapsed: float) -> dict[str, float]:
     gaps) of the completed requests, their output tokens/s over the level's time, their mean prompt
     tokens (the usage's)."""
     done = [r for r in results if r.ok]
-    ttft = [r.ttft * 1e3 for r in done]
-    tpot = [r.tpot * 1e3 for r in done if r.tpot is not None]
     itl = [gap * 1e3 for r in done for gap in token_gaps(r.times)]
     prompts = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
     return {"requests": len(results), "completed": len(done), "failed": len(results) - len(done),
-            "prompt_tok": statistics.fmean(prompts) if prompts else math.nan,
-            "ttft_p50_ms": percentile_or_nan(ttft, 50), "ttft_p99_ms": percentile_or_nan(ttft, 99),
-            "tpot_p50_ms": percentile_or_nan(tpot, 50), "tpot_p99_ms": percentile_or_nan(tpot, 99),
+            "prompt_tok": statistics.fmean(prompts) if prompts else math.nan, **ttft_tpot_percentiles(done),
             "itl_p99_ms": percentile_or_nan(itl, 99),
             "out_tok/s": sum(r.tokens for r in done) / elapsed if elapsed > 0 else math.nan}
+
+
+def ttft_tpot_percentiles(done: list[Timed]) -> dict[str, float]:
+    """TTFT and TPOT p50 / p99 (ms) of completed requests (TPOT of those with more than one token)."""
+    ttft = [r.ttft * 1e3 for r in done]
+    tpot = [r.tpot * 1e3 for r in done if r.tpot is not None]
+    return {"ttft_p50_ms": percentile_or_nan(ttft, 50), "ttft_p99_ms": percentile_or_nan(ttft, 99),
+            "tpot_p50_ms": percentile_or_nan(tpot, 50), "tpot_p99_ms": percentile_or_nan(tpot, 99)}
 
 
 def after_opening(results: list[Timed], concurrency: int) -> dict[str, float]:
@@ -395,11 +399,7 @@ def after_opening(results: list[Timed], concurrency: int) -> dict[str, float]:
     `concurrency`, which all go at once: their prompts queue behind each other, so that burst alone makes the
     level's p99 TTFT; the rest arrive one at a time, as earlier ones finish."""
     later = sorted(results, key=lambda r: r.sent_at)[concurrency:]
-    done = [r for r in later if r.ok]
-    ttft = [r.ttft * 1e3 for r in done]
-    tpot = [r.tpot * 1e3 for r in done if r.tpot is not None]
-    return {"ttft_p50_ms": percentile_or_nan(ttft, 50), "ttft_p99_ms": percentile_or_nan(ttft, 99),
-            "tpot_p50_ms": percentile_or_nan(tpot, 50), "tpot_p99_ms": percentile_or_nan(tpot, 99)}
+    return ttft_tpot_percentiles([r for r in later if r.ok])
 
 
 async def run_level(target: Target, workload: list[WorkloadRequest], prompts: list[str | list[int]],

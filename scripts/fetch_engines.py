@@ -55,7 +55,8 @@ def source_dir(name: str, version: str) -> Path:
 def cached(name: str, version: str) -> bool:
     """Whether the cache holds the release whole: fetched to the end, with the trees KEPT_TREES names for it and the
     packages IMPORTED_PACKAGES names (its marker lists each wheel it was made from)."""
-    dest, marker = source_dir(name, version), source_dir(name, version) / _COMPLETE
+    dest = source_dir(name, version)
+    marker = dest / _COMPLETE
     wheels = 1 + len(IMPORTED_PACKAGES.get(f"{name}=={version}", ()))
     return (marker.exists() and len(marker.read_text().split()) == wheels
             and all((dest / tree).is_dir() for tree in KEPT_TREES.get(name, ())))
