@@ -33,16 +33,6 @@ if triton is not None:
         return tl.where(s == float("inf"), q0, q)
 
 
-    @triton.jit
-    def cast_group(x, FLOOR: tl.constexpr, LARGEST: tl.constexpr):
-        """The design's rule for float32 x [rows, group]: scale = max(amax, FLOOR) / LARGEST per row, q =
-        e4m3(x / scale) saturated at +-LARGEST (IEEE float32 divisions). Returns (q, scale [rows])."""
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
-        scale = tl.div_rn(amax, tl.full(amax.shape, LARGEST, tl.float32))
-        q = tl.clamp(_divide(x, scale[:, None]), -LARGEST, LARGEST)
-        return q.to(tl.float8e4nv), scale
-
-
     @Launcher
     @triton.jit
     def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, E, M, I, GROUPS, E_PAD: tl.constexpr,
@@ -67,8 +57,10 @@ if triton is not None:
             cols = group * GROUP + tl.arange(0, GROUP)
             offs = expert * M * I + rows[:, None] * I + cols[None, :]
             x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-            q, scale = cast_group(x, FLOOR, LARGEST)
-            tl.store(q_ptr + offs, q, mask=ok[:, None])
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
+            scale = tl.div_rn(amax, tl.full(amax.shape, LARGEST, tl.float32))
+            q = tl.clamp(_divide(x, scale[:, None]), -LARGEST, LARGEST)
+            tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
             tl.store(s_ptr + expert * M * GROUPS + rows * GROUPS + group, scale, mask=ok)
 
 

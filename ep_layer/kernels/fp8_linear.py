@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..block_fp8 import WEIGHT_BLOCK
-from ..quant import AMAX_FLOOR, FP8_GROUP, FP8_MAX
+from ..quant import FP8_GROUP
 from .fp8_cast import cast_rows_to_fp8
 from .launch import Launcher, cdiv
 from .masked_gemm import BLOCK_M, BLOCK_N, BLOCK_N_GATED, masked_grouped_gemm
@@ -26,29 +26,24 @@ SPLITK_WARPS = 4
 SPLITK_STAGES = 3  # Triton's default
 # Each program's 128-deep blocks of K: every SPLIT-th one (0) or a contiguous run of them (1).
 SPLITK_CONTIGUOUS = 0
-# The activation's FP8 cast: in the split-K GEMM, each program casting the blocks it reads (1), or a launch of
-# its own before it (0). The same values either way (fp8_cast.cast_group).
-SPLITK_CASTS = 0
 # Outputs per program of the split-K parts' sum: the wide block where it still makes two programs per SM,
 # else the narrow one (a decode step's sums are bound by latency; benchmarks/RESULTS.md, profile_decode.py).
 SUM_BLOCK, SUM_BLOCK_NARROW = 1024, 256
 NUM_WARPS = 4
 
 if triton is not None:
-    from .fp8_cast import cast_group
 
     @Launcher
     @triton.jit
     def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
                            stride_am, stride_sm, stride_bn, stride_tn,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           CONTIGUOUS: tl.constexpr, CAST: tl.constexpr, FLOOR: tl.constexpr,
-                           LARGEST: tl.constexpr):
+                           CONTIGUOUS: tl.constexpr):
         """Split-K FP8 GEMM for a decode step's rows: program (n, s, m) sums its share of the 128-deep blocks
         of out[m tile, n tile] = a [M, K] . b [N, K]^T (blocks s, s + SPLIT, ...; CONTIGUOUS: the s-th run of
         ceil(K_BLOCKS / SPLIT) blocks), each block scaled as in the masked GEMM, into part[s] (float32 [SPLIT,
-        M, N]; _sum_parts_kernel adds them in order: deterministic). CAST: a is the bf16 activation, and each
-        block of it is cast here (cast_group: the values the cast kernel would give; a_scale_ptr unused)."""
+        M, N]; _sum_parts_kernel adds them in order: deterministic). (Casting a here instead costs more than
+        the cast's launch: every column tile would cast it.)"""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,11 +60,8 @@ if triton is not None:
         for block in range(first, stop, step):
             k0 = block * BLOCK_K
             a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
-            if CAST:
-                a, a_s = cast_group(a.to(tl.float32), FLOOR, LARGEST)
-            else:
-                a_s = tl.load(a_scale_ptr + rows * stride_sm + block, mask=row_ok, other=0.0)
             b = tl.load(b_ptr + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=col_ok[None, :], other=0.0)
+            a_s = tl.load(a_scale_ptr + rows * stride_sm + block, mask=row_ok, other=0.0)
             b_s = tl.load(b_scale_ptr + ((pid_n * BLOCK_N) // BLOCK_K) * stride_tn + block)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s)
         out = part_ptr + split * M * N + rows[:, None] * N + cols[None, :]
@@ -114,10 +106,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out
-    x = x.contiguous()
+    data, scales = cast_rows_to_fp8(x.contiguous(), None)  # all m rows: no count to fill first
     if takes_splitk(m, k, n, gated, x.device):
-        return _fp8_splitk_linear(x, weight, weight_scale_inv, out, gated)
-    data, scales = cast_rows_to_fp8(x, None)  # all m rows: no count to fill first
+        return _fp8_splitk_linear(data, scales, weight, weight_scale_inv, out, gated)
     count = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one expert's m rows
     masked_grouped_gemm(data[None], scales[None], weight[None], weight_scale_inv[None], count, out[None],
                         up_offset=n if gated else 0, gated=gated, block_n=_masked_block_n(m, gated))
@@ -147,15 +138,13 @@ def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.d
     return cdiv(columns, block_n) * cdiv(rows, BLOCK_M) < sm_count(device)
 
 
-def _fp8_splitk_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, out: torch.Tensor,
-                       gated: bool = False) -> torch.Tensor:
-    """The split-K path of fp8_block_linear for x bf16 [M, K] (contiguous), into out bf16 [M, N]: a decode step's
-    few rows give too few tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well;
-    a second launch adds the parts and rounds to bf16. gated: weight [2N, K] holds gate rows then up rows, and
-    out gets SiLU(gate) * up."""
-    m, k = x.shape
-    # With SPLITK_CASTS the GEMM reads x itself (x in the scales' place too: the kernel never reads them).
-    data, scales = (x, x) if SPLITK_CASTS else cast_rows_to_fp8(x, None)
+def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
+                       weight_scale_inv: torch.Tensor, out: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """The split-K path of fp8_block_linear, into out bf16 [M, N]: a decode step's few rows give too few
+    tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well; a second launch
+    adds the parts and rounds to bf16. gated: weight [2N, K] holds gate rows then up rows, and out gets
+    SiLU(gate) * up."""
+    m, k = data.shape
     n = weight.shape[0]
     k_blocks = k // FP8_GROUP
     block_m = SPLITK_MAX_ROWS if m <= SPLITK_MAX_ROWS else BLOCK_M
@@ -166,8 +155,7 @@ def _fp8_splitk_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: 
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, CONTIGUOUS=SPLITK_CONTIGUOUS,
-        CAST=bool(SPLITK_CASTS), FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX, num_warps=SPLITK_WARPS,
-        num_stages=SPLITK_STAGES)
+        num_warps=SPLITK_WARPS, num_stages=SPLITK_STAGES)
     block = SUM_BLOCK if cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
     _sum_parts_kernel[(cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
                                                    BLOCK=block, num_warps=NUM_WARPS)
