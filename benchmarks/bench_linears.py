@@ -6,9 +6,9 @@ Each projection is timed in a CUDA graph that calls it on enough copies of its w
 times the L2 cache in total, taken in turn), as a decode step meets each layer's weight once; µs per call is the
 replay's median over the copies. Every output is checked against float64 math on the same quantized operands.
 
---sweep times the split-K GEMM's tunables (column tile, programs per SM, warps, pipeline stages, how K is
-split) for the rows that take it, every configuration on the same weights, and prints the fastest few per
-projection beside the module's own choice.
+--sweep times the split-K GEMM's tunables (column tile, programs per SM, warps, pipeline stages) for the rows
+that take it, every configuration on the same weights, and prints the fastest few per projection beside the
+module's own choice.
 
     python benchmarks/bench_linears.py                    # rows 1 8 32 64
     python benchmarks/bench_linears.py --sweep --rows 1 8
@@ -56,9 +56,9 @@ PROJECTIONS = (
     Projection("shared down", 7168, 2048),
 )
 L2_PASSES = 4  # weight copies in one graph: this many times the L2 cache in total
-TUNABLES = ("SPLITK_BLOCK_N", "SPLITK_PROGRAMS_PER_SM", "SPLITK_WARPS", "SPLITK_STAGES", "SPLITK_CONTIGUOUS")
+TUNABLES = ("SPLITK_BLOCK_N", "SPLITK_PROGRAMS_PER_SM", "SPLITK_WARPS", "SPLITK_STAGES")
 SWEEP = {"SPLITK_BLOCK_N": (32, 64, 128), "SPLITK_PROGRAMS_PER_SM": (1, 2, 4, 8), "SPLITK_WARPS": (4, 8),
-         "SPLITK_STAGES": (2, 3, 4), "SPLITK_CONTIGUOUS": (0, 1)}
+         "SPLITK_STAGES": (2, 3, 4)}
 
 
 @dataclass

@@ -21,7 +21,7 @@ from cuda_graphs import capture_after_warmup
 from moe_helpers import MoeConfig, dense_weights, hf_weights
 
 from ep_layer import Buffer, native
-from ep_layer.kernels import fp8_linear, triton_support
+from ep_layer.kernels import triton_support
 from ep_layer.kernels.fp8_cast import cast_rows_to_fp8
 from ep_layer.kernels.fp8_linear import fp8_block_linear
 from ep_layer.kernels.masked_gemm import BLOCK_M, masked_grouped_gemm
@@ -551,14 +551,11 @@ def _fp8_linear_case(rows: int, out_features: int, in_features: int, seed: int
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 576, 7168), (16, 640, 1536), (37, 1536, 512), (130, 256, 384),
                           (64, 4352, 256), (48, 4352, 4096)])
-@pytest.mark.parametrize("contiguous", (0, 1))
-def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_features: int, contiguous: int, seed: int,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp8_block_linear_matches_float64(rows: int, out_features: int, in_features: int, seed: int) -> None:
     """A dense FP8 linear (serving's attention/MLP projections; N need not be a multiple of 128)
     against float64 math on the same FP8 activations and dequantised weights: split-K with 16- and 64-row
     tiles, the masked GEMM where its tiles fill the GPU (64 rows x 4352 columns, 256 deep), and split-K
-    again for as many tiles when the projection is deep (4096); split-K's blocks of K taken either way."""
-    monkeypatch.setattr(fp8_linear, "SPLITK_CONTIGUOUS", contiguous)
+    again for as many tiles when the projection is deep (4096)."""
     x, weight, scales, want = _fp8_linear_case(rows, out_features, in_features, seed)
     got = fp8_block_linear(x, weight, scales)
     assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16

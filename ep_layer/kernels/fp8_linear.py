@@ -24,8 +24,6 @@ SPLITK_BLOCK_N = 64
 SPLITK_PROGRAMS_PER_SM = 2  # split K until the grid holds about this many programs per SM
 SPLITK_WARPS = 4
 SPLITK_STAGES = 3  # Triton's default
-# Each program's 128-deep blocks of K: every SPLIT-th one (0) or a contiguous run of them (1).
-SPLITK_CONTIGUOUS = 0
 # Outputs per program of the split-K parts' sum: the wide block where it still makes two programs per SM,
 # else the narrow one (a decode step's sums are bound by latency; benchmarks/RESULTS.md, profile_decode.py).
 SUM_BLOCK, SUM_BLOCK_NARROW = 1024, 256
@@ -37,13 +35,12 @@ if triton is not None:
     @triton.jit
     def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
                            stride_am, stride_sm, stride_bn, stride_tn,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           CONTIGUOUS: tl.constexpr):
-        """Split-K FP8 GEMM for a decode step's rows: program (n, s, m) sums its share of the 128-deep blocks
-        of out[m tile, n tile] = a [M, K] . b [N, K]^T (blocks s, s + SPLIT, ...; CONTIGUOUS: the s-th run of
-        ceil(K_BLOCKS / SPLIT) blocks), each block scaled as in the masked GEMM, into part[s] (float32 [SPLIT,
-        M, N]; _sum_parts_kernel adds them in order: deterministic). (Casting a here instead costs more than
-        the cast's launch: every column tile would cast it.)"""
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Split-K FP8 GEMM for a decode step's rows: program (n, s, m) sums the 128-deep blocks s, s +
+        SPLIT, ... of out[m tile, n tile] = a [M, K] . b [N, K]^T, each block scaled as in the masked
+        GEMM, into part[s] (float32 [SPLIT, M, N]; _sum_parts_kernel adds them in order:
+        deterministic). (Casting a here instead costs more than the cast's launch: every column tile would
+        cast it.)"""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,12 +49,7 @@ if triton is not None:
         row_ok = rows < M
         col_ok = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if CONTIGUOUS:
-            run = tl.cdiv(K_BLOCKS, SPLIT)
-            first, stop, step = split * run, tl.minimum(split * run + run, K_BLOCKS), 1
-        else:
-            first, stop, step = split, K_BLOCKS, SPLIT
-        for block in range(first, stop, step):
+        for block in range(split, K_BLOCKS, SPLIT):
             k0 = block * BLOCK_K
             a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptr + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=col_ok[None, :], other=0.0)
@@ -154,8 +146,8 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     _fp8_splitk_kernel[(cdiv(n, SPLITK_BLOCK_N), split, cdiv(m, block_m))](
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, CONTIGUOUS=SPLITK_CONTIGUOUS,
-        num_warps=SPLITK_WARPS, num_stages=SPLITK_STAGES)
+        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=SPLITK_WARPS,
+        num_stages=SPLITK_STAGES)
     block = SUM_BLOCK if cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
     _sum_parts_kernel[(cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
                                                    BLOCK=block, num_warps=NUM_WARPS)
