@@ -29,6 +29,7 @@ from .engine.engine_config import (
     MOE_OVERLAPS,
     NORMAL_MODE_MAX_RANKS,
     EngineConfig,
+    ep_backend_for,
 )
 from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from .generation_config import generation_defaults
@@ -519,7 +520,6 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     from ep_layer.layout import MAX_RANKS
 
     from .engine.model_runner import why_eager
-    from .engine.rank_worker import ep_backend_for
 
     device = torch.device(info.device)
     size, experts = config.data_parallel_size, checkpoint.n_routed_experts

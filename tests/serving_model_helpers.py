@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ep_layer.block_fp8 import block_dequant
 from serving.forward_batch import ForwardBatch
 from serving.loading.checkpoint import checkpoint_tensor_files, load_checkpoint
-from serving.models import DeepseekV3ForCausalLM
+from serving.models.deepseek_v3 import DeepseekV3ForCausalLM
 from serving.tiny_model import save_sharded
 
 Key = tuple[int, int]  # (sequence id, position)

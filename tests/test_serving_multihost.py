@@ -202,7 +202,7 @@ def test_ep_transport_nvshmem_needs_nvshmem_installed(gpu_build):
 def test_the_host_count_decides_whether_the_cuda_backend_reaches_the_ranks(gpu_build):
     import torch
 
-    from serving.engine.rank_worker import ep_backend_for
+    from serving.engine.engine_config import ep_backend_for
 
     gpu = torch.device("cuda", 0)
     one_process = config("--enable-expert-parallel", "-dp", "8")

@@ -154,11 +154,16 @@ def make_server_state(config: EngineConfig, api_key: str | None = None, start_ti
         max_waiting_seqs = WAITING_PER_RUNNING * config.max_num_seqs
     if max_waiting_seqs < 0:
         raise ValueError(f"max_waiting_seqs: expected >= 0, got {max_waiting_seqs}")
-    template = load_chat_template(config.tokenizer or config.model, config.chat_template)
-    tokenizer = importlib.import_module(config.loader).load_tokenizer(config)
-    codec = as_codec(tokenizer)
     coordinator = DPCoordinator(config, stall_timeout_s=rank_stall_timeout_s)
-    info = coordinator.start(start_timeout_s)
+    coordinator.launch(start_timeout_s)  # the ranks load the model while this process loads the tokenizer
+    try:
+        template = load_chat_template(config.tokenizer or config.model, config.chat_template)
+        tokenizer = importlib.import_module(config.loader).load_tokenizer(config)
+        codec = as_codec(tokenizer)
+    except BaseException:
+        coordinator.shutdown()
+        raise
+    info = coordinator.wait_ready(start_timeout_s)
     # Made once the ranks say the context length (the token-count buckets'), before any request: the cumulative
     # counters of the ranks' stats lose nothing, and no output comes before a request.
     metrics = coordinator.observer = ServingMetrics(config.served_model_name, config.data_parallel_size,

@@ -44,7 +44,6 @@ from .messages import (
     StepOutputs,
     Wake,
 )
-from .rank_worker import run_rank
 from .sequence import FINISH_ABORT, SamplingParams
 
 OutputSink = Callable[[RequestOutput], None]
@@ -52,6 +51,14 @@ log = logging.getLogger(__name__)
 _READ_POLL_S = 0.2
 _REAP_TIMEOUT_S = 5.0  # for a killed rank to be gone
 _HOST = "127.0.0.1"
+
+
+def _run_rank(*args: Any) -> None:
+    """A rank process's entry: serving.engine.rank_worker.run_rank, imported here, in the rank, so that the server
+    process never imports the engine and the model (seconds of its start-up, before it can spawn the ranks)."""
+    from .rank_worker import run_rank
+
+    run_rank(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +147,9 @@ class DPCoordinator:
         self._stopping = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout_s: float = 600.0) -> ModelInfo:
-        """Spawn the ranks and wait until every one has loaded the model; raise with a rank's traceback
-        if one fails."""
+    def launch(self, timeout_s: float = 600.0) -> None:
+        """Spawn the ranks (they start loading the model at once; wait_ready waits for them). timeout_s: how long
+        the rendezvous store waits for the ranks of other hosts."""
         config = self.config
         if config.expert_parallel and self.first_rank == 0:
             # Listens on every interface: the other hosts' ranks reach it at data_parallel_address.
@@ -155,11 +162,16 @@ class DPCoordinator:
                      config.local_ranks.stop - 1, config.data_parallel_size, config.data_parallel_address,
                      config.dist_port)
         for i, rank in enumerate(config.local_ranks):
-            proc = self._ctx.Process(target=run_rank, args=(rank, config, self._inboxes[i], self._outbox,
-                                                            self._heartbeats.beat(i)),
+            proc = self._ctx.Process(target=_run_rank, args=(rank, config, self._inboxes[i], self._outbox,
+                                                             self._heartbeats.beat(i)),
                                      name=f"ep-serve-rank{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
+        """Wait until every rank launch() spawned has loaded the model; raise with a rank's traceback if one fails
+        (the ranks are stopped then)."""
+        config = self.config
         ready: dict[int, ModelInfo] = {}
         deadline = time.monotonic() + timeout_s
         try:

@@ -6,6 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
+from ep_layer.backends import resolve_backend
+
 from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
 
 DEFAULT_LOADER = "serving.loading"
@@ -268,3 +272,11 @@ def capture_sizes(max_size: int) -> list[int]:
     ladder = [1, 2, 4, *range(LADDER_STEP, LADDER_WIDE_FROM, LADDER_STEP),
               *range(LADDER_WIDE_FROM, max_size + 1, LADDER_WIDE_STEP)]
     return sorted({s for s in ladder if s < max_size} | {max_size})
+
+
+def ep_backend_for(config: EngineConfig, device: torch.device) -> str:
+    """The Buffer backend config.ep_backend stands for on `device` (resolve_backend): whether the ranks
+    span several hosts (config.spans_hosts), and how many there are, decide whether the cuda backend can
+    reach them all."""
+    return resolve_backend(config.ep_backend, one_node=not config.spans_hosts, device=device,
+                           num_ranks=config.data_parallel_size)

@@ -21,10 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_layer.backends import resolve_backend
-
 from .engine import LLMEngine, eos_token_ids
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, ep_backend_for
 from .heartbeat import RankBeat
 from .messages import (
     AbortRequest,
@@ -78,14 +76,6 @@ def resolve_device(config: EngineConfig, local_rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(kind)
-
-
-def ep_backend_for(config: EngineConfig, device: torch.device) -> str:
-    """The Buffer backend config.ep_backend stands for on `device` (resolve_backend): whether the ranks
-    span several hosts (config.spans_hosts), and how many there are, decide whether the cuda backend can
-    reach them all."""
-    return resolve_backend(config.ep_backend, one_node=not config.spans_hosts, device=device,
-                           num_ranks=config.data_parallel_size)
 
 
 def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_model_len: int) -> int:

@@ -13,8 +13,7 @@ import torch.distributed as dist
 from ep_layer import Buffer
 from ep_layer.moe import make_buffer
 
-from ..engine.engine_config import EngineConfig
-from ..engine.rank_worker import ep_backend_for
+from ..engine.engine_config import EngineConfig, ep_backend_for
 from ..model_config import ModelConfig
 from .checkpoint import load_checkpoint, load_config, read_tokenizer
 

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,10 @@ from ep_layer.moe.loading import copy_checked
 
 from ..engine.engine_config import LOAD_FORMATS
 from ..model_config import ModelConfig
-from ..models import DeepseekV3ForCausalLM
 from ..random_weights import random_weights
+
+if TYPE_CHECKING:
+    from ..models.deepseek_v3 import DeepseekV3ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -82,6 +84,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, ep_buffer: Buffer | None = 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
     config = load_config(path)
+    # Imported here: the server process reads the tokenizer from this module without the model's imports.
+    from ..models.deepseek_v3 import DeepseekV3ForCausalLM
+
     model = DeepseekV3ForCausalLM(config, ep_buffer=ep_buffer, group=group, backend=backend,
                                   max_tokens_per_rank=max_tokens_per_rank, device=device, dtype=dtype,
                                   expert_kernels=expert_kernels, normal_mode=normal_mode, moe_overlap=moe_overlap)

@@ -1,5 +1,3 @@
-"""Model code for serving: DeepSeek-V3 (MLA + dense/MoE MLP) and its layers."""
-
-from .deepseek_v3 import DeepseekV3ForCausalLM
-
-__all__ = ["DeepseekV3ForCausalLM"]
+"""Model code for serving: DeepSeek-V3 (MLA + dense/MoE MLP) and its layers. The package imports nothing: the
+server process imports some of its light modules without the model's (torch's attention biases import
+torch._dynamo, about a second)."""
