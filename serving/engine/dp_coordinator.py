@@ -163,7 +163,7 @@ class DPCoordinator:
                      config.dist_port)
         for i, rank in enumerate(config.local_ranks):
             proc = self._ctx.Process(target=_run_rank, args=(rank, config, self._inboxes[i], self._outbox,
-                                                             self._heartbeats.beat(i)),
+                                                             self._heartbeats.beat(i), time.time()),
                                      name=f"ep-serve-rank{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)

@@ -50,14 +50,15 @@ _DIST_TIMEOUT = timedelta(minutes=30)
 
 
 class Phases:
-    """Seconds each start-up phase of a rank took, for its log line."""
+    """Seconds each start-up phase of a rank took, for its log line, from `since` (a time.time(): the server's
+    spawn of the process, so that the first phase holds the process's start and imports)."""
 
-    def __init__(self) -> None:
-        self.last = time.perf_counter()
+    def __init__(self, since: float) -> None:
+        self.last = since
         self.seconds: list[tuple[str, float]] = []
 
     def done(self, name: str) -> None:
-        now = time.perf_counter()
+        now = time.time()
         self.seconds.append((name, now - self.last))
         self.last = now
 
@@ -101,8 +102,12 @@ def num_kv_blocks(config: EngineConfig, model: Any, device: torch.device, max_mo
     return max(per_seq, min(budget // block_bytes, per_seq * config.max_num_seqs))
 
 
-def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue, beat: RankBeat) -> None:
-    """Process entry point (spawned by serving.engine.dp_coordinator); `rank` is global."""
+def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue, beat: RankBeat,
+             spawned_at: float) -> None:
+    """Process entry point (spawned by serving.engine.dp_coordinator at time.time() `spawned_at`); `rank` is
+    global."""
+    phases = Phases(spawned_at)
+    phases.done("process start")
     # Ctrl-C reaches the whole process group: the server stops the ranks in step, not the signal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent(rank)
@@ -112,7 +117,7 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
         # `auto` decided once, here: the loader's Buffers and the kind of the MoE group follow it.
         config = dataclasses.replace(config, ep_backend=ep_backend_for(config, device))
         group, sync_group = _init_group(config, rank, device)
-        phases = Phases()
+        phases.done("device and group")
         model, tokenizer = importlib.import_module(config.loader).load_model(config, group, device)
         phases.done("load")
         max_positions = int(model.config.max_position_embeddings)
