@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import PurePosixPath
 
 import pytest
 import yaml
@@ -107,6 +108,23 @@ def test_runtime_stage_runs_ep_serve_as_a_user_with_a_health_check():
     (health,) = [a for k, a in runtime if k == "HEALTHCHECK"]
     assert f"http://127.0.0.1:{port}/health" in health and " CMD " in f" {health} "
     assert any(k == "COPY" and a.startswith("--from=build /opt/venv") for k, a in runtime)
+
+
+def test_triton_kernels_compiled_once_are_kept_in_a_volume_that_compose_mounts():
+    """The image points Triton's cache at a directory its user made (so that a volume mounted there starts out
+    writable by that user), and compose keeps it in a named volume: a restart skips the first start's compiles."""
+    runtime = stages()[-1]
+    env = dict(pair.split("=", 1) for k, a in runtime if k == "ENV" for pair in a.split())
+    cache = PurePosixPath(env["TRITON_CACHE_DIR"])
+    user = [i for i, (k, _) in enumerate(runtime) if k == "USER"][-1]
+    made = [a for k, a in runtime[user:] if k == "RUN" and a.startswith("mkdir -p ")]
+    assert any(str(cache) in a.split() for a in made), made
+    compose = yaml.safe_load(COMPOSE.read_text())
+    mounts = [v.split(":") for v in compose["services"]["ep-serve"]["volumes"]]
+    holding = [(src, mode) for src, dst, *mode in mounts if cache == PurePosixPath(dst) or
+               PurePosixPath(dst) in cache.parents]
+    assert len(holding) == 1 and holding[0][0] in compose["volumes"], mounts  # a named volume, kept across runs
+    assert holding[0][1] != ["ro"], "the kernel cache must be writable"
 
 
 def test_runtime_stage_has_the_verbs_libraries_nvshmem_opens_for_rdma():
