@@ -84,6 +84,43 @@ def test_a_variant_compiles_once_then_launches_through_its_compiled_kernel(stand
     assert args == (5, 2, 1, 1234, "function1", "metadata1", None, None, None, y, 48, 0.5, 128, True)
 
 
+class _CudaLauncherStandIn:
+    """Triton 3.6's launcher object (driver.py, CudaLauncher) as _Variant reads it: its compiled `launch`, the
+    scratch sizes and the launch flags; calling the object itself is the path with its own Python."""
+
+    def __init__(self, scratch: int, calls: list) -> None:
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.launch = lambda *a: calls.append(("launch", a))
+        self.calls = calls
+
+    def __call__(self, *a) -> None:
+        self.calls.append(("object", a))
+
+
+@pytest.mark.parametrize("scratch", [0, 256])
+def test_a_kernel_without_scratch_launches_through_its_compiled_launch_function(stand_in, scratch: int) -> None:
+    """With no scratch memory to allocate per launch, the compiled launch function gets what Triton's launcher
+    object would pass it; a kernel that needs scratch keeps going through the object."""
+    calls: list = []
+    compiled = SimpleNamespace(run=_CudaLauncherStandIn(scratch, calls), function="fn", packed_metadata="meta")
+
+    class Kernel(_StandIn):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: compiled  # "Triton" compiles and launches, returning the compiled kernel
+
+    launcher = Launcher(Kernel())
+    x = _aligned(64)
+    launcher[(4,)](x, 32, 0.5, BLOCK=128)
+    launcher[(3, 2)](x, 32, 0.5, BLOCK=128)
+    ((how, args),) = calls
+    if scratch:
+        assert how == "object" and args == (3, 2, 1, 1234, "fn", "meta", None, None, None, x, 32, 0.5, 128, True)
+    else:
+        assert how == "launch"
+        assert args == (3, 2, 1, 1234, "fn", False, True, None, None, "meta", None, None, None, x, 32, 0.5, 128, True)
+
+
 @pytest.mark.parametrize("change", ["misaligned", "not_16", "one", "wide", "dtype", "constexpr", "option", "scale"])
 def test_anything_triton_specializes_on_is_a_new_variant(stand_in, change: str) -> None:
     kernel, _ = stand_in

@@ -71,15 +71,29 @@ def _hooked() -> bool:
 
 
 class _Variant:
-    """One compiled variant: its launcher and the constexprs appended to the runtime arguments."""
+    """One compiled variant: how to launch it, `run(grid_x, grid_y, grid_z, stream, *head, *runtime arguments,
+    *constexprs)`. Where the kernel needs no scratch memory, `run` is the compiled launch function itself and
+    `head` what Triton's launcher object would add before the arguments (the function, cooperative grid and
+    programmatic dependent launch flags, no scratch buffers, the metadata, no launch metadata or hooks): the
+    object's Python per launch is left out (triton/backends/nvidia/driver.py, `CudaLauncher.__call__`,
+    Triton 3.6.0). Otherwise `run` is that object, and `head` the function, the metadata and three Nones."""
 
-    __slots__ = ("constexprs", "function", "metadata", "run")
+    __slots__ = ("constexprs", "head", "run")
 
     def __init__(self, kernel: Any, constexprs: tuple) -> None:
         if hasattr(kernel, "result"):  # compiled asynchronously
             kernel = kernel.result()
-        self.run = kernel.run  # initializes the handles
-        self.function, self.metadata, self.constexprs = kernel.function, kernel.packed_metadata, constexprs
+        launcher = kernel.run  # initializes the handles
+        self.constexprs = constexprs
+        direct = getattr(launcher, "launch", None)
+        scratch = getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1)
+        if direct is not None and not scratch:
+            self.run = direct
+            self.head = (kernel.function, bool(launcher.launch_cooperative_grid), bool(launcher.launch_pdl), None,
+                         None, kernel.packed_metadata, None, None, None)
+        else:
+            self.run = launcher
+            self.head = (kernel.function, kernel.packed_metadata, None, None, None)
 
 
 class Launcher:
@@ -116,8 +130,7 @@ class Launcher:
         stream = torch._C._cuda_getCurrentRawStream(device)
         grid_y = grid[1] if len(grid) > 1 else 1
         grid_z = grid[2] if len(grid) > 2 else 1
-        variant.run(grid[0], grid_y, grid_z, stream, variant.function, variant.metadata, None, None, None,
-                    *args, *variant.constexprs)
+        variant.run(grid[0], grid_y, grid_z, stream, *variant.head, *args, *variant.constexprs)
 
     def _constexprs(self, runtime: int, kwargs: dict[str, object]) -> tuple:
         """The values of the constexprs after the `runtime` positional arguments, in the signature's order (the
