@@ -729,3 +729,22 @@ def test_prefix_caching_with_step_cuda_graphs_on_gpu(tiny_path: str, async_sched
             assert top[0] - top[1] < 3e-2, (rid, same, top)
         torch.testing.assert_close(torch.tensor(got_logprobs[:same + 1]), torch.tensor(want_logprobs[:same + 1]),
                                    rtol=2e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_requests_first_output_says_how_many_prompt_tokens_the_cache_held(caching: bool, seed: int):
+    """Each request's first output carries its prompt tokens found in the prefix cache (later outputs none): whole
+    blocks, never the whole prompt, none with caching off; and the fake model computed exactly the rest of each
+    prompt, plus one token per output but the last (no preemption in this scenario)."""
+    engine = make_engine(caching, **SCENARIOS["chunked"])
+    arrivals = workload(random.Random(seed), 24)
+    outs = drive(engine, arrivals)
+    prompts = {a.request_id: len(a.prompt) for a in arrivals}
+    cached = {}
+    for rid, out in outs.items():
+        first = next(i for i, o in enumerate(out) if o.new_token_ids)
+        assert all(o.num_cached_tokens is None for i, o in enumerate(out) if i != first)
+        cached[rid] = out[first].num_cached_tokens
+        assert cached[rid] % 4 == 0 and 0 <= cached[rid] < prompts[rid]
+    assert computed_tokens(engine) == sum(prompts[r] - cached[r] + len(tokens(outs[r])) - 1 for r in outs)
+    assert (sum(cached.values()) > 0) == caching

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import random
 
 import pytest
 import torch
@@ -278,3 +279,52 @@ def test_a_finished_requests_phases_and_counts() -> None:
     assert observed("request_params_max_tokens") == (4, 4 + 4 + 1 + 5)
     assert observed("request_params_n") == (3, 2 + 1 + 1)  # ab, c, d
     assert observed("request_max_num_generation_tokens") == (3, 4 + 0 + 0)
+
+
+def test_prompt_tokens_by_source_and_the_prefill_that_was_computed() -> None:
+    """A prompt's tokens by source once its first token came (computed, or found in the prefix cache, as its
+    first output says), the cached ones counted again on their own, and at the end the tokens its prefill
+    computed (vLLM's vllm/v1/metrics/stats.py PromptTokenStats and loggers.py). A second choice of a prompt does
+    not count it again; a request aborted before its first token computed, as far as anyone knows, all of it.
+    Waiting requests all wait for capacity."""
+    from serving.api.metrics import ServingMetrics
+    from serving.engine.dp_coordinator import Counted
+    from serving.engine.messages import RequestOutput, SchedulerStats
+
+    rng = random.Random(11)
+    metrics = ServingMetrics(MODEL, 2, 1024)
+    want_sources = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+    computed = []
+    for i in range(12):
+        rid, prompt = f"r{i}", rng.randint(1, 300)
+        cached = rng.randrange(0, prompt, 16) if i % 3 else 0
+        metrics.on_request(0, rid, 0.0, Counted(max_tokens=4))
+        if i == 11:  # aborted while it waited
+            metrics.on_output(0, RequestOutput(rid, [], "", prompt, 0, finish_reason="abort"), 1.0)
+            computed.append(prompt)
+            continue
+        metrics.on_output(0, RequestOutput(rid, [5], "x", prompt, 1, queue_time=0.1, num_cached_tokens=cached), 1.0)
+        metrics.on_output(0, RequestOutput(rid, [5], "x", prompt, 2, finish_reason="length"), 2.0)
+        want_sources["local_compute"] += prompt - cached
+        want_sources["local_cache_hit"] += cached
+        computed.append(prompt - cached)
+        if i == 4:  # a second choice of the same prompt
+            metrics.on_request(0, rid + "b", 0.0, Counted(prompt=False, max_tokens=4))
+            metrics.on_output(0, RequestOutput(rid + "b", [5], "x", prompt, 1, "stop", num_cached_tokens=prompt - 1),
+                              1.0)
+    metrics.on_stats(1, SchedulerStats(num_waiting=7))
+    samples = [s for f in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in f.samples]
+    by_source = {s.labels["source"]: s.value for s in samples
+                 if s.name == "vllm:prompt_tokens_by_source_total" and s.labels["engine"] == "0"}
+    assert by_source == want_sources
+    cached_total = {s.labels["engine"]: s.value for s in samples if s.name == "vllm:prompt_tokens_cached_total"}
+    assert cached_total == {"0": want_sources["local_cache_hit"], "1": 0}
+    prompt_total = next(s.value for s in samples if s.name == "vllm:prompt_tokens_total" and s.labels["engine"] == "0")
+    assert prompt_total == want_sources["local_compute"] + want_sources["local_cache_hit"]
+    histogram = "vllm:request_prefill_kv_computed_tokens"
+    kv = {s.name.rsplit("_", 1)[-1]: s.value for s in samples if s.labels.get("engine") == "0"
+          and s.name in (f"{histogram}_count", f"{histogram}_sum")}
+    assert kv == {"count": len(computed), "sum": sum(computed)}
+    waiting = {(s.labels["engine"], s.labels["reason"]): s.value for s in samples
+               if s.name == "vllm:num_requests_waiting_by_reason"}
+    assert waiting == {("0", "capacity"): 0, ("0", "deferred"): 0, ("1", "capacity"): 7, ("1", "deferred"): 0}

@@ -45,6 +45,11 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TIME_PER_OUTPUT_TOKEN_BUCKETS = INTER_TOKEN_BUCKETS  # the same list there
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+# vllm:prompt_tokens_by_source's sources (vllm/v1/metrics/stats.py, PromptTokenStats): no KV comes from elsewhere here.
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vllm:num_requests_waiting_by_reason's reasons: every waiting request here waits for capacity ("deferred" is
+# vLLM's for LoRA budgets and KV transfers).
+WAITING_REASONS = ("capacity", "deferred")
 _LABELS = ("model_name", "engine")
 
 
@@ -68,6 +73,7 @@ class _Timing:
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache (its first output says it)
 
 
 class ServingMetrics:
@@ -91,12 +97,21 @@ class ServingMetrics:
                              _LABELS, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
                              _LABELS, registry=r)
+        self.waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. Reason labels: 'capacity' = "
+            "waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV "
+            "transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.", (*_LABELS, "reason"),
+            registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                               _LABELS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _LABELS,
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          _LABELS, registry=r)
+        self.prompt_tokens_by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                               (*_LABELS, "source"), registry=r)
+        self.prompt_tokens_cached = Counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).", _LABELS, registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
                                       "queried tokens.", _LABELS, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
@@ -111,6 +126,9 @@ class ServingMetrics:
         self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
                                                    "Number of generation tokens processed.", _LABELS, buckets=counts,
                                                    registry=r)
+        self.prefill_kv_computed = Histogram("vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens "
+                                             "computed during prefill (excluding cached tokens).", _LABELS,
+                                             buckets=counts, registry=r)
         self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
                                       "Histogram of time spent in PREFILL phase for request.", _LABELS,
                                       buckets=REQUEST_LATENCY_BUCKETS, registry=r)
@@ -144,10 +162,14 @@ class ServingMetrics:
                            self.prefix_hits, self.preemptions, self.request_prompt_tokens,
                            self.request_generation_tokens, self.prefill_time, self.decode_time, self.inference_time,
                            self.time_per_output_token, self.max_tokens_param, self.n_param,
-                           self.max_generation_tokens):
+                           self.max_generation_tokens, self.prompt_tokens_cached, self.prefill_kv_computed):
                 metric.labels(*labels)
             for reason in FINISH_REASONS:
                 self.success.labels(*labels, reason)
+            for source in PROMPT_SOURCES:
+                self.prompt_tokens_by_source.labels(*labels, source)
+            for reason in WAITING_REASONS:
+                self.waiting_by_reason.labels(*labels, reason)
         self._lock = threading.Lock()
         self._timing: dict[str, _Timing] = {}
         self._counters_seen: dict[int, tuple[int, int, int]] = {}  # rank -> (queries, hits, preemptions) so far
@@ -172,8 +194,10 @@ class ServingMetrics:
             timing.scheduled = timing.arrival + output.queue_time
         n = len(output.new_token_ids)
         first = n > 0 and timing.first_token is None
+        if output.num_cached_tokens is not None:
+            timing.cached_tokens = output.num_cached_tokens
         if first and timing.counted.prompt:
-            self.prompt_tokens.labels(*labels).inc(output.num_prompt_tokens)
+            self._prompt_done(labels, output.num_prompt_tokens, timing.cached_tokens)
         if n:
             if first:
                 timing.first_token = now
@@ -190,12 +214,23 @@ class ServingMetrics:
             self._finished(labels, timing, output.num_prompt_tokens)
             self._choice_finished(labels, timing, output.request_id)
 
+    def _prompt_done(self, labels: tuple[str, str], prompt_tokens: int, cached: int) -> None:
+        """A prompt's tokens, once its first token came: those computed and those the prefix cache held (vLLM's
+        vllm/v1/metrics/stats.py, PromptTokenStats; none come from another engine's KV here)."""
+        self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        by_source = dict.fromkeys(PROMPT_SOURCES, 0) | {"local_compute": prompt_tokens - cached,
+                                                        "local_cache_hit": cached}
+        for source, tokens in by_source.items():
+            self.prompt_tokens_by_source.labels(*labels, source).inc(tokens)
+        self.prompt_tokens_cached.labels(*labels).inc(cached)
+
     def _finished(self, labels: tuple[str, str], timing: _Timing, prompt_tokens: int) -> None:
         """A finished request's token counts, its max_tokens and, where a token came, its phases (the module
         docstring)."""
         counted = timing.counted
         if counted.prompt:
             self.request_prompt_tokens.labels(*labels).observe(prompt_tokens)
+            self.prefill_kv_computed.labels(*labels).observe(prompt_tokens - timing.cached_tokens)
         if counted.max_tokens:
             self.max_tokens_param.labels(*labels).observe(counted.max_tokens)
         if not counted.output:
@@ -231,6 +266,8 @@ class ServingMetrics:
         labels = (self.model_name, str(rank))
         self.running.labels(*labels).set(stats.num_running)
         self.waiting.labels(*labels).set(stats.num_waiting)
+        for reason in WAITING_REASONS:
+            self.waiting_by_reason.labels(*labels, reason).set(stats.num_waiting if reason == "capacity" else 0)
         self.kv_usage.labels(*labels).set(stats.kv_cache_usage)
         queries, hits, preemptions = self._counters_seen.get(rank, (0, 0, 0))
         self.prefix_queries.labels(*labels).inc(stats.prefix_cache_queries - queries)

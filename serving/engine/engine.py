@@ -418,7 +418,8 @@ class LLMEngine:
             len(seq.output_token_ids), seq.finish_reason, seq.stop_reason,
             seq.first_scheduled_time - seq.arrival_time if first and seq.first_scheduled_time is not None else None,
             logprobs=[logprobs] if logprobs is not None else None,
-            prompt_logprobs=_take_prompt_logprobs(seq) if first and seq.params.prompt_logprobs is not None else None)
+            prompt_logprobs=_take_prompt_logprobs(seq) if first and seq.params.prompt_logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens if first else None)
 
 
 def _logprobs(ids: list[int], values: list[float], k: int | None) -> TokenLogprobs:

@@ -113,6 +113,7 @@ class RequestOutput:
     internal_error: bool = False  # error is the engine's own failure on this request (a bug), not bad input
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache; on the first output only
 
     @property
     def finished(self) -> bool:

@@ -115,7 +115,7 @@ class Scheduler:
             bm.admit(seq, found, cached + n)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
+                seq.first_scheduled_time, seq.num_cached_tokens = now, cached
                 if hits is not None:
                     bm.stats.record(seq.num_tokens, cached)
             self.running.append(seq)

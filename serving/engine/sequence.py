@@ -182,6 +182,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens its first schedule found in the prefix cache
     num_pending: int = 0
     pending_row: int = -1
     counts_row: int = -1
