@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="the KV cache's dtype: 'auto' only (the latent MLA cache in the model's dtype); FP8 latent "
                         "KV is not built")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens found in the prefix "
+                        "cache (summed over a request's prompts, as prompt_tokens is)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="record no vllm: request metrics (as vLLM, whose stat loggers include its Prometheus "
                         "metrics); /metrics still serves the ep_layer: series")
@@ -452,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
           rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
-          max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats)
+          max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
+          prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
@@ -460,7 +464,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           open_paths: frozenset[str] = frozenset({"/health", "/ping", "/metrics"}), max_waiting_seqs: int | None = None,
           log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
-          max_logprobs: int | None = None, log_stats: bool = True) -> None:
+          max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats)."""
@@ -478,6 +482,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         state.connection_limits = connection_limits
     if max_logprobs is not None:
         state.max_logprobs = max_logprobs
+    state.prompt_tokens_details = prompt_tokens_details
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:
         state.coordinator.observer = None

@@ -2,7 +2,7 @@
 tests/test_serving_api.py): vllm:prefix_cache_queries / vllm:prefix_cache_hits counted exactly for a
 known sequence of requests, POST /reset_prefix_cache (vLLM's development endpoint) reaching every rank,
 echo + logprobs the same with caching on and off, --no-enable-prefix-caching turning it off, the flag on
-the command line and in the start-up line."""
+the command line and in the start-up line; --enable-prompt-tokens-details's cached tokens in usage."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 from serving_fakes import reference_greedy
-from test_serving_api import NAME, check_envelope, complete, fake_server, http_server, scrape, total
+from test_serving_api import NAME, check_envelope, complete, fake_server, http_server, scrape, sse_events, total
 
 from serving.api.server import dev_mode_from_env
 from serving.cli import build_parser, engine_config, startup_summary
@@ -162,3 +162,39 @@ def test_the_flag_is_on_by_default_and_turns_off():
                                                      "prefix caching off (--no-enable-prefix-caching),")):
         config = engine_config(parser.parse_args(argv), "ckpt", "m").resolved(tiny)
         assert said in startup_summary(config, tiny, info, "http://h:1")
+
+
+def test_usage_says_the_cached_prompt_tokens_with_the_flag(client, server):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is the prompt tokens found in the
+    prefix cache, as the hit counter counts them (whole blocks, never a prompt's last token), a prompt once
+    however many choices it has, summed over a request's prompts, in a stream's usage chunk too; without the flag
+    usage has no prompt_tokens_details (vLLM's)."""
+    state = server[1]
+    x, y = [3, 5, 7, 9, 11, 13, 15, 17, 19, 21], [22, 24, 26, 28, 30, 32, 34]  # 10 and 7 tokens
+
+    def usage(**body) -> dict:
+        resp = complete(client, max_tokens=2, **body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]
+
+    assert "prompt_tokens_details" not in usage(prompt=x)  # computes x: 2 full blocks cached after it
+    state.prompt_tokens_details = True
+    try:
+        assert usage(prompt=x)["prompt_tokens_details"] == {"cached_tokens": 2 * BLOCK}
+        assert usage(prompt=y, n=3)["prompt_tokens_details"] == {"cached_tokens": 0}  # y new; its choices count once
+        both = usage(prompt=[x, y])
+        assert both["prompt_tokens_details"] == {"cached_tokens": 2 * BLOCK + BLOCK} and both["prompt_tokens"] == 17
+        body = {"model": NAME, "prompt": y, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": BLOCK}
+    finally:
+        state.prompt_tokens_details = False
+
+
+def test_the_prompt_tokens_details_flag():
+    parser = build_parser()
+    assert parser.parse_args([]).enable_prompt_tokens_details is False
+    assert parser.parse_args(["--enable-prompt-tokens-details"]).enable_prompt_tokens_details is True
+    assert "--enable-prompt-tokens-details" in parser.format_help()

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_serializer
 
 from ..engine.sequence import SamplingParams
 
@@ -228,10 +228,24 @@ class ChatCompletionRequest(SamplingRequest):
     return_assistant_tokens_mask: Any = False
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int = 0  # of the prompt tokens, those found in the prefix cache (not computed again)
+
+
 class UsageInfo(BaseModel):
+    """vLLM's; prompt_tokens_details only with --enable-prompt-tokens-details (absent from the JSON otherwise)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _details_only_where_given(self, handler: Any) -> dict:
+        data = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:
+            del data["prompt_tokens_details"]
+        return data
 
 
 class CompletionLogProbs(BaseModel):

@@ -76,6 +76,7 @@ from .protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptTokenUsageInfo,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -106,7 +107,8 @@ class ServerState:
     codec alone). max_token_chars: the most characters one token covers (prompts.longest_token_chars;
     None: unknown, texts are not refused by length before tokenizing). tokenize_pool: where long texts
     are tokenized (prompts.py). generation_defaults: the model's defaults of the sampling fields a
-    request leaves unset (serving.generation_config). max_logprobs: --max-logprobs.
+    request leaves unset (serving.generation_config). max_logprobs: --max-logprobs. prompt_tokens_details:
+    --enable-prompt-tokens-details (usage's cached prompt tokens).
     connection_limits: run_http's (connections.py), and the pace of a body. shutdown_deadline:
     time.monotonic() by which requests in flight end, set on SIGTERM. dev_mode: serve vLLM's
     development endpoints (POST /reset_prefix_cache), as vLLM does with VLLM_SERVER_DEV_MODE=1 (the
@@ -129,6 +131,7 @@ class ServerState:
     tokenize_pool: ThreadPoolExecutor = field(default_factory=make_tokenize_pool)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
+    prompt_tokens_details: bool = False
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     shutdown_deadline: float | None = None
     dev_mode: bool = field(default_factory=lambda: dev_mode_from_env(os.environ))
@@ -449,6 +452,7 @@ class _CompletionCall:
         params = [self._choice_params(base, p, j) for p in prompts for j in range(self.body.n)]
         self.items, self.prompts = items, prompts
         self.prompt_tokens = sum(len(p) for p in prompts)
+        self.cached_tokens = 0  # of the prompt tokens, found in the prefix cache (each prompt's first choice says)
         count = len(params)
         # What each choice has had so far: token ids, their logprobs, the prompt's logprobs (once).
         self.token_ids: list[list[int]] = [[] for _ in range(count)]
@@ -599,6 +603,8 @@ class _CompletionCall:
             self.state.coordinator.abort(rid)
 
     def _account(self, index: int, out: RequestOutput) -> None:
+        if out.num_cached_tokens is not None and index % self.body.n == 0:  # a prompt counts once, as prompt_tokens
+            self.cached_tokens += out.num_cached_tokens
         if out.finished:
             self.pending.discard(self.request_ids[index])
         if out.error is not None:
@@ -606,8 +612,9 @@ class _CompletionCall:
             raise APIError(503 if dead else 500 if out.internal_error else 400, _public(out.error))
 
     def _usage(self, completion_tokens: int) -> UsageInfo:
+        details = PromptTokenUsageInfo(cached_tokens=self.cached_tokens) if self.state.prompt_tokens_details else None
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=self.prompt_tokens + completion_tokens)
+                         total_tokens=self.prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     async def _complete(self) -> Response:
         texts = [""] * len(self.request_ids)
