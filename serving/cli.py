@@ -6,6 +6,7 @@ the checkpoint's)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ from .api.connections import (
     DEFAULT_MAX_CONNECTIONS,
     ConnectionLimits,
 )
+from .api.cors import Cors
 from .engine.engine_config import (
     DEEPEP_MODES,
     DEFAULT_LOADER,
@@ -106,6 +108,17 @@ def human_int(text: str) -> int:
     return int(float(number) * _DECIMAL[suffix])
 
 
+def _json_strings(text: str) -> list[str]:
+    """vLLM's type of its CORS flags: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="ep-serve",
@@ -139,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="the KV cache's dtype: 'auto' only (the latent MLA cache in the model's dtype); FP8 latent "
                         "KV is not built")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with a usage chunk, as if its stream_options asked for one")
+    p.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
+                   help='origins whose browsers may call the API, a JSON list (e.g. \'["https://a.example"]\', '
+                        '\'["*"]\'); default none: no cross-origin access')
+    p.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
+                   help="HTTP methods cross-origin requests may use, a JSON list (default [\"*\"])")
+    p.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
+                   help="headers cross-origin requests may send, a JSON list (default [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true", help="cross-origin requests may carry credentials")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /openapi.json (the interactive docs are never served)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in responses: the prompt tokens found in the prefix "
                         "cache (summed over a request's prompts, as prompt_tokens is)")
@@ -168,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "
                         f"{DEFAULT_NORMAL_BUDGET} with --deepep-mode auto or normal, as vLLM's on an H100 or H200; "
                         "with low_latency --max-tokens-per-rank)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompts longer than a step's budget go in chunks, beside the decodes (always on here, as in "
+                        "vLLM V1; --no-enable-chunked-prefill is refused)")
     p.add_argument("--long-prefill-token-threshold", type=human_int, default=0, metavar="N",
                    help="at most N of a prompt's tokens in one step (its later chunks in the steps after), so that "
                         "sequences decoding beside a long prompt keep their step time; 0 (default): the step "
@@ -422,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
         limits = ConnectionLimits(args.max_connections, args.header_read_timeout, args.keep_alive_timeout)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {_flag_named(e)}") from None
+    if not args.enable_chunked_prefill:
+        raise SystemExit("ep-serve: --no-enable-chunked-prefill: not supported; prompts longer than a step's budget "
+                         "(--max-num-batched-tokens) always go in chunks")
     if args.kv_cache_dtype != "auto":
         raise SystemExit(f"ep-serve: --kv-cache-dtype {args.kv_cache_dtype!r}: only 'auto' is supported (the latent "
                          f"MLA KV cache in the model's dtype); FP8 latent KV is not built")
@@ -456,7 +487,10 @@ def main(argv: list[str] | None = None) -> None:
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
           rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
-          prompt_tokens_details=args.enable_prompt_tokens_details)
+          prompt_tokens_details=args.enable_prompt_tokens_details,
+          force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
+          cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                    args.allow_credentials))
 
 
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
@@ -464,7 +498,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           open_paths: frozenset[str] = frozenset({"/health", "/ping", "/metrics"}), max_waiting_seqs: int | None = None,
           log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
-          max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False) -> None:
+          max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False,
+          force_include_usage: bool = False, openapi: bool = True, cors: Cors | None = None) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats)."""
@@ -482,7 +517,9 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         state.connection_limits = connection_limits
     if max_logprobs is not None:
         state.max_logprobs = max_logprobs
-    state.prompt_tokens_details = prompt_tokens_details
+    state.prompt_tokens_details, state.force_include_usage, state.openapi = (prompt_tokens_details,
+                                                                             force_include_usage, openapi)
+    state.cors = cors or Cors()
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:
         state.coordinator.observer = None

@@ -46,6 +46,7 @@ from ..engine.messages import RequestOutput, TokenLogprobs
 from ..engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams, check_prompt
 from .chat_template import ChatTemplate, load_chat_template
 from .connections import ConnectionLimits, raise_open_files_limit
+from .cors import Cors
 from .metrics import ServingMetrics
 from .prompts import (
     check_token_ids,
@@ -108,7 +109,9 @@ class ServerState:
     None: unknown, texts are not refused by length before tokenizing). tokenize_pool: where long texts
     are tokenized (prompts.py). generation_defaults: the model's defaults of the sampling fields a
     request leaves unset (serving.generation_config). max_logprobs: --max-logprobs. prompt_tokens_details:
-    --enable-prompt-tokens-details (usage's cached prompt tokens).
+    --enable-prompt-tokens-details (usage's cached prompt tokens). force_include_usage: --enable-force-include-usage
+    (a stream's usage chunk without stream_options asking for it). cors: the CORS policy (cors.py; no origin
+    allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs: not).
     connection_limits: run_http's (connections.py), and the pace of a body. shutdown_deadline:
     time.monotonic() by which requests in flight end, set on SIGTERM. dev_mode: serve vLLM's
     development endpoints (POST /reset_prefix_cache), as vLLM does with VLLM_SERVER_DEV_MODE=1 (the
@@ -132,6 +135,9 @@ class ServerState:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
     prompt_tokens_details: bool = False
+    force_include_usage: bool = False
+    cors: Cors = field(default_factory=Cors)
+    openapi: bool = True
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     shutdown_deadline: float | None = None
     dev_mode: bool = field(default_factory=lambda: dev_mode_from_env(os.environ))
@@ -271,9 +277,11 @@ async def _load_streaming(_: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ep-serve", version=__version__, docs_url=None, redoc_url=None, lifespan=_load_streaming)
+    app = FastAPI(title="ep-serve", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json" if state.openapi else None, lifespan=_load_streaming)
     app.state.serving = state
     app.add_middleware(_Guard, state=state)
+    state.cors.add_to(app)  # added last: the outermost middleware
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -666,7 +674,7 @@ class _CompletionCall:
                     yield _sse(chunk)
             else:
                 options = self.body.stream_options
-                if options is not None and options.include_usage:
+                if self.state.force_include_usage or (options is not None and options.include_usage):
                     yield _sse(self._usage_chunk(self._usage(completion_tokens)))
             yield "data: [DONE]\n\n"
         finally:

@@ -1,0 +1,93 @@
+"""vLLM's frontend flags that shape the HTTP server (serving/cli.py, serving/api/cors.py): cross-origin access
+(--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; none by default, as vLLM 0.34.0's
+vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --disable-fastapi-docs and
+--enable-chunked-prefill, each from the command line to a real uvicorn server in front of fake-model ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import httpx
+import pytest
+from test_serving_api import NAME, fake_server, http_server, sse_events
+
+from serving.api.cors import Cors
+from serving.cli import build_parser
+
+ORIGIN = "https://ui.example"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with fake_server() as s:
+        yield s
+
+
+def preflight(client: httpx.Client, origin: str) -> httpx.Response:
+    return client.options("/v1/completions", headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                                      "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_the_flags_parse_as_vllms_and_refuse_what_they_cannot_mean():
+    parser = build_parser()
+    args = parser.parse_args([])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
+        [], ["*"], ["*"], False)
+    assert (args.enable_force_include_usage, args.disable_fastapi_docs, args.enable_chunked_prefill) == (
+        False, False, True)
+    args = parser.parse_args(["--allowed-origins", f'["{ORIGIN}"]', "--allowed-methods", '["POST"]',
+                              "--allow-credentials", "--enable-force-include-usage", "--disable-fastapi-docs",
+                              "--enable-chunked-prefill"])
+    assert (args.allowed_origins, args.allowed_methods, args.allow_credentials) == ([ORIGIN], ["POST"], True)
+    for bad in ('"*"', "[1]", "not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--allowed-origins", bad])
+    refused = subprocess.run([sys.executable, "-m", "serving.cli", "--no-enable-chunked-prefill"], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "--no-enable-chunked-prefill: not supported" in refused.stderr
+
+
+def test_no_cross_origin_access_by_default(server):
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=30) as client:
+        assert preflight(client, ORIGIN).status_code == 400  # Starlette: "Disallowed CORS origin"
+        resp = client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert resp.status_code == 200 and "access-control-allow-origin" not in resp.headers
+
+
+def test_allowed_origins_are_answered_before_the_api_key_is_asked_for(server):
+    _, state = server
+    keyed = dataclasses.replace(state, api_key="k", cors=Cors(origins=(ORIGIN,), methods=("GET", "POST")))
+    with http_server(keyed) as url, httpx.Client(base_url=url, timeout=30) as client:
+        resp = preflight(client, ORIGIN)  # a browser's preflight carries no key
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in resp.headers["access-control-allow-methods"]
+        assert "access-control-allow-credentials" not in resp.headers
+        assert preflight(client, "https://other.example").status_code == 400
+        denied = client.get("/v1/models", headers={"Origin": ORIGIN})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == ORIGIN
+        ok = client.get("/v1/models", headers={"Origin": ORIGIN, "Authorization": "Bearer k"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_force_include_usage_ends_every_stream_with_usage(server):
+    _, state = server
+    body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True}
+    for forced in (False, True):
+        with http_server(dataclasses.replace(state, force_include_usage=forced)) as url, \
+                httpx.Client(base_url=url, timeout=30) as client, \
+                client.stream("POST", "/v1/completions", json=body) as resp:
+            events = sse_events(resp.iter_lines())
+        usage = [e["usage"] for e in events[:-1] if e.get("usage")]
+        assert usage == ([{"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}] if forced else [])
+
+
+def test_disable_fastapi_docs_serves_no_openapi(server):
+    _, state = server
+    for openapi in (True, False):
+        with http_server(dataclasses.replace(state, openapi=openapi)) as url, \
+                httpx.Client(base_url=url, timeout=30) as client:
+            assert client.get("/openapi.json").status_code == (200 if openapi else 404)
+            assert client.get("/docs").status_code == 404
