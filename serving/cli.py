@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="the KV cache's dtype: 'auto' only (the latent MLA cache in the model's dtype); FP8 latent "
                         "KV is not built")
+    p.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role of chat responses where the template adds the generation prompt (default "
+                        "assistant; else the last message's role, as vLLM)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with a usage chunk, as if its stream_options asked for one")
     p.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
@@ -489,6 +492,7 @@ def main(argv: list[str] | None = None) -> None:
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
           prompt_tokens_details=args.enable_prompt_tokens_details,
           force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
+          response_role=args.response_role,
           cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                     args.allow_credentials))
 
@@ -499,7 +503,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
           max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False,
-          force_include_usage: bool = False, openapi: bool = True, cors: Cors | None = None) -> None:
+          force_include_usage: bool = False, openapi: bool = True, response_role: str = "assistant",
+          cors: Cors | None = None) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats)."""
@@ -517,8 +522,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         state.connection_limits = connection_limits
     if max_logprobs is not None:
         state.max_logprobs = max_logprobs
-    state.prompt_tokens_details, state.force_include_usage, state.openapi = (prompt_tokens_details,
-                                                                             force_include_usage, openapi)
+    state.prompt_tokens_details, state.force_include_usage, state.openapi, state.response_role = (
+        prompt_tokens_details, force_include_usage, openapi, response_role)
     state.cors = cors or Cors()
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:

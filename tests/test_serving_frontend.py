@@ -1,6 +1,6 @@
 """vLLM's frontend flags that shape the HTTP server (serving/cli.py, serving/api/cors.py): cross-origin access
 (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; none by default, as vLLM 0.34.0's
-vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --disable-fastapi-docs and
+vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --response-role, --disable-fastapi-docs and
 --enable-chunked-prefill, each from the command line to a real uvicorn server in front of fake-model ranks."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import httpx
 import pytest
 from test_serving_api import NAME, fake_server, http_server, sse_events
 
+from serving.api.chat_template import ChatTemplate
 from serving.api.cors import Cors
 from serving.cli import build_parser
 
@@ -37,6 +38,7 @@ def test_the_flags_parse_as_vllms_and_refuse_what_they_cannot_mean():
         [], ["*"], ["*"], False)
     assert (args.enable_force_include_usage, args.disable_fastapi_docs, args.enable_chunked_prefill) == (
         False, False, True)
+    assert args.response_role == "assistant" and parser.parse_args(["--response-role", "bot"]).response_role == "bot"
     args = parser.parse_args(["--allowed-origins", f'["{ORIGIN}"]', "--allowed-methods", '["POST"]',
                               "--allow-credentials", "--enable-force-include-usage", "--disable-fastapi-docs",
                               "--enable-chunked-prefill"])
@@ -91,3 +93,24 @@ def test_disable_fastapi_docs_serves_no_openapi(server):
                 httpx.Client(base_url=url, timeout=30) as client:
             assert client.get("/openapi.json").status_code == (200 if openapi else 404)
             assert client.get("/docs").status_code == 404
+
+
+def test_response_role_where_the_template_adds_the_generation_prompt(server):
+    """--response-role names the chat responses' role (message and a stream's first delta) where the template
+    adds the generation prompt; continuing the last message keeps that message's role (vLLM's
+    get_chat_request_role)."""
+    _, state = server
+    chat = {"model": NAME, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    ask = [{"role": "user", "content": "hi"}]
+    cont = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he"}]
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with http_server(dataclasses.replace(state, response_role="bot", chat_template=plain)) as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
+        resp = client.post("/v1/chat/completions", json={**chat, "messages": ask})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["role"] == "bot"
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "messages": ask, "stream": True}) as r:
+            first = sse_events(r.iter_lines())[0]
+        assert first["choices"][0]["delta"] == {"role": "bot", "content": ""}
+        resp = client.post("/v1/chat/completions", json={**chat, "messages": cont, "add_generation_prompt": False,
+                                                          "continue_final_message": True})
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["role"] == "assistant"

@@ -291,7 +291,7 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # --response-role, or the continued message's (vLLM's get_chat_request_role)
     content: str
 
 

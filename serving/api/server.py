@@ -110,7 +110,8 @@ class ServerState:
     are tokenized (prompts.py). generation_defaults: the model's defaults of the sampling fields a
     request leaves unset (serving.generation_config). max_logprobs: --max-logprobs. prompt_tokens_details:
     --enable-prompt-tokens-details (usage's cached prompt tokens). force_include_usage: --enable-force-include-usage
-    (a stream's usage chunk without stream_options asking for it). cors: the CORS policy (cors.py; no origin
+    (a stream's usage chunk without stream_options asking for it). response_role: --response-role (the chat
+    responses' role where the template adds the generation prompt). cors: the CORS policy (cors.py; no origin
     allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs: not).
     connection_limits: run_http's (connections.py), and the pace of a body. shutdown_deadline:
     time.monotonic() by which requests in flight end, set on SIGTERM. dev_mode: serve vLLM's
@@ -136,6 +137,7 @@ class ServerState:
     max_logprobs: int = MAX_LOGPROBS
     prompt_tokens_details: bool = False
     force_include_usage: bool = False
+    response_role: str = "assistant"
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
@@ -872,7 +874,7 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
         want = bool(self.body.logprobs)
-        choices = [ChatCompletionChoice(index=i, message=AssistantMessage(content=texts[i]),
+        choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=self._role(), content=texts[i]),
                                         logprobs=self._chat_logprobs(self.token_ids[i], self.logprobs[i]) if want
                                         else None, finish_reason=f.finish_reason, stop_reason=f.stop_reason)
                    for i, f in enumerate(finals)]
@@ -886,8 +888,14 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _opening_chunks(self) -> list[dict]:
         """The role of each choice, before its text (as OpenAI and vLLM send it)."""
-        return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": "assistant", "content": ""})])
+        role = self._role()
+        return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": role, "content": ""})])
                 for i in range(len(self.request_ids))]
+
+    def _role(self) -> str:
+        """The responses' role, as vLLM's get_chat_request_role: --response-role where the template adds the
+        generation prompt, else the last message's (continuing a message keeps its role)."""
+        return self.state.response_role if self.body.add_generation_prompt else self.body.messages[-1].role
 
     def _chunk(self, index: int, out: RequestOutput) -> dict:
         delta = {"content": out.new_text} if out.new_text or not out.finished else {}
