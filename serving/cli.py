@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import ssl
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from .api.connections import (
     ConnectionLimits,
 )
 from .api.cors import Cors
+from .api.tls import Tls
 from .engine.engine_config import (
     DEEPEP_MODES,
     DEFAULT_LOADER,
@@ -165,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
                    help="headers cross-origin requests may send, a JSON list (default [\"*\"])")
     p.add_argument("--allow-credentials", action="store_true", help="cross-origin requests may carry credentials")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="the path prefix of a proxy in front (FastAPI's root_path): requests may come with it or "
+                        "without")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this key (and --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="the certificate of --ssl-keyfile")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA certificates that sign clients' ones")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
+                   help="whether clients must present a certificate: 0 no (default), 1 optional, 2 required")
+    p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS", help="the TLS ciphers allowed (OpenSSL's list)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /openapi.json (the interactive docs are never served)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -453,6 +464,11 @@ def main(argv: list[str] | None = None) -> None:
         limits = ConnectionLimits(args.max_connections, args.header_read_timeout, args.keep_alive_timeout)
     except ValueError as e:
         raise SystemExit(f"ep-serve: {_flag_named(e)}") from None
+    try:
+        tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.ssl_ciphers)
+        tls.check_files()
+    except ValueError as e:
+        raise SystemExit(f"ep-serve: {e}") from None
     if not args.enable_chunked_prefill:
         raise SystemExit("ep-serve: --no-enable-chunked-prefill: not supported; prompts longer than a step's budget "
                          "(--max-num-batched-tokens) always go in chunks")
@@ -492,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
           prompt_tokens_details=args.enable_prompt_tokens_details,
           force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
-          response_role=args.response_role,
+          response_role=args.response_role, root_path=args.root_path, tls=tls,
           cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                     args.allow_credentials))
 
@@ -504,7 +520,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
           max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False,
           force_include_usage: bool = False, openapi: bool = True, response_role: str = "assistant",
-          cors: Cors | None = None) -> None:
+          root_path: str = "", tls: Tls | None = None, cors: Cors | None = None) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats)."""
@@ -524,7 +540,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         state.max_logprobs = max_logprobs
     state.prompt_tokens_details, state.force_include_usage, state.openapi, state.response_role = (
         prompt_tokens_details, force_include_usage, openapi, response_role)
-    state.cors = cors or Cors()
+    state.cors, state.root_path, state.tls = cors or Cors(), root_path, tls or Tls()
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:
         state.coordinator.observer = None

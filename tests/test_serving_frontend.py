@@ -1,20 +1,31 @@
 """vLLM's frontend flags that shape the HTTP server (serving/cli.py, serving/api/cors.py): cross-origin access
 (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; none by default, as vLLM 0.34.0's
-vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --response-role, --disable-fastapi-docs and
---enable-chunked-prefill, each from the command line to a real uvicorn server in front of fake-model ranks."""
+vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --response-role, --disable-fastapi-docs,
+--enable-chunked-prefill, --root-path and TLS (--ssl-*), each from the command line to a real uvicorn server in
+front of fake-model ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
+import socket
+import ssl
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
 from test_serving_api import NAME, fake_server, http_server, sse_events
 
 from serving.api.chat_template import ChatTemplate
 from serving.api.cors import Cors
+from serving.api.server import uvicorn_config
+from serving.api.tls import Tls
 from serving.cli import build_parser
 
 ORIGIN = "https://ui.example"
@@ -24,6 +35,29 @@ ORIGIN = "https://ui.example"
 def server():
     with fake_server() as s:
         yield s
+
+
+@contextlib.contextmanager
+def configured(state, **changes) -> Iterator[int]:
+    """The app over `state` with `changes`, served as run_http configures uvicorn (uvicorn_config), from a thread
+    on a port the OS picked; yields the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn_config(dataclasses.replace(state, **changes), host="127.0.0.1", port=port,
+                                         log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        http.should_exit = True
+        thread.join(15)
+        sock.close()
 
 
 def preflight(client: httpx.Client, origin: str) -> httpx.Response:
@@ -114,3 +148,39 @@ def test_response_role_where_the_template_adds_the_generation_prompt(server):
         resp = client.post("/v1/chat/completions", json={**chat, "messages": cont, "add_generation_prompt": False,
                                                           "continue_final_message": True})
         assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_root_path_is_optional_in_requests_and_open_paths_stay_open(server):
+    """--root-path: behind a proxy that keeps its prefix or strips it, the same routes answer, and the paths open
+    without the API key are open under the prefix too."""
+    _, state = server
+    with configured(state, root_path="/llm", api_key="k") as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        for prefix in ("/llm", ""):
+            assert client.get(f"{prefix}/health").status_code == 200
+            assert client.get(f"{prefix}/v1/models").status_code == 401
+            models = client.get(f"{prefix}/v1/models", headers={"Authorization": "Bearer k"})
+            assert models.status_code == 200 and models.json()["data"][0]["id"] == NAME
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not found (it makes the test's certificate)")
+def test_tls_serves_https_and_bad_files_fail_before_the_ranks_start(server, tmp_path):
+    """--ssl-keyfile / --ssl-certfile: the server run_http configures serves HTTPS with them (a client trusting the
+    certificate reads /health, a plain-HTTP client gets nothing); a key without its certificate, or files that do
+    not load, stop ep-serve before it starts any rank, naming the flags."""
+    _, state = server
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    tls = Tls(str(key), str(cert))
+    tls.check_files()
+    with configured(state, tls=tls) as port:
+        trusting = ssl.create_default_context(cafile=str(cert))
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting, timeout=5).status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    for argv, says in ((["--ssl-keyfile", str(key)], "give both or neither"),
+                       (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot load")):
+        done = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]

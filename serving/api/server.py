@@ -84,6 +84,7 @@ from .protocol import (
     UsageInfo,
     error_body,
 )
+from .tls import Tls
 
 DEFAULT_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key
 MAX_BODY_BYTES = 16 << 20  # a longer request body is a 413
@@ -112,7 +113,8 @@ class ServerState:
     --enable-prompt-tokens-details (usage's cached prompt tokens). force_include_usage: --enable-force-include-usage
     (a stream's usage chunk without stream_options asking for it). response_role: --response-role (the chat
     responses' role where the template adds the generation prompt). cors: the CORS policy (cors.py; no origin
-    allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs: not).
+    allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs: not). root_path: --root-path (the
+    path prefix of a proxy in front; open_paths are matched without it). tls: run_http's TLS (tls.py).
     connection_limits: run_http's (connections.py), and the pace of a body. shutdown_deadline:
     time.monotonic() by which requests in flight end, set on SIGTERM. dev_mode: serve vLLM's
     development endpoints (POST /reset_prefix_cache), as vLLM does with VLLM_SERVER_DEV_MODE=1 (the
@@ -140,6 +142,8 @@ class ServerState:
     response_role: str = "assistant"
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
+    root_path: str = ""
+    tls: Tls = field(default_factory=Tls)
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     shutdown_deadline: float | None = None
     dev_mode: bool = field(default_factory=lambda: dev_mode_from_env(os.environ))
@@ -227,7 +231,8 @@ class _Guard:
             return await self.app(scope, receive, send)
         state = self.state
         headers = dict(scope["headers"])
-        if state.api_key is not None and scope["path"] not in state.open_paths:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if state.api_key is not None and path not in state.open_paths:
             given = [value for name, value in scope["headers"] if name == b"authorization"]
             if len(given) > 1:
                 return await _error(400, f"Authorization: expected one Authorization header, got {len(given)}")(
@@ -282,6 +287,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="ep-serve", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json" if state.openapi else None, lifespan=_load_streaming)
     app.state.serving = state
+    app.root_path = state.root_path  # as vLLM sets it: requests may come with the prefix or without
     app.add_middleware(_Guard, state=state)
     state.cors.add_to(app)  # added last: the outermost middleware
 
@@ -984,6 +990,17 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def uvicorn_config(state: ServerState, *, host: str, port: int, log_level: str = "info",
+                   shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> Any:
+    """run_http's uvicorn.Config: build_app(state) under state.connection_limits, with state.tls."""
+    import uvicorn
+
+    limits = state.connection_limits
+    return uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, http=limits.protocol(),
+                          timeout_keep_alive=limits.keep_alive_timeout_s,
+                          timeout_graceful_shutdown=shutdown_grace_s + SHUTDOWN_FLUSH_S, **state.tls.uvicorn_options())
+
+
 def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info",
              shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """Serve build_app(state) under state.connection_limits until SIGTERM or SIGINT, then return: new
@@ -997,11 +1014,9 @@ def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info
             state.shutdown_deadline = time.monotonic() + shutdown_grace_s  # read by the calls in flight
             await super().shutdown(sockets)
 
-    limits = state.connection_limits
-    raise_open_files_limit(limits)
-    server = Server(uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level,
-                                   http=limits.protocol(), timeout_keep_alive=limits.keep_alive_timeout_s,
-                                   timeout_graceful_shutdown=shutdown_grace_s + SHUTDOWN_FLUSH_S))
+    raise_open_files_limit(state.connection_limits)
+    server = Server(uvicorn_config(state, host=host, port=port, log_level=log_level,
+                                   shutdown_grace_s=shutdown_grace_s))
     if threading.current_thread() is not threading.main_thread():
         server.run()
         return
