@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="the role of chat responses where the template adds the generation prompt (default "
                         "assistant; else the last message's role, as vLLM)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens as "token_id:{id}" (a request\'s return_tokens_as_token_ids wins)')
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="end every stream with a usage chunk, as if its stream_options asked for one")
     p.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
@@ -509,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
           prompt_tokens_details=args.enable_prompt_tokens_details,
           force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
           response_role=args.response_role, root_path=args.root_path, tls=tls,
+          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
           cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                     args.allow_credentials))
 
@@ -520,7 +523,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
           max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False,
           force_include_usage: bool = False, openapi: bool = True, response_role: str = "assistant",
-          root_path: str = "", tls: Tls | None = None, cors: Cors | None = None) -> None:
+          root_path: str = "", tls: Tls | None = None, return_tokens_as_token_ids: bool = False,
+          cors: Cors | None = None) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats)."""
@@ -541,6 +545,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
     state.prompt_tokens_details, state.force_include_usage, state.openapi, state.response_role = (
         prompt_tokens_details, force_include_usage, openapi, response_role)
     state.cors, state.root_path, state.tls = cors or Cors(), root_path, tls or Tls()
+    state.return_tokens_as_token_ids = return_tokens_as_token_ids
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:
         state.coordinator.observer = None

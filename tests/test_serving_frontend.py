@@ -184,3 +184,34 @@ def test_tls_serves_https_and_bad_files_fail_before_the_ranks_start(server, tmp_
                        (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot load")):
         done = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
+
+
+def test_tokens_as_token_ids_in_logprobs(server):
+    """--return-tokens-as-token-ids, or a request's return_tokens_as_token_ids (which wins either way): logprobs
+    name each token "token_id:{id}" (completions: tokens, top_logprobs' keys and text offsets by those names;
+    chat: the chosen and top tokens, the chosen one's bytes its text's), as vLLM's format_token_id_placeholder."""
+    _, state = server
+    body = {"model": NAME, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    chat_body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+                 "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with http_server(dataclasses.replace(state, return_tokens_as_token_ids=True, chat_template=plain)) as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
+        got = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        texts = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        texts = texts["choices"][0]["logprobs"]
+        chat = client.post("/v1/chat/completions", json=chat_body).json()["choices"][0]["logprobs"]["content"]
+    with http_server(dataclasses.replace(state, chat_template=plain)) as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
+        asked = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True}).json()
+        assert asked["choices"][0]["logprobs"]["tokens"] == got["tokens"]
+        chat_texts = client.post("/v1/chat/completions", json=chat_body).json()["choices"][0]["logprobs"]["content"]
+    assert all(t.startswith("token_id:") for t in got["tokens"]) and not any(
+        t.startswith("token_id:") for t in texts["tokens"])
+    assert got["token_logprobs"] == texts["token_logprobs"]  # the same tokens, named otherwise
+    assert got["text_offset"] == [sum(map(len, got["tokens"][:i])) for i in range(len(got["tokens"]))]
+    assert all(all(k.startswith("token_id:") for k in top) for top in got["top_logprobs"])
+    for by_id, by_text in zip(chat, chat_texts, strict=True):
+        assert by_id["token"].startswith("token_id:") and by_id["bytes"] == by_text["bytes"]
+        assert [t["token"].startswith("token_id:") for t in by_id["top_logprobs"]] == [True, True]
+        assert all(t["bytes"] == list(t["token"].encode()) for t in by_id["top_logprobs"])

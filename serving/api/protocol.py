@@ -62,16 +62,15 @@ class SamplingRequest(BaseModel):
     REFUSED: ClassVar[tuple[str, ...]] = (
         "logit_bias", "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side",
         "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "bad_words", "structured_outputs",
-        "response_format", "priority", "session_id", "return_tokens_as_token_ids", "return_token_ids",
-        "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params",
-        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval",
-        "watermarking", "return_weight_versions", "mm_payload", "return_mm_kwargs")
+        "response_format", "priority", "session_id", "return_token_ids", "routed_experts_prompt_start",
+        "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+        "repetition_detection", "thinking_token_budget", "stream_interval", "watermarking", "return_weight_versions",
+        "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         "logit_bias": _empty, "best_of": lambda value, request: value == request.n, "bad_words": _empty,
-        "response_format": _one_of({"type": "text"}), "return_tokens_as_token_ids": _one_of(False),
-        "return_token_ids": _one_of(False), "stream_interval": _one_of(1), "watermarking": _one_of(False),
-        "return_mm_kwargs": _one_of(False)}
+        "response_format": _one_of({"type": "text"}), "return_token_ids": _one_of(False),
+        "stream_interval": _one_of(1), "watermarking": _one_of(False), "return_mm_kwargs": _one_of(False)}
 
     model: Text | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
@@ -95,6 +94,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    # Logprobs' tokens as "token_id:{id}" (None: --return-tokens-as-token-ids decides).
+    return_tokens_as_token_ids: StrictBool | None = None
     # Refused unless left at their default (REFUSED):
     logit_bias: Any = None
     best_of: Any = None
@@ -110,7 +111,6 @@ class SamplingRequest(BaseModel):
     response_format: Any = None
     priority: Any = 0
     session_id: Any = None
-    return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     routed_experts_prompt_start: Any = 0
     return_token_offsets: Any = False

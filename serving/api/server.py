@@ -112,9 +112,11 @@ class ServerState:
     request leaves unset (serving.generation_config). max_logprobs: --max-logprobs. prompt_tokens_details:
     --enable-prompt-tokens-details (usage's cached prompt tokens). force_include_usage: --enable-force-include-usage
     (a stream's usage chunk without stream_options asking for it). response_role: --response-role (the chat
-    responses' role where the template adds the generation prompt). cors: the CORS policy (cors.py; no origin
-    allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs: not). root_path: --root-path (the
-    path prefix of a proxy in front; open_paths are matched without it). tls: run_http's TLS (tls.py).
+    responses' role where the template adds the generation prompt). return_tokens_as_token_ids:
+    --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise). cors: the
+    CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
+    not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
+    run_http's TLS (tls.py).
     connection_limits: run_http's (connections.py), and the pace of a body. shutdown_deadline:
     time.monotonic() by which requests in flight end, set on SIGTERM. dev_mode: serve vLLM's
     development endpoints (POST /reset_prefix_cache), as vLLM does with VLLM_SERVER_DEV_MODE=1 (the
@@ -140,6 +142,7 @@ class ServerState:
     prompt_tokens_details: bool = False
     force_include_usage: bool = False
     response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -577,7 +580,16 @@ class _CompletionCall:
             self.prompt_logprobs[index] = out.prompt_logprobs
 
     def _token_str(self, token_id: int) -> str:
-        """A token's text on its own (vLLM's decoded token: the tokenizer's decode of the one id)."""
+        """A token as logprobs name it: its text on its own (vLLM's decoded token: the tokenizer's decode of the one
+        id), or "token_id:{id}" where the request (return_tokens_as_token_ids), else --return-tokens-as-token-ids,
+        asks for ids (vLLM's format_token_id_placeholder)."""
+        as_id = self.body.return_tokens_as_token_ids
+        if as_id if as_id is not None else self.state.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self._decoded(token_id)
+
+    def _decoded(self, token_id: int) -> str:
+        """A token's text on its own: the tokenizer's decode of the one id."""
         text = self._token_str_cache.get(token_id)
         if text is None:
             text = self._token_str_cache[token_id] = decode_all(self.state, [token_id])
@@ -855,15 +867,16 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> ChatCompletionLogProbs:
         """vLLM's _create_chat_logprobs: per token its string, logprob and UTF-8 bytes, and the
-        top_logprobs likeliest tokens likewise (likeliest first)."""
-        def one(token_id: int, logprob: float) -> dict[str, Any]:
+        top_logprobs likeliest tokens likewise (likeliest first). With tokens as ids a chosen token's bytes stay its
+        text's, the top ones' are their strings', as vLLM has them."""
+        def one(token_id: int, logprob: float, text: str | None = None) -> dict[str, Any]:
             token = self._token_str(token_id)
             return {"token": token, "logprob": max(logprob, MIN_LOGPROB),
-                    "bytes": list(token.encode("utf-8", errors="replace"))}
+                    "bytes": list((token if text is None else text).encode("utf-8", errors="replace"))}
 
         n = self.body.top_logprobs or 0
         return ChatCompletionLogProbs(content=[
-            ChatCompletionLogProbsContent(**one(t, e.logprob),
+            ChatCompletionLogProbsContent(**one(t, e.logprob, self._decoded(t)),
                                           top_logprobs=[ChatCompletionLogProb(**one(u, lp)) for u, lp in e.top[:n]])
             for t, e in zip(token_ids, entries)])
 
