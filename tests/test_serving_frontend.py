@@ -6,25 +6,18 @@ front of fake-model ranks."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from test_serving_api import NAME, fake_server, http_server, sse_events
 
 from serving.api.chat_template import ChatTemplate
 from serving.api.cors import Cors
-from serving.api.server import uvicorn_config
 from serving.api.tls import Tls
 from serving.cli import build_parser
 
@@ -35,29 +28,6 @@ ORIGIN = "https://ui.example"
 def server():
     with fake_server() as s:
         yield s
-
-
-@contextlib.contextmanager
-def configured(state, **changes) -> Iterator[int]:
-    """The app over `state` with `changes`, served as run_http configures uvicorn (uvicorn_config), from a thread
-    on a port the OS picked; yields the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn_config(dataclasses.replace(state, **changes), host="127.0.0.1", port=port,
-                                         log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not http.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        yield port
-    finally:
-        http.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 def preflight(client: httpx.Client, origin: str) -> httpx.Response:
@@ -154,8 +124,8 @@ def test_a_root_path_is_optional_in_requests_and_open_paths_stay_open(server):
     """--root-path: behind a proxy that keeps its prefix or strips it, the same routes answer, and the paths open
     without the API key are open under the prefix too."""
     _, state = server
-    with configured(state, root_path="/llm", api_key="k") as port, \
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+    with http_server(dataclasses.replace(state, root_path="/llm", api_key="k"), as_run_http=True) as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
         for prefix in ("/llm", ""):
             assert client.get(f"{prefix}/health").status_code == 200
             assert client.get(f"{prefix}/v1/models").status_code == 401
@@ -175,11 +145,12 @@ def test_tls_serves_https_and_bad_files_fail_before_the_ranks_start(server, tmp_
                    check=True, capture_output=True, timeout=60)
     tls = Tls(str(key), str(cert))
     tls.check_files()
-    with configured(state, tls=tls) as port:
+    with http_server(dataclasses.replace(state, tls=tls), as_run_http=True) as url:
+        assert url.startswith("https://")
         trusting = ssl.create_default_context(cafile=str(cert))
-        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting, timeout=5).status_code == 200
+        assert httpx.get(f"{url}/health", verify=trusting, timeout=5).status_code == 200
         with pytest.raises(httpx.HTTPError):
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
     for argv, says in ((["--ssl-keyfile", str(key)], "give both or neither"),
                        (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot load")):
         done = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True, timeout=120)
