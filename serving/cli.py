@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "
                         f"{DEFAULT_NORMAL_BUDGET} with --deepep-mode auto or normal, as vLLM's on an H100 or H200; "
                         "with low_latency --max-tokens-per-rank)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="the order waiting requests start in: first come, first served (priority is refused: "
+                        "requests' priority field is not served)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prompts longer than a step's budget go in chunks, beside the decodes (always on here, as in "
                         "vLLM V1; --no-enable-chunked-prefill is refused)")
@@ -471,6 +474,9 @@ def main(argv: list[str] | None = None) -> None:
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
+    if args.scheduling_policy != "fcfs":
+        raise SystemExit("ep-serve: --scheduling-policy priority: not supported; requests start first come, first "
+                         "served (a request's priority other than 0 is a 400)")
     if not args.enable_chunked_prefill:
         raise SystemExit("ep-serve: --no-enable-chunked-prefill: not supported; prompts longer than a step's budget "
                          "(--max-num-batched-tokens) always go in chunks")

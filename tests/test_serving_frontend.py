@@ -1,8 +1,8 @@
-"""vLLM's frontend flags that shape the HTTP server (serving/cli.py, serving/api/cors.py): cross-origin access
-(--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; none by default, as vLLM 0.34.0's
-vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --response-role, --disable-fastapi-docs,
---enable-chunked-prefill, --root-path and TLS (--ssl-*), each from the command line to a real uvicorn server in
-front of fake-model ranks."""
+"""vLLM's frontend flags that shape the HTTP server (serving/cli.py, serving/api/cors.py, tls.py): cross-origin
+access (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; none by default, as vLLM
+0.34.0's vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --response-role,
+--return-tokens-as-token-ids, --disable-fastapi-docs, --enable-chunked-prefill, --scheduling-policy, --root-path
+and TLS (--ssl-*), each from the command line to a real uvicorn server in front of fake-model ranks."""
 
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def test_the_flags_parse_as_vllms_and_refuse_what_they_cannot_mean():
     for bad in ('"*"', "[1]", "not json"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--allowed-origins", bad])
-    refused = subprocess.run([sys.executable, "-m", "serving.cli", "--no-enable-chunked-prefill"], capture_output=True,
-                             text=True, timeout=120)
-    assert refused.returncode != 0 and "--no-enable-chunked-prefill: not supported" in refused.stderr
+    assert parser.parse_args(["--scheduling-policy", "fcfs"]).scheduling_policy == "fcfs"
+    for argv in (["--no-enable-chunked-prefill"], ["--scheduling-policy", "priority"]):
+        refused = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True,
+                                 timeout=120)
+        assert refused.returncode != 0 and f"{' '.join(argv)}: not supported" in refused.stderr, refused.stderr
 
 
 def test_no_cross_origin_access_by_default(server):
