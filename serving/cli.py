@@ -6,13 +6,14 @@ the checkpoint's)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import re
 import ssl
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .api.connections import (
@@ -514,12 +515,12 @@ def main(argv: list[str] | None = None) -> None:
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
           rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
-          prompt_tokens_details=args.enable_prompt_tokens_details,
-          force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
-          response_role=args.response_role, root_path=args.root_path, tls=tls,
-          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-          cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
-                    args.allow_credentials))
+          frontend=dict(prompt_tokens_details=args.enable_prompt_tokens_details,
+                        force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
+                        response_role=args.response_role, root_path=args.root_path, tls=tls,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                  tuple(args.allowed_headers), args.allow_credentials)))
 
 
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
@@ -527,13 +528,11 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           open_paths: frozenset[str] = frozenset({"/health", "/ping", "/metrics"}), max_waiting_seqs: int | None = None,
           log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
-          max_logprobs: int | None = None, log_stats: bool = True, prompt_tokens_details: bool = False,
-          force_include_usage: bool = False, openapi: bool = True, response_role: str = "assistant",
-          root_path: str = "", tls: Tls | None = None, return_tokens_as_token_ids: bool = False,
-          cors: Cors | None = None) -> None:
+          max_logprobs: int | None = None, log_stats: bool = True, frontend: Mapping[str, Any] | None = None) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
-    False: no vllm: request metrics are recorded (--disable-log-stats)."""
+    False: no vllm: request metrics are recorded (--disable-log-stats). frontend: ServerState's fields of the HTTP
+    front (cors, tls, root_path, response_role, ...), by name."""
     from .api.server import make_server_state, run_http
 
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
@@ -548,10 +547,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
         state.connection_limits = connection_limits
     if max_logprobs is not None:
         state.max_logprobs = max_logprobs
-    state.prompt_tokens_details, state.force_include_usage, state.openapi, state.response_role = (
-        prompt_tokens_details, force_include_usage, openapi, response_role)
-    state.cors, state.root_path, state.tls = cors or Cors(), root_path, tls or Tls()
-    state.return_tokens_as_token_ids = return_tokens_as_token_ids
+    state = dataclasses.replace(state, **(frontend or {}))
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:
         state.coordinator.observer = None

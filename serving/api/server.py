@@ -478,6 +478,8 @@ class _CompletionCall:
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(count)]
         self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * count
         self._token_str_cache: dict[int, str] = {}
+        as_ids = self.body.return_tokens_as_token_ids  # the request's, else --return-tokens-as-token-ids
+        self._tokens_as_ids = as_ids if as_ids is not None else self.state.return_tokens_as_token_ids
         self.queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         self.request_ids = [f"{self.id}-{i}" for i in range(len(params))]
         self.pending = set(self.request_ids)
@@ -486,7 +488,8 @@ class _CompletionCall:
         self._admit(len(params))  # again: the load changed while tokenizing; no await from here to submit
         n = self.body.n
         submissions = [Submission(rid, prompts[i // n], p, self._sink(loop, i),
-                                  Counted(prompt=i % n == 0, output=not self.prompt_only, max_tokens=p.max_tokens,
+                                  Counted(prompt=self._counts_prompt(i), output=not self.prompt_only,
+                                          max_tokens=p.max_tokens,
                                           choices=n, parent=f"{self.id}-prompt-{i // n}"))
                        for i, (rid, p) in enumerate(zip(self.request_ids, params))]
         try:
@@ -583,10 +586,7 @@ class _CompletionCall:
         """A token as logprobs name it: its text on its own (vLLM's decoded token: the tokenizer's decode of the one
         id), or "token_id:{id}" where the request (return_tokens_as_token_ids), else --return-tokens-as-token-ids,
         asks for ids (vLLM's format_token_id_placeholder)."""
-        as_id = self.body.return_tokens_as_token_ids
-        if as_id if as_id is not None else self.state.return_tokens_as_token_ids:
-            return f"token_id:{token_id}"
-        return self._decoded(token_id)
+        return f"token_id:{token_id}" if self._tokens_as_ids else self._decoded(token_id)
 
     def _decoded(self, token_id: int) -> str:
         """A token's text on its own: the tokenizer's decode of the one id."""
@@ -630,8 +630,12 @@ class _CompletionCall:
         for rid in list(self.pending):
             self.state.coordinator.abort(rid)
 
+    def _counts_prompt(self, index: int) -> bool:
+        """Whether choice `index` counts its prompt (in the metrics and the usage): its prompt's first choice only."""
+        return index % self.body.n == 0
+
     def _account(self, index: int, out: RequestOutput) -> None:
-        if out.num_cached_tokens is not None and index % self.body.n == 0:  # a prompt counts once, as prompt_tokens
+        if out.num_cached_tokens is not None and self._counts_prompt(index):
             self.cached_tokens += out.num_cached_tokens
         if out.finished:
             self.pending.discard(self.request_ids[index])

@@ -132,12 +132,12 @@ def prompt_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tenso
     causal = {"is_causal": True} if n == length else {"attn_mask": causal_lower_right(n, length)}
     group = max(1, paged_attention.PROMPT_BLOCK_KV_ELEMENTS // (2 * length * width))
     out = q_nope.new_empty(n, heads, v_dim)
-    for first in range(0, heads, group):
-        h = slice(first, min(first + group, heads))
-        k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk[h]), k_pe.expand(h.stop - first, -1, -1)], dim=-1)
-        v = F.pad(torch.einsum("lc,hvc->hlv", c_kv, w_uv[h]), (0, width - v_dim))  # every fused kernel takes it
-        q = torch.cat([q_nope[:, h], q_pe[:, h]], dim=-1).transpose(0, 1)
-        with sdpa_kernel(PROMPT_SDPA_BACKENDS):
+    with sdpa_kernel(PROMPT_SDPA_BACKENDS):  # once for all head groups
+        for first in range(0, heads, group):
+            h = slice(first, min(first + group, heads))
+            k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk[h]), k_pe.expand(h.stop - first, -1, -1)], dim=-1)
+            v = F.pad(torch.einsum("lc,hvc->hlv", c_kv, w_uv[h]), (0, width - v_dim))  # every fused kernel takes it
+            q = torch.cat([q_nope[:, h], q_pe[:, h]], dim=-1).transpose(0, 1)
             attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
-        out[:, h] = attended[0, ..., :v_dim].transpose(0, 1)
+            out[:, h] = attended[0, ..., :v_dim].transpose(0, 1)
     return out
