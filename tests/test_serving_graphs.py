@@ -306,6 +306,50 @@ def test_expert_parallel_ranks_replay_the_same_step_graphs_on_one_gpu(checkpoint
     assert graphs[0]["replays"] == graphs[1]["replays"]  # in step: the idle rank replays too
 
 
+def _compiles_while_capturing(rank: int, world_size: int, path: str) -> dict:
+    """In a fresh process (Triton's in-memory caches empty): the Triton compiles (`triton.compiler.compile`
+    calls, a disk-cache hit included) made while the step graphs are compiled ahead, and those made after it,
+    by the graphs' warm-up runs and captures."""
+    import threading
+
+    import triton.compiler
+
+    from serving.engine.model_runner import ModelRunner
+
+    compiles: list[str] = []  # the compiling thread's name, per compile
+    real_compile, real_ahead = triton.compiler.compile, ModelRunner._compile_ahead
+    ahead: dict[str, object] = {}
+
+    def counted_compile(*args, **kwargs):
+        compiles.append(threading.current_thread().name)
+        return real_compile(*args, **kwargs)
+
+    def counted_ahead(self, sizes: list[int]) -> tuple[int, float]:
+        ahead["result"] = result = real_ahead(self, sizes)
+        ahead["compiles"] = len(compiles)
+        return result
+
+    triton.compiler.compile, ModelRunner._compile_ahead = counted_compile, counted_ahead
+    torch.cuda.set_device(0)
+    engine = make_engine(path, "cuda", use_cuda_graphs=True, backend="cuda")
+    return {"variants": ahead["result"][0], "ahead": compiles[:ahead["compiles"]],
+            "after": compiles[ahead["compiles"]:], "sizes": engine.runner.captured_sizes}
+
+
+@pytest.mark.gpu
+@NEEDS_KERNELS
+def test_step_graphs_kernels_are_compiled_ahead_on_threads_on_gpu(checkpoint: str) -> None:
+    """Start-up compiles the step graphs' Triton kernels on a pool of threads before capturing: every compile
+    happens there, one per variant, and the warm-up runs and captures after it compile nothing."""
+    from dist_harness import run_ranks
+
+    [got] = run_ranks(_compiles_while_capturing, 1, checkpoint, timeout_s=300)
+    assert got["sizes"] == capture_sizes(32)
+    assert got["variants"] > 0 and len(got["ahead"]) == got["variants"], got
+    assert all(name.startswith("triton-compile") for name in got["ahead"]), got
+    assert got["after"] == [], got
+
+
 @pytest.mark.gpu
 @NEEDS_KERNELS
 def test_async_scheduling_equals_sync_steps_on_gpu(checkpoint: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from contextvars import ContextVar
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -45,6 +46,14 @@ class _StandIn:
         self.fn = SimpleNamespace(__name__="stand_in_kernel")
         self.compiles: list[tuple] = []  # launches through "Triton"
         self.fast: list[tuple] = []  # launches through a compiled kernel's launcher
+        self.ahead: list[tuple] = []  # compiles handed to AsyncCompileMode's threads by `warmup`
+
+    def warmup(self, *args, grid, **kwargs):
+        """Triton's `warmup` inside an AsyncCompileMode: the compile goes to the mode's executor, nothing launches."""
+        mode = _AsyncCompileStandIn.active_mode.get()
+        key = (args[1] % 16 == 0, tuple(kwargs.items()))  # what this stand-in specializes on
+        if key not in mode.future_kernels:
+            mode.future_kernels[key] = mode.executor.submit(lambda: self.ahead.append((grid, args, kwargs)))
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
@@ -55,10 +64,31 @@ class _StandIn:
         return run
 
 
+class _AsyncCompileStandIn:
+    """triton.runtime._async_compile as Triton 3.6 has it: AsyncCompileMode(executor) activates itself in
+    `active_mode` and, on leaving, waits for the compiles submitted (`future_kernels`, by cache key)."""
+
+    active_mode: ContextVar = ContextVar("stand_in_async_compile", default=None)
+
+    class AsyncCompileMode:
+        def __init__(self, executor) -> None:
+            self.executor, self.future_kernels = executor, {}
+
+        def __enter__(self):
+            _AsyncCompileStandIn.active_mode.set(self)
+            return self
+
+        def __exit__(self, *exc) -> None:
+            for future in self.future_kernels.values():
+                future.result()
+            _AsyncCompileStandIn.active_mode.set(None)
+
+
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> tuple[_StandIn, SimpleNamespace]:
     runtime = SimpleNamespace(launch_enter_hook=SimpleNamespace(calls=[]), launch_exit_hook=SimpleNamespace(calls=[]))
     monkeypatch.setattr(launch, "triton", SimpleNamespace(knobs=SimpleNamespace(runtime=runtime)))
+    monkeypatch.setattr(launch, "_async_compile", _AsyncCompileStandIn)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     return _StandIn(), runtime
@@ -183,6 +213,61 @@ def test_runtime_arguments_by_name_are_refused_naming_the_kernel(stand_in) -> No
     with pytest.raises(TypeError, match=r"stand_in_kernel.*3 runtime arguments positionally"):
         Launcher(kernel)[(1,)](_aligned(64), 32, scale=0.5, BLOCK=128)
     assert not kernel.compiles  # refused before any launch
+
+
+def test_inside_compile_ahead_unseen_variants_are_compiled_on_threads_and_not_launched(stand_in) -> None:
+    kernel, _ = stand_in
+    launcher = Launcher(kernel)
+    x = _aligned(64)
+    launcher[(1,)](x, 32, 0.5, BLOCK=128)  # compiled before: launches inside too
+    with launch.compile_ahead(workers=3) as compiled:
+        launcher[(2,)](x, 32, 0.5, BLOCK=128)
+        launcher[(3,)](x, 7, 0.5, BLOCK=128)  # 7: another class of n, a new variant
+        launcher[(4,)](x, 9, 0.5, BLOCK=128)  # the same one again
+        launcher[(5,)](x, 32, 0.5, BLOCK=64)  # another constexpr
+    assert compiled["variants"] == 2
+    assert [grid for grid, _, _ in kernel.ahead] in ([(3,), (5,)], [(5,), (3,)])  # on threads, in any order
+    assert len(kernel.compiles) == 1 and [n for n, _ in kernel.fast] == [1]  # only the compiled variant ran
+    launcher[(6,)](x, 7, 0.5, BLOCK=128)  # outside: through Triton, which finds what the threads compiled
+    assert len(kernel.compiles) == 2
+
+
+def test_compile_ahead_waits_for_its_compiles_when_the_code_inside_raises(stand_in) -> None:
+    kernel, _ = stand_in
+    with pytest.raises(ValueError, match="inside"), launch.compile_ahead(workers=2):
+        Launcher(kernel)[(1,)](_aligned(64), 7, 0.5, BLOCK=128)
+        raise ValueError("inside")
+    assert len(kernel.ahead) == 1 and _AsyncCompileStandIn.active_mode.get() is None
+
+
+def test_compile_ahead_refuses_a_triton_without_async_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "_async_compile", None)
+    with pytest.raises(RuntimeError, match="AsyncCompileMode"), launch.compile_ahead():
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not triton_support.available(), reason=triton_support.unavailable_reason())
+def test_kernels_compiled_ahead_in_a_throwaway_capture_launch_without_compiling_on_a_gpu() -> None:
+    """A kernel of its own (an empty cache): its launch inside compile_ahead, under a capture never replayed,
+    compiles it and runs nothing; the launch after it finds the compiled kernel in Triton's cache."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
+
+    launcher = Launcher(add_one)
+    x = torch.zeros(1000, device="cuda")
+    with launch.compile_ahead() as compiled, torch.cuda.graph(torch.cuda.CUDAGraph()):
+        launcher[(cdiv(1000, 256),)](x, 1000, BLOCK=256)
+    assert compiled["variants"] == 1
+    cache = add_one.device_caches[torch.cuda.current_device()][0]
+    assert len(cache) == 1 and not x.any()  # compiled, and nothing ran
+    launcher[(cdiv(1000, 256),)](x, 1000, BLOCK=256)
+    assert len(cache) == 1 and torch.equal(x, torch.ones_like(x))  # no second compile
 
 
 @pytest.mark.gpu

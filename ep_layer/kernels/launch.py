@@ -15,18 +15,28 @@ device. Read from triton/runtime/jit.py (`JITFunction.run`, `create_function_fro
 triton/compiler/compiler.py (`CompiledKernel`), Triton 3.6.0. Where a launch hook is set (a profiler such
 as Proton), every launch goes through Triton, which calls it.
 
+`compile_ahead` compiles the variants a piece of code would launch on a pool of threads, launching nothing: run
+under a CUDA graph capture that is never replayed, it moves a start-up's compiles off the critical path.
+
 `triton.cdiv` and `triton.next_power_of_2` are constexpr functions in Triton 3.6: called from host code
 each costs a few µs of wrapping, so the launch sites use the plain ones here.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from .triton_support import triton
 
+# Triton's parallel compiles (triton/runtime/_async_compile.py, Triton 3.4 on; None before, or without Triton).
+_async_compile = getattr(getattr(triton, "runtime", None), "_async_compile", None)
+COMPILES_AHEAD = _async_compile is not None  # whether compile_ahead works here
 _INT32 = range(-(2**31), 2**31)
 # Triton specialises an integer argument on its divisibility by this (and on equality to 1): code that keeps an
 # integer in one class (a multiple of it) runs one compiled variant. The key functions below use the literal.
@@ -42,6 +52,30 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+@contextmanager
+def compile_ahead(workers: int | None = None) -> Iterator[dict[str, int]]:
+    """Inside, a Launcher's launch of a variant it has not compiled launches nothing: it hands the compile to a
+    pool of `workers` threads (default: the CPUs this process may use) through Triton's AsyncCompileMode, which
+    fills the kernel's cache as `kernel.warmup` would. Leaving waits for every compile (and raises the first
+    compile error). Triton's compiler releases the GIL in its passes and in ptxas, so the threads overlap.
+    The kernels that follow a skipped launch read what it would have written: run the code inside under a CUDA
+    graph capture that is never replayed, or where nothing reads its results. Yields a mapping whose
+    "variants" counts the compiles handed out. Needs Triton's AsyncCompileMode (Triton 3.4 on: COMPILES_AHEAD)."""
+    if _async_compile is None:
+        raise RuntimeError("compile_ahead: needs Triton's AsyncCompileMode (Triton 3.4 or later)")
+    counts = {"variants": 0}
+    workers = workers or len(os.sched_getaffinity(0))
+    with (ThreadPoolExecutor(workers, thread_name_prefix="triton-compile") as pool,
+          _async_compile.AsyncCompileMode(pool) as mode):
+        yield counts
+        counts["variants"] = len(mode.future_kernels)
+
+
+def _compiling_ahead() -> bool:
+    """Whether launches happen inside `compile_ahead` (Triton's AsyncCompileMode is active)."""
+    return _async_compile is not None and _async_compile.active_mode.get() is not None
 
 
 def _specializations(args: tuple) -> tuple:
@@ -118,6 +152,9 @@ class Launcher:
             key = (device, _specializations(args), options)
             variant = self._variants.get(key)
             if variant is None:
+                if _compiling_ahead():
+                    self.kernel.warmup(*args, grid=grid, **kwargs)
+                    return
                 constexprs = self._constexprs(len(args), kwargs)
                 self._variants[key] = _Variant(self.kernel[grid](*args, **kwargs), constexprs)
                 return

@@ -30,12 +30,13 @@ token in before the model runs, so the host never waits for it.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 
-from ep_layer.kernels.launch import SPECIALIZED_MULTIPLE, cdiv
+from ep_layer.kernels.launch import COMPILES_AHEAD, SPECIALIZED_MULTIPLE, cdiv, compile_ahead
 
 from ..forward_batch import ForwardBatch, HostLayout, to_device
 from ..models import mla_decode_triton
@@ -46,6 +47,7 @@ from .scheduler import ScheduledBatch
 GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts run eagerly without Triton (module docstring)
 _TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "token_seqs")  # a graph's inputs, one row per token
 _SEQ_ROWS = ("block_tables", "seq_lens", "query_start")  # ... per sequence row (see _rows)
+log = logging.getLogger(__name__)
 _LAYOUT = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 
@@ -94,6 +96,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: ForwardBatch | None = None
         self.capture_seconds = 0.0
+        self.compiled_ahead = (0, 0.0)  # Triton variants compiled before the graphs' warm-up runs, in seconds
         buffer = getattr(model, "ep_buffer", None)
         self.eager_reason = why_eager(device, buffer.backend_name if buffer is not None else None, max_model_len)
         cfg = model.config
@@ -213,7 +216,8 @@ class ModelRunner:
     def capture(self, sizes: list[int]) -> None:
         """Capture a step graph for each size (largest first, all sharing one memory pool), then upload them
         all (graph_upload). Every expert-parallel rank must capture the same sizes at the same time: the
-        warm-up run before each capture executes the MoE layers' dispatch and combine with the peers."""
+        warm-up run before each capture executes the MoE layers' dispatch and combine with the peers. The
+        Triton kernels those runs launch are compiled first, in parallel (_compile_ahead)."""
         padding = self.graph_inputs(ScheduledBatch(), max(sizes))
         tables = torch.full((padding.block_tables.shape[0], self.max_blocks_per_seq), -1, dtype=torch.int32)
         tables[:, :padding.block_tables.shape[1]] = padding.block_tables
@@ -224,6 +228,8 @@ class ModelRunner:
         pool = None
         side = torch.cuda.Stream(self.device)
         start = time.perf_counter()
+        if COMPILES_AHEAD:
+            self.compiled_ahead = self._compile_ahead(sizes)
         for size in sorted(sizes, reverse=True):
             static = self._static_view(size)
             self._write_inputs(self.graph_inputs(ScheduledBatch(), size), static)  # this size's padding
@@ -241,6 +247,23 @@ class ModelRunner:
             upload(graph, stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
+
+    def _compile_ahead(self, sizes: list[int]) -> tuple[int, float]:
+        """Compile every Triton variant the step graphs launch, on a pool of threads, before the warm-up runs
+        would compile them one at a time: each size's forward is captured into a graph that is never replayed,
+        its kernels' first launches handed to the compile threads (ep_layer.kernels.launch.compile_ahead).
+        Nothing runs on the GPU, so the skipped kernels' outputs are never read. Returns (variants, seconds).
+        Where such a capture fails, the warm-up runs compile what is left, as without it."""
+        start = time.perf_counter()
+        try:
+            with compile_ahead() as compiled:
+                for size in sizes:
+                    with torch.cuda.graph(torch.cuda.CUDAGraph()), torch.inference_mode():
+                        self.model.hidden_states(self._static_view(size))
+        except RuntimeError as e:  # CUDA's capture errors (a compile's error is not one: it raises)
+            log.warning("compiling the step graphs' kernels ahead failed; the warm-up runs compile them: %s", e)
+            torch.cuda.synchronize(self.device)
+        return compiled["variants"], time.perf_counter() - start
 
     def _static_view(self, size: int) -> ForwardBatch:
         """The static inputs of the step graph of `size` tokens (views: the graphs read them in place)."""

@@ -141,8 +141,10 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
         if rank == 0:
             runner = engine.runner
             if runner.captured_sizes:
+                variants, seconds = runner.compiled_ahead
                 graphs = (f"{len(runner.captured_sizes)} step CUDA graphs of {runner.captured_sizes[0]} to "
-                          f"{runner.captured_sizes[-1]} tokens captured in {runner.capture_seconds:.1f} s")
+                          f"{runner.captured_sizes[-1]} tokens captured in {runner.capture_seconds:.1f} s "
+                          f"({variants} Triton kernel variants compiled ahead in {seconds:.1f} s)")
             elif device.type == "cuda" and not config.enforce_eager:
                 graphs = f"steps run eagerly: {runner.eager_reason}"
             else:
