@@ -122,6 +122,43 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
+# vLLM's --compilation-config keys that ep-serve serves (its CUDA graphs; it runs no torch.compile), and the
+# graph modes (vLLM 0.34.0's vllm/config/compilation.py, CUDAGraphMode): NONE captures none; its full-graph
+# modes and PIECEWISE all mean graphs for every step up to the largest size here, whose graphs hold mixed steps.
+COMPILATION_KEYS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
+
+
+def _compilation_config(text: str) -> dict[str, object]:
+    """vLLM's --compilation-config: a JSON object, of which ep-serve takes the CUDA-graph keys (COMPILATION_KEYS);
+    any other key (torch.compile's) is refused, naming it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    other = sorted(set(value) - set(COMPILATION_KEYS))
+    if other:
+        raise argparse.ArgumentTypeError(f"{', '.join(other)}: not supported; ep-serve compiles nothing with "
+                                         f"torch.compile and takes only {', '.join(COMPILATION_KEYS)}")
+    sizes = value.get("cudagraph_capture_sizes")
+    if sizes is not None and not (isinstance(sizes, list) and sizes
+                                  and all(type(n) is int for n in sizes)):
+        raise argparse.ArgumentTypeError(f"cudagraph_capture_sizes: expected a non-empty JSON list of integers "
+                                         f"(no graphs: cudagraph_mode NONE), got {json.dumps(sizes)}")
+    largest = value.get("max_cudagraph_capture_size")
+    if largest is not None and type(largest) is not int:
+        raise argparse.ArgumentTypeError(f"max_cudagraph_capture_size: expected an integer, got {json.dumps(largest)}")
+    mode = value.get("cudagraph_mode")
+    if mode is not None and (not isinstance(mode, str) or mode.upper() not in CUDAGRAPH_MODES):
+        reason = (" (mixed steps replay the same graphs as decodes here)" if str(mode).upper() == "FULL_DECODE_ONLY"
+                  else "")
+        raise argparse.ArgumentTypeError(f"cudagraph_mode: expected one of {', '.join(CUDAGRAPH_MODES)}{reason}, "
+                                         f"got {json.dumps(mode)}")
+    return {**value, "cudagraph_mode": mode.upper()} if mode is not None else value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="ep-serve",
@@ -251,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest step graph, in tokens (vLLM's flag; default: the smaller of "
                         "--max-num-batched-tokens and --max-tokens-per-rank, so every low-latency step replays "
                         "a graph)")
+    p.add_argument("--compilation-config", "-cc", type=_compilation_config, default={}, metavar="JSON",
+                   help="vLLM's compilation config as a JSON object, of which ep-serve takes the CUDA-graph keys: "
+                        "cudagraph_capture_sizes and max_cudagraph_capture_size (as the flags of those names, "
+                        "exclusive with them) and cudagraph_mode (NONE: no graphs, as --enforce-eager; FULL, "
+                        "FULL_AND_PIECEWISE or PIECEWISE: step graphs, which hold mixed steps too); other keys "
+                        "are refused")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch each step before reading the last one's sampled tokens, so that scheduling and "
                         "detokenizing on the host overlap the GPU's work: shorter decode steps, though at high "
@@ -425,6 +468,16 @@ def _flag_named(error: ValueError) -> str:
     return f"{flag}:{rest}"
 
 
+def _from_flag_or_compilation(flag_value: object, compilation: dict[str, object], key: str) -> object:
+    """A setting given as its own flag or as a --compilation-config key, not both (vLLM refuses both alike)."""
+    if key not in compilation:
+        return flag_value
+    if flag_value is not None:
+        raise SystemExit(f"ep-serve: --{key.replace('_', '-')} and --compilation-config's {key} are mutually "
+                         f"exclusive")
+    return compilation[key]
+
+
 def engine_config(args: argparse.Namespace, model: str, served_name: str, loader: str = DEFAULT_LOADER) -> EngineConfig:
     """The parsed flags as an EngineConfig for the checkpoint directory `model` (dtype "auto" and the
     quantization are resolved against the checkpoint afterwards: EngineConfig.resolved)."""
@@ -444,6 +497,9 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
                              "kernels (ep_layer._C_nvshmem: rebuild ep-layer where NVSHMEM is found), or use "
                              "--ep-transport auto")
     tokenizer = None if args.tokenizer is None else local_path(args.tokenizer, args.download_dir, "--tokenizer")
+    compilation = args.compilation_config
+    sizes = _from_flag_or_compilation(args.cudagraph_capture_sizes, compilation, "cudagraph_capture_sizes")
+    largest = _from_flag_or_compilation(args.max_cudagraph_capture_size, compilation, "max_cudagraph_capture_size")
     return EngineConfig(
         model=model, served_model_name=served_name, tokenizer=tokenizer, dtype=DTYPES[args.dtype],
         quantization=args.quantization, loader=loader, load_format=args.load_format,
@@ -456,9 +512,9 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
         ep_backend=args.ep_backend, ep_transport=args.ep_transport, device=args.device, seed=args.seed,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-        cudagraph_capture_sizes=tuple(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None,
-        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        enforce_eager=args.enforce_eager or compilation.get("cudagraph_mode") == "NONE",
+        async_scheduling=args.async_scheduling,
+        cudagraph_capture_sizes=tuple(sizes) if sizes else None, max_cudagraph_capture_size=largest,
         enable_prefix_caching=args.enable_prefix_caching, chat_template=args.chat_template, **_rank_placement(args))
 
 
@@ -616,7 +672,7 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
     else:
         buffer = f"Buffer backend reference over torch.distributed ({'NCCL' if device.type == 'cuda' else 'gloo'})"
     if config.enforce_eager:
-        graphs = "CUDA graphs off (--enforce-eager)"
+        graphs = "CUDA graphs off (--enforce-eager, or --compilation-config's cudagraph_mode NONE)"
     elif config.deepep_mode == "normal" and backend is not None:
         graphs = "CUDA graphs off (--deepep-mode normal: every step dispatches in normal mode)"
     elif (reason := why_eager(device, backend, info.max_model_len)) is not None:

@@ -36,6 +36,8 @@ from deploy_helpers import ROOT, EPServe
 from engine_sources import SGLANG_VERSION, VLLM_VERSIONS, source_dir
 
 from serving.cli import (
+    COMPILATION_KEYS,
+    CUDAGRAPH_MODES,
     UVICORN_LOG_LEVELS,
     RequestLog,
     _UvicornLogs,
@@ -46,7 +48,13 @@ from serving.cli import (
     startup_summary,
 )
 from serving.engine.dp_coordinator import Counted
-from serving.engine.engine_config import DEFAULT_MAX_NUM_SEQS, DEFAULT_NORMAL_BUDGET, GIB, EngineConfig
+from serving.engine.engine_config import (
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_NORMAL_BUDGET,
+    GIB,
+    EngineConfig,
+    capture_sizes,
+)
 from serving.engine.messages import ModelInfo, RequestOutput
 from serving.model_config import ConfigError, ModelConfig
 from serving.tiny_model import FP8_QUANTIZATION, TINY_CONFIG, write_config_and_tokenizer
@@ -274,6 +282,51 @@ def test_step_budget_and_sequences_default_as_vllms_server_on_an_h100(version: s
                                                   "default_max_num_seqs": DEFAULT_MAX_NUM_SEQS}
 
 
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_compilation_config_keys_and_graph_modes_are_vllms(version: str) -> None:
+    """The --compilation-config keys ep-serve takes are fields of vLLM's CompilationConfig, and its graph modes
+    are CUDAGraphMode's members but FULL_DECODE_ONLY (vLLM's own sources); vLLM names the flag so too."""
+    root = source_dir("vllm", version) / "vllm"
+    tree = ast.parse((root / "config" / "compilation.py").read_text())
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    fields = {ast.unparse(stmt.target) for stmt in classes["CompilationConfig"].body if isinstance(stmt, ast.AnnAssign)}
+    assert set(COMPILATION_KEYS) <= fields
+    modes = {ast.unparse(target) for stmt in classes["CUDAGraphMode"].body if isinstance(stmt, ast.Assign)
+             for target in stmt.targets}
+    assert modes - set(CUDAGRAPH_MODES) == {"FULL_DECODE_ONLY"}
+    assert '"--compilation-config", "-cc"' in (root / "engine" / "arg_utils.py").read_text()
+
+
+def test_compilation_config_takes_the_cuda_graph_keys(capsys):
+    """vLLM's --compilation-config (-cc): its graph sizes as the flags of their names (not both), cudagraph_mode
+    NONE as --enforce-eager; torch.compile's keys, bad values and FULL_DECODE_ONLY refused naming the key."""
+    sizes = config("-cc", '{"cudagraph_capture_sizes": [8, 2, 4]}')
+    assert sizes.graph_sizes == config("--cudagraph-capture-sizes", "8", "2", "4").graph_sizes == [2, 4, 8]
+    largest = config("--compilation-config", '{"max_cudagraph_capture_size": 40, "cudagraph_mode": "full"}')
+    assert largest.graph_sizes == config("--max-cudagraph-capture-size", "40").graph_sizes == capture_sizes(40)
+    assert not largest.enforce_eager
+    for mode in CUDAGRAPH_MODES:
+        assert config("-cc", f'{{"cudagraph_mode": "{mode}"}}').enforce_eager == (mode == "NONE"), mode
+    assert config().graph_sizes == config("-cc", "{}").graph_sizes
+    for argv, exclusive in ((("--cudagraph-capture-sizes", "4", "-cc", '{"cudagraph_capture_sizes": [8]}'),
+                             "cudagraph_capture_sizes"),
+                            (("--max-cudagraph-capture-size", "8", "-cc", '{"max_cudagraph_capture_size": 8}'),
+                             "max_cudagraph_capture_size")):
+        with pytest.raises(SystemExit, match=f"--{exclusive.replace('_', '-')} and --compilation-config's "
+                                             f"{exclusive} are mutually exclusive"):
+            config(*argv)
+    for text, message in (('{"mode": 3, "custom_ops": ["none"]}', "custom_ops, mode: not supported"),
+                          ("[8]", "expected a JSON object"), ("{", "expected a JSON object"),
+                          ('{"cudagraph_capture_sizes": []}', "cudagraph_capture_sizes: expected a non-empty"),
+                          ('{"cudagraph_capture_sizes": [8, "16"]}', "cudagraph_capture_sizes: expected"),
+                          ('{"max_cudagraph_capture_size": 8.5}', "max_cudagraph_capture_size: expected an integer"),
+                          ('{"cudagraph_mode": "FULL_DECODE_ONLY"}', "mixed steps replay the same graphs"),
+                          ('{"cudagraph_mode": 2}', "cudagraph_mode: expected one of")):
+        assert message in usage_error(capsys, "-cc", text), text
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        config("-cc", '{"cudagraph_capture_sizes": [0, 8]}')  # EngineConfig's own checks, as for the flag
+
+
 def test_deepep_mode_defaults_as_sglangs() -> None:
     """SGLang's ServerArgs.deepep_mode defaults to auto (its own source); so does ep-serve's on one host."""
     tree = ast.parse((source_dir("sglang", SGLANG_VERSION) / "sglang" / "srt" / "server_args.py").read_text())
@@ -406,7 +459,7 @@ def test_startup_summary_states_the_layout():
     host1 = config("--enable-expert-parallel", "-dp", "4", "-dpl", "2", "-dpr", "2", "--enforce-eager").resolved(tiny())
     line = startup_summary(host1, tiny(), info, "http://h:1")
     assert "4 data-parallel ranks (2..3 here) with expert parallelism, 4 of 16 experts a rank" in line
-    assert "CUDA graphs off (--enforce-eager)" in line
+    assert "CUDA graphs off (--enforce-eager, or --compilation-config's cudagraph_mode NONE)" in line
     alone = startup_summary(config().resolved(tiny()), tiny(), info, "http://h:1")
     assert "1 data-parallel rank, all 16 experts on each, Buffer backend reference (a rank alone" in alone
     assert "overlap" not in alone
