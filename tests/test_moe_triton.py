@@ -577,6 +577,27 @@ def test_fp8_block_linear_gated_matches_float64(rows: int, intermediate: int, in
         fp8_block_linear(x, weight[:-128], scales[:-1], gated=True)
 
 
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "gated"),
+                         [(1, 2 * 1024, 7168, True), (16, 2 * 256, 1536, True), (300, 2 * 2048, 512, True),
+                          (1, 7168, 2048, False), (48, 4352, 4096, False), (64, 4352, 256, False)])
+def test_fp8_block_linear_casts_its_output_as_the_next_linear_would(rows: int, out_features: int, in_features: int,
+                                                                     gated: bool, seed: int) -> None:
+    """fp8_out (the shared expert's gate_up hands its down projection FP8 rows): the bf16 result cast by the FP8
+    cast kernel, bit for bit, on the split-K GEMM (cast in its sum) and the masked one; the next linear gives
+    the same bits from those rows as from the bf16 result."""
+    x, weight, scales, _ = _fp8_linear_case(rows, out_features, in_features, seed)
+    _, next_weight, next_scales, _ = _fp8_linear_case(rows, 256, out_features // 2 if gated else out_features,
+                                                      seed + 1)
+    bf16 = fp8_block_linear(x, weight, scales, gated=gated)
+    want = cast_rows_to_fp8(bf16, None)
+    got = fp8_block_linear(x, weight, scales, gated=gated, fp8_out=True)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    assert torch.equal(fp8_block_linear(got, next_weight, next_scales), fp8_block_linear(bf16, next_weight,
+                                                                                           next_scales))
+    with pytest.raises(ValueError, match="fp8_out"):
+        fp8_block_linear(x, weight[:200], scales[:2], fp8_out=True)
+
+
 def test_programmatic_dependent_launches_give_the_same_bits_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch,
                                                                            seed: int) -> None:
     """A chain of kernels that launch as programmatic dependents on Hopper (RMSNorm, then two FP8 linears: cast,

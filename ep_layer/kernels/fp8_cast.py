@@ -19,7 +19,7 @@ NUM_WARPS = 4
 if triton is not None:
 
     @triton.jit
-    def _divide(x, s):
+    def divide_as_ieee(x, s):
         """x / s rounded as IEEE division rounds it (csrc/ll_dispatch.cu's `divide`, where the argument
         is made): q0 = RN(x * RN(1 / s)) is within an ulp, the remainder x - q0 * s is exact in one FMA,
         and q0 + remainder / s rounds correctly. One division per row instead of one per element (a
@@ -62,7 +62,7 @@ if triton is not None:
             x = tl.load(x_ptr + offs, mask=ok[:, None], other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
             scale = tl.div_rn(amax, tl.full(amax.shape, LARGEST, tl.float32))
-            q = tl.clamp(_divide(x, scale[:, None]), -LARGEST, LARGEST)
+            q = tl.clamp(divide_as_ieee(x, scale[:, None]), -LARGEST, LARGEST)
             tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=ok[:, None])
             tl.store(s_ptr + expert * M * GROUPS + rows * GROUPS + group, scale, mask=ok)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..block_fp8 import WEIGHT_BLOCK
-from ..quant import FP8_GROUP
+from ..quant import AMAX_FLOOR, FP8_GROUP, FP8_MAX
 from .fp8_cast import cast_rows_to_fp8
 from .launch import Launcher, cdiv
 from .masked_gemm import BLOCK_M, BLOCK_N, BLOCK_N_GATED, masked_grouped_gemm
@@ -28,8 +28,10 @@ SPLITK_STAGES = 3  # Triton's default
 # else the narrow one (a decode step's sums are bound by latency; benchmarks/RESULTS.md, profile_decode.py).
 SUM_BLOCK, SUM_BLOCK_NARROW = 1024, 256
 NUM_WARPS = 4
+FP8Rows = tuple[torch.Tensor, torch.Tensor]  # rows cast per token and 128 channels: e4m3 [M, K], float32 [M, K/128]
 
 if triton is not None:
+    from .fp8_cast import divide_as_ieee
 
     @Launcher
     @triton.jit
@@ -65,12 +67,15 @@ if triton is not None:
 
     @Launcher
     @triton.jit
-    def _sum_parts_kernel(part_ptr, out_ptr, M, N, SPLIT: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+    def _sum_parts_kernel(part_ptr, out_ptr, scale_ptr, M, N, SPLIT: tl.constexpr, GATED: tl.constexpr,
+                          CAST: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FLOOR: tl.constexpr,
+                          LARGEST: tl.constexpr, PDL: tl.constexpr):
         """out [M, N] = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32).
         GATED: parts are [SPLIT, M, 2N], gate columns [0, N) and up columns [N, 2N), and out = SiLU(gate) *
         up as the masked GEMM computes it. The loop is unrolled (SPLIT is a constant), so that all parts'
         loads are in flight at once, not a chain of dependent steps (benchmarks/RESULTS.md, profile_decode.py).
+        CAST: out is then e4m3 and scale_ptr float32 [M, N / GROUP]: the bf16 result cast per token and GROUP
+        channels as fp8_cast's kernel casts it (N and BLOCK multiples of GROUP, so a block holds whole groups).
         PDL: launched as a programmatic dependent (uses_pdl)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -87,32 +92,52 @@ if triton is not None:
                 acc_up += tl.load(part_ptr + s * M * width + at + N, mask=ok, other=0.0)
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=ok)
+        if CAST:
+            x = tl.reshape(acc.to(tl.bfloat16).to(tl.float32), (BLOCK // GROUP, GROUP))
+            amax = tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR)
+            scale = tl.div_rn(amax, tl.full(amax.shape, LARGEST, tl.float32))
+            q = tl.clamp(divide_as_ieee(x, scale[:, None]), -LARGEST, LARGEST)
+            tl.store(out_ptr + tl.reshape(offs, (BLOCK // GROUP, GROUP)), q.to(tl.float8e4nv),
+                     mask=tl.reshape(ok, (BLOCK // GROUP, GROUP)))
+            groups = tl.program_id(0) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+            tl.store(scale_ptr + groups, scale, mask=groups * GROUP < M * N)
+        else:
+            tl.store(out_ptr + offs, acc.to(tl.bfloat16), mask=ok)
 
 
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                     gated: bool = False) -> torch.Tensor:
+def fp8_block_linear(x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     gated: bool = False, fp8_out: bool = False) -> torch.Tensor | FP8Rows:
     """x [M, K] @ weight.T for an FP8 e4m3 weight [N, K] with 128x128 block scales [ceil(N/128), K/128]:
-    x is cast per token and 128 channels as the experts' activations are, the GEMM is split-K or the
-    masked one with a single group of M rows (no host sync). bf16 [M, N]. gated: weight holds gate rows
-    then up rows (N = 2I, I a multiple of 128), and the result is SiLU(gate) * up, bf16 [M, I]."""
-    m, k = x.shape
+    x is cast per token and 128 channels as the experts' activations are (or comes cast so: FP8Rows), the
+    GEMM is split-K or the masked one with a single group of M rows (no host sync). bf16 [M, N]. gated:
+    weight holds gate rows then up rows (N = 2I, I a multiple of 128), and the result is SiLU(gate) * up,
+    bf16 [M, I]. fp8_out: the result cast as the next FP8 linear casts its input (FP8Rows; N a multiple of
+    128), bit for bit; the split-K GEMM's sum casts it in its own launch."""
+    data, scales = x if isinstance(x, tuple) else (None, None)
+    m, k = (data if data is not None else x).shape
     if k % FP8_GROUP:
         raise ValueError(f"x: expected a multiple of {FP8_GROUP} input features for an FP8 weight, got {k}")
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if gated and (weight.shape[0] % 2 or n % WEIGHT_BLOCK):
         raise ValueError(f"weight: expected gate and up halves of a multiple of {WEIGHT_BLOCK} rows each, "
                          f"got {weight.shape[0]} rows")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if m == 0:
-        return out
-    data, scales = cast_rows_to_fp8(x.contiguous(), None)  # all m rows: no count to fill first
-    if takes_splitk(m, k, n, gated, x.device):
+    if fp8_out and n % FP8_GROUP:
+        raise ValueError(f"fp8_out: needs a multiple of {FP8_GROUP} output features, got {n}")
+    device = weight.device
+    if data is None:
+        data, scales = cast_rows_to_fp8(x.contiguous(), None)  # all m rows: no count to fill first
+    if fp8_out and m and takes_splitk(m, k, n, gated, device):
+        out = (torch.empty(m, n, dtype=torch.float8_e4m3fn, device=device),
+               torch.empty(m, n // FP8_GROUP, dtype=torch.float32, device=device))
         return _fp8_splitk_linear(data, scales, weight, weight_scale_inv, out, gated)
-    count = torch.full((1,), m, dtype=torch.int32, device=x.device)  # one expert's m rows
-    masked_grouped_gemm(data[None], scales[None], weight[None], weight_scale_inv[None], count, out[None],
-                        up_offset=n if gated else 0, gated=gated, block_n=_masked_block_n(m, gated))
-    return out
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    if m and takes_splitk(m, k, n, gated, device):
+        _fp8_splitk_linear(data, scales, weight, weight_scale_inv, out, gated)
+    elif m:
+        count = torch.full((1,), m, dtype=torch.int32, device=device)  # one expert's m rows
+        masked_grouped_gemm(data[None], scales[None], weight[None], weight_scale_inv[None], count, out[None],
+                            up_offset=n if gated else 0, gated=gated, block_n=_masked_block_n(m, gated))
+    return cast_rows_to_fp8(out, None) if fp8_out else out
 
 
 def takes_splitk(m: int, k: int, n: int, gated: bool, device: torch.device) -> bool:
@@ -139,11 +164,13 @@ def _fewer_tiles_than_sms(rows: int, columns: int, block_n: int, device: torch.d
 
 
 def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor,
-                       weight_scale_inv: torch.Tensor, out: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """The split-K path of fp8_block_linear, into out bf16 [M, N]: a decode step's few rows give too few
-    tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well; a second launch
-    adds the parts and rounds to bf16. gated: weight [2N, K] holds gate rows then up rows, and out gets
-    SiLU(gate) * up."""
+                       weight_scale_inv: torch.Tensor, out: torch.Tensor | FP8Rows,
+                       gated: bool = False) -> torch.Tensor | FP8Rows:
+    """The split-K path of fp8_block_linear, into out bf16 [M, N] (or its FP8 cast, FP8Rows): a decode step's
+    few rows give too few tiles to fill the GPU, so the 128-deep blocks of K are spread over programs as well;
+    a second launch adds the parts and rounds to bf16 (and casts). gated: weight [2N, K] holds gate rows then
+    up rows, and out gets SiLU(gate) * up."""
+    target, out_scales = out if isinstance(out, tuple) else (out, None)
     m, k = data.shape
     n = weight.shape[0]
     k_blocks = k // FP8_GROUP
@@ -157,7 +184,9 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
         BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, PDL=pdl, num_warps=SPLITK_WARPS,
         num_stages=SPLITK_STAGES, launch_pdl=pdl)
-    block = SUM_BLOCK if cdiv(out.numel(), SUM_BLOCK) >= 2 * sm_count(out.device) else SUM_BLOCK_NARROW
-    _sum_parts_kernel[(cdiv(out.numel(), block),)](parts, out, m, out.shape[1], SPLIT=split, GATED=gated,
-                                                   BLOCK=block, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl)
+    block = SUM_BLOCK if cdiv(target.numel(), SUM_BLOCK) >= 2 * sm_count(target.device) else SUM_BLOCK_NARROW
+    _sum_parts_kernel[(cdiv(target.numel(), block),)](
+        parts, target, out_scales if out_scales is not None else target, m, target.shape[1], SPLIT=split,
+        GATED=gated, CAST=out_scales is not None, BLOCK=block, GROUP=FP8_GROUP, FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX,
+        PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl)
     return out

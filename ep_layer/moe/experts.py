@@ -22,6 +22,8 @@ from .weights import ExpertWeights
 
 EXPERT_KERNELS = ("auto", "torch", "triton")
 Activation = tuple[torch.Tensor, torch.Tensor | None]  # gate_up's output: bf16 [E, M, I], or FP8 with scales
+# dense_gate_up's output, which dense_down of the same implementation reads: bf16 [N, I], or FP8 rows with scales
+DenseActivation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class ExpertKernels(ABC):
@@ -74,14 +76,16 @@ class ExpertKernels(ABC):
         return self.dense_down(self.dense_gate_up(x, weights), weights)
 
     @abstractmethod
-    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> DenseActivation:
         """The first half of dense_mlp: SiLU(gate) * up of x bf16 [N, H] (cast to FP8 first for FP8
-        weights, as the routed experts' rows are), bf16 [N, I] (I padded as the weights are)."""
+        weights, as the routed experts' rows are), bf16 [N, I] (I padded as the weights are); an
+        implementation may hand it to dense_down already cast to FP8 (e4m3 [N, I], float32 [N, I / 128]),
+        as dense_down would cast it."""
 
     @abstractmethod
-    def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    def dense_down(self, act: DenseActivation, weights: ExpertWeights) -> torch.Tensor:
         """The second half of dense_mlp: the down projection of dense_gate_up's output (cast to FP8
-        first for FP8 weights), bf16 [N, H]."""
+        first for FP8 weights, where it comes as bf16), bf16 [N, H]."""
 
     def weighted_rows(self, y: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
                       ) -> torch.Tensor:

@@ -33,7 +33,7 @@ from ..checks import MAX_TOKENS_PER_RANK
 from ..config import Config, normal_mode_bytes
 from ..quant import FP8_GROUP
 from ..streams import current_stream, record
-from .experts import EXPERT_KERNELS, ExpertKernels, RecvX, make_expert_kernels
+from .experts import EXPERT_KERNELS, DenseActivation, ExpertKernels, RecvX, make_expert_kernels
 from .loading import LoadTargets, load_moe_weights
 from .normal_forward import normal_forward
 from .overlap import SBO_SEND_SMS, GpuRates, LayerCost, Prediction, check_overlap, predict
@@ -329,13 +329,14 @@ class FusedMoE(nn.Module):
             return None
         return self._kernels_for(hidden_states.device).dense_mlp(hidden_states, self.shared_experts)
 
-    def shared_gate_up(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """shared_expert's first half: SiLU(gate) * up, bf16 [N, I] (None without shared experts)."""
+    def shared_gate_up(self, hidden_states: torch.Tensor) -> DenseActivation | None:
+        """shared_expert's first half: SiLU(gate) * up, bf16 [N, I] or already cast for the down projection
+        (ExpertKernels.dense_gate_up; None without shared experts)."""
         if self.shared_experts is None:
             return None
         return self._kernels_for(hidden_states.device).dense_gate_up(hidden_states, self.shared_experts)
 
-    def shared_down(self, act: torch.Tensor | None) -> torch.Tensor | None:
+    def shared_down(self, act: DenseActivation | None) -> torch.Tensor | None:
         """shared_expert's second half: the down projection of shared_gate_up's output, bf16 [N, H]."""
         if act is None:
             return None

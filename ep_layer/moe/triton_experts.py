@@ -17,7 +17,7 @@ from ..kernels.fp8_linear import fp8_block_linear
 from ..kernels.masked_gemm import completion_signals, masked_grouped_gemm
 from ..kernels.weighted_rows import weighted_rows
 from . import triton_routing
-from .experts import Activation, ExpertKernels, RecvX, check_rows_in_place, split_recv_x
+from .experts import Activation, DenseActivation, ExpertKernels, RecvX, check_rows_in_place, split_recv_x
 from .routing import RoutingConfig
 from .weights import ExpertWeights
 
@@ -78,12 +78,12 @@ class TritonExperts(ExpertKernels):
         # The selection in one launch, not a dozen; a decode step's few tokens' logits in a GEMV, not cuBLAS.
         return triton_routing.route(hidden_states, gate_weight, e_score_correction_bias, config)
 
-    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
-        if weights.fp8:  # it picks its GEMM: split-K at decode sizes (SiLU(gate) * up in the parts' sum)
-            return fp8_block_linear(x, weights.gate_up[0], weights.gate_up_scale[0], gated=True)
+    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> DenseActivation:
+        if weights.fp8:  # it picks its GEMM: split-K at decode sizes (SiLU(gate) * up and the down's cast in its sum)
+            return fp8_block_linear(x, weights.gate_up[0], weights.gate_up_scale[0], gated=True, fp8_out=True)
         return _bf16_one_expert(x, weights.gate_up, weights.padded_intermediate, gated=True)
 
-    def dense_down(self, act: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    def dense_down(self, act: DenseActivation, weights: ExpertWeights) -> torch.Tensor:
         if weights.fp8:
             return fp8_block_linear(act, weights.down[0], weights.down_scale[0])  # it picks its GEMM
         return _bf16_one_expert(act, weights.down, weights.hidden)
