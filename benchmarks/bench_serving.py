@@ -81,6 +81,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import torch
 from serving_workloads import (
     OUTPUT_LEN,
     PROMPT_LEN,
@@ -95,7 +96,15 @@ from serving_workloads import (
 from serving.loading.checkpoint import load_config
 from serving.random_weights import stored_bytes
 
-H200_HBM_BYTES_PER_S = 4.8e12  # datasheet; bench_ll.py measures the copy rate of the card at hand
+# Datasheet HBM bandwidths (bench_ll.py measures the copy rate of the card at hand); the floor's default is the
+# local GPU's, else an H200's.
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def local_hbm_bytes_per_s() -> float:
+    """The datasheet HBM bandwidth of this machine's first GPU where it is an H100 or an H200, else an H200's."""
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return next((rate for card, rate in HBM_BYTES_PER_S.items() if card in name), HBM_BYTES_PER_S["H200"])
 
 
 @dataclass
@@ -647,7 +656,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mixed.add_argument("--json-out", type=Path, default=None,
                        help="save the results here as JSON: each level's row, and each request's send time, "
                        "prompt and output tokens, TTFT, TPOT and latency")
-    parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=None,
+                        help="HBM bandwidth of the floor (default: the local GPU's datasheet figure, H100 3.35e12 or "
+                             "H200 4.8e12; an H200's elsewhere)")
     parser.add_argument("--metrics-out", type=Path, default=None,
                         help="save the server's /metrics text here after the sweep")
     args = parser.parse_args(argv)
@@ -665,6 +676,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--output-len: expected N or MIN MAX with 1 <= MIN <= MAX, got {args.output_len}")
     if args.ignore_eos and args.backend != "openai":
         parser.error("--ignore-eos: with --backend openai (ep-serve's backend always sends ignore_eos)")
+    args.hbm_bytes_per_s = args.hbm_bytes_per_s or local_hbm_bytes_per_s()
     return args
 
 

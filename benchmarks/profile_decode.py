@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from bench_ll import event_us  # this script's folder is on sys.path
-from bench_serving import H200_HBM_BYTES_PER_S, decode_step_bytes
+from bench_serving import decode_step_bytes, local_hbm_bytes_per_s
 
 from serving.engine.engine import LLMEngine
 from serving.engine.sequence import SamplingParams
@@ -86,9 +86,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--hbm-bytes-per-s", type=float, default=H200_HBM_BYTES_PER_S)
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=None,
+                        help="HBM bandwidth of the floor (default: the GPU's datasheet figure, H100 3.35e12 or H200 "
+                             "4.8e12)")
     parser.add_argument("--kernels", type=int, default=12, help="GPU kernels listed per batch size (default 12)")
     args = parser.parse_args()
+    args.hbm_bytes_per_s = args.hbm_bytes_per_s or local_hbm_bytes_per_s()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.model or tiny_checkpoint()
     engine = build_engine(path, args.load_format, device, max(args.batch), args.max_model_len)
@@ -111,7 +114,8 @@ def main() -> None:
                 print(f"         {us:9.1f} us  {name}")
     print("step = host time of a decode step with async scheduling, sync = without it; replay = GPU time of the "
           "decode graph alone; host = step - replay: what the host adds (inputs, sampling, detokenizing, launch "
-          "gaps); floor = weight bytes at the HBM bandwidth")
+          "gaps); floor = weight bytes at the HBM bandwidth "
+          f"({args.hbm_bytes_per_s / 1e12:.2f} TB/s)")
 
 
 if __name__ == "__main__":

@@ -301,6 +301,18 @@ def test_argument_checks() -> None:
     assert args.request_rate == [math.inf, 2.5] and bench.output_range(args.output_len) == (32, 32)
 
 
+@pytest.mark.parametrize(("card", "rate"), [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H200", 4.8e12),
+                                           (None, 4.8e12), ("NVIDIA A100-SXM4-80GB", 4.8e12)])
+def test_the_floors_bandwidth_is_the_local_cards_unless_given(monkeypatch: pytest.MonkeyPatch, card: str | None,
+                                                               rate: float) -> None:
+    """--hbm-bytes-per-s defaults to the local GPU's datasheet figure (an H100's is not an H200's), else an
+    H200's; a value given wins."""
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: card is not None)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda index=0: card)
+    assert bench.parse_args([]).hbm_bytes_per_s == rate
+    assert bench.parse_args(["--hbm-bytes-per-s", "2e12"]).hbm_bytes_per_s == 2e12
+
+
 # ---------------------------------------------------------------------------- against the tiny model
 def mixed_args(out: Path) -> list[str]:
     return ["--workload", "mixed", "--requests", "3", "--output-len", "4", "8", "--json-out", str(out),
