@@ -598,41 +598,6 @@ def test_fp8_block_linear_casts_its_output_as_the_next_linear_would(rows: int, o
         fp8_block_linear(x, weight[:200], scales[:2], fp8_out=True)
 
 
-def test_programmatic_dependent_launches_give_the_same_bits_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch,
-                                                                           seed: int) -> None:
-    """A chain of kernels that launch as programmatic dependents on Hopper (RMSNorm, then two FP8 linears: cast,
-    split-K GEMM, sum each, the second gated), each reading the one before's output: replayed in a CUDA graph on
-    fresh inputs, bit for bit what the same chain gives launched without PDL. A kernel that read its input before
-    waiting for the kernel writing it would differ."""
-    from serving.models.rms_norm_triton import rms_norm
-
-    x, weight, scales, _ = _fp8_linear_case(1, 1536, 7168, seed)
-    _, weight2, scales2, _ = _fp8_linear_case(1, 2 * 1024, 1536, seed + 1)
-    norm = torch.rand(7168, device="cuda").to(torch.bfloat16)
-
-    def chain(h: torch.Tensor) -> torch.Tensor:
-        return fp8_block_linear(fp8_block_linear(rms_norm(h, norm, 1e-6), weight, scales), weight2, scales2, gated=True)
-
-    def with_pdl(on: bool) -> None:
-        monkeypatch.setattr(triton_support, "PDL_ENABLED", on)
-        triton_support.uses_pdl.cache_clear()
-
-    inputs = [x * (i + 1) for i in range(4)]
-    with_pdl(False)
-    want = [chain(h) for h in inputs]
-    with_pdl(True)
-    static = inputs[0].clone()
-    chain(static)  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(static)
-    for h, expected in zip(inputs, want):
-        static.copy_(h)
-        graph.replay()
-        assert torch.equal(out, expected)
-    triton_support.uses_pdl.cache_clear()
-
-
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_decode_kernel_matches_padded_attention(dtype: torch.dtype, splits: int | None, seed: int) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from ..quant import AMAX_FLOOR, FP8_GROUP, FP8_MAX
 from .launch import Launcher, cdiv, next_power_of_2
-from .triton_support import sm_count, tl, triton, uses_pdl
+from .triton_support import sm_count, tl, triton
 
 CAST_ROWS = 32  # rows per item of the cast
 CAST_PROGRAMS_PER_SM = 4  # the cast's fixed grid
@@ -37,15 +37,12 @@ if triton is not None:
     @triton.jit
     def _cast_rows_kernel(x_ptr, q_ptr, s_ptr, count_ptr, E, M, I, GROUPS, E_PAD: tl.constexpr,
                           BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr, ALL_ROWS: tl.constexpr,
-                          FLOOR: tl.constexpr, LARGEST: tl.constexpr, PDL: tl.constexpr):
+                          FLOOR: tl.constexpr, LARGEST: tl.constexpr):
         """FP8 cast of x [E, M, I] by [BLOCK_ROWS, GROUP] tiles (the design's rule, IEEE float32 divisions):
         scale = max(amax, FLOOR) / LARGEST per row and group, q = e4m3(x / scale), saturated. A fixed grid
         shares out the (row tile, group) items of the received rows only, numbered expert by expert (as
         the masked GEMM's), so no program exists for rows that were not received. ALL_ROWS: all M rows of
-        every expert (count_ptr unused). PDL: launched as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        every expert (count_ptr unused)."""
         experts = tl.arange(0, E_PAD)
         counts = tl.where(experts < E, M, 0) if ALL_ROWS else tl.load(count_ptr + experts, mask=experts < E, other=0)
         tiles = (counts + BLOCK_ROWS - 1) // BLOCK_ROWS
@@ -76,10 +73,8 @@ def cast_rows_to_fp8(x: torch.Tensor, recv_count: torch.Tensor | None) -> tuple[
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((*lead, m, i // FP8_GROUP), dtype=torch.float32, device=x.device)
     groups = i // FP8_GROUP
-    pdl = uses_pdl(x.device)
     programs = min(CAST_PROGRAMS_PER_SM * sm_count(x.device), e * cdiv(m, CAST_ROWS) * groups)
     _cast_rows_kernel[(max(1, programs),)](x, q, s, recv_count, e, m, i, groups, E_PAD=next_power_of_2(e),
                                            BLOCK_ROWS=CAST_ROWS, GROUP=FP8_GROUP, ALL_ROWS=recv_count is None,
-                                           FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX, PDL=pdl, num_warps=NUM_WARPS,
-                                           launch_pdl=pdl)
+                                           FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX, num_warps=NUM_WARPS)
     return q, s

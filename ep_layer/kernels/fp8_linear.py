@@ -14,7 +14,7 @@ from ..quant import AMAX_FLOOR, FP8_GROUP, FP8_MAX
 from .fp8_cast import cast_rows_to_fp8
 from .launch import Launcher, cdiv
 from .masked_gemm import BLOCK_M, BLOCK_N, BLOCK_N_GATED, masked_grouped_gemm
-from .triton_support import sm_count, tl, triton, uses_pdl
+from .triton_support import sm_count, tl, triton
 
 BLOCK_N_FEW_ROWS = 32  # at most BLOCK_M rows on the masked GEMM: 4x the programs, each streams less weight
 SPLITK_MAX_ROWS = 16  # at most this many rows: split-K GEMM (one 16-row tile)
@@ -37,15 +37,12 @@ if triton is not None:
     @triton.jit
     def _fp8_splitk_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, part_ptr, M, N, K_BLOCKS, SPLIT,
                            stride_am, stride_sm, stride_bn, stride_tn,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Split-K FP8 GEMM for a decode step's rows: program (n, s, m) sums the 128-deep blocks s, s +
         SPLIT, ... of out[m tile, n tile] = a [M, K] . b [N, K]^T, each block scaled as in the masked
         GEMM, into part[s] (float32 [SPLIT, M, N]; _sum_parts_kernel adds them in order:
         deterministic). (Casting a here instead costs more than the cast's launch: every column tile would
-        cast it.) PDL: launched as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        cast it.)"""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,17 +66,13 @@ if triton is not None:
     @triton.jit
     def _sum_parts_kernel(part_ptr, out_ptr, scale_ptr, M, N, SPLIT: tl.constexpr, GATED: tl.constexpr,
                           CAST: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, FLOOR: tl.constexpr,
-                          LARGEST: tl.constexpr, PDL: tl.constexpr):
+                          LARGEST: tl.constexpr):
         """out [M, N] = bf16(part[0] + part[1] + ... + part[SPLIT - 1]), added in that order (float32).
         GATED: parts are [SPLIT, M, 2N], gate columns [0, N) and up columns [N, 2N), and out = SiLU(gate) *
         up as the masked GEMM computes it. The loop is unrolled (SPLIT is a constant), so that all parts'
         loads are in flight at once, not a chain of dependent steps (benchmarks/RESULTS.md, profile_decode.py).
         CAST: out is then e4m3 and scale_ptr float32 [M, N / GROUP]: the bf16 result cast per token and GROUP
-        channels as fp8_cast's kernel casts it (N and BLOCK multiples of GROUP, so a block holds whole groups).
-        PDL: launched as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        channels as fp8_cast's kernel casts it (N and BLOCK multiples of GROUP, so a block holds whole groups)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * N
         width = 2 * N if GATED else N
@@ -178,15 +171,14 @@ def _fp8_splitk_linear(data: torch.Tensor, scales: torch.Tensor, weight: torch.T
     tiles = cdiv(n, SPLITK_BLOCK_N) * cdiv(m, block_m)
     split = max(1, min(k_blocks, cdiv(SPLITK_PROGRAMS_PER_SM * sm_count(data.device), tiles)))
     parts = torch.empty(split, m, n, dtype=torch.float32, device=data.device)
-    pdl = uses_pdl(data.device)
     _fp8_splitk_kernel[(cdiv(n, SPLITK_BLOCK_N), split, cdiv(m, block_m))](
         data, scales, weight, weight_scale_inv, parts, m, n, k_blocks, split,
         data.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0),
-        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, PDL=pdl, num_warps=SPLITK_WARPS,
-        num_stages=SPLITK_STAGES, launch_pdl=pdl)
+        BLOCK_M=block_m, BLOCK_N=SPLITK_BLOCK_N, BLOCK_K=FP8_GROUP, num_warps=SPLITK_WARPS,
+        num_stages=SPLITK_STAGES)
     block = SUM_BLOCK if cdiv(target.numel(), SUM_BLOCK) >= 2 * sm_count(target.device) else SUM_BLOCK_NARROW
     _sum_parts_kernel[(cdiv(target.numel(), block),)](
         parts, target, out_scales if out_scales is not None else target, m, target.shape[1], SPLIT=split,
         GATED=gated, CAST=out_scales is not None, BLOCK=block, GROUP=FP8_GROUP, FLOOR=AMAX_FLOOR, LARGEST=FP8_MAX,
-        PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl)
+        num_warps=NUM_WARPS)
     return out

@@ -18,7 +18,7 @@ import torch
 from ..backends.base import RowsInPlace, SendSignals
 from ..block_fp8 import WEIGHT_BLOCK
 from .launch import Launcher, cdiv, next_power_of_2
-from .triton_support import sm_count, tl, triton, unavailable_reason, uses_pdl
+from .triton_support import sm_count, tl, triton, unavailable_reason
 
 BLOCK_M = 64  # rows (tokens) per program
 BLOCK_N_GATED = 64  # gated: output columns per program (two accumulators: gate and up)
@@ -48,8 +48,7 @@ if triton is not None:
             stride_te, stride_tn, stride_tk,
             stride_oe, stride_om, stride_on,
             FP8: tl.constexpr, GATED: tl.constexpr, ROWS_IN_PLACE: tl.constexpr, SIGNAL: tl.constexpr,
-            E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            PDL: tl.constexpr):
+            E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[e, m, n] = sum_k a[e, m, k] * b[e, n, k] for m < count[e] (bf16 out, float32 accumulation).
 
         The (row tile, column tile) items of all experts' received rows go to programs pid, pid + grid, ...,
@@ -64,11 +63,7 @@ if triton is not None:
         SIGNAL: each finished item adds 1 to signal[e * SIGNALS_PER_EXPERT + its row tile], after its
         stores and with release semantics, so a reader that sees the count at the number of column tiles
         (with acquire) sees the rows of that tile (single-batch overlap: the combine sends them).
-        PDL: launched as a programmatic dependent (uses_pdl).
         """
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         experts = tl.arange(0, E_PAD)
         counts = tl.load(count_ptr + experts, mask=experts < E, other=0)
         tiles = (counts + BLOCK_M - 1) // BLOCK_M
@@ -176,12 +171,11 @@ def masked_grouped_gemm(a: torch.Tensor | RowsInPlace, a_scales: torch.Tensor | 
     sms = sm_count(out.device)
     if not 0 <= spare_sms < sms:
         raise ValueError(f"masked_grouped_gemm: spare_sms must be in [0, {sms}), got {spare_sms}")
-    pdl = uses_pdl(out.device)
     _masked_gemm_kernel[(GEMM_PROGRAMS_PER_SM * (sms - spare_sms),)](
         a, a_s, a_rows, b, b_s, out, recv_count, signals.signals if signals is not None else recv_count, e, n, k,
         up_offset, signals.per_expert if signals is not None else 0,
         *a_st, *a_ss, r_s, *b.stride(), *b_ss, *out.stride(),
         FP8=fp8, GATED=gated, ROWS_IN_PLACE=in_place, SIGNAL=signals is not None, E_PAD=next_power_of_2(e),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        maxnreg=GEMM_MAX_REGISTERS, launch_pdl=pdl)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        maxnreg=GEMM_MAX_REGISTERS)
     return out

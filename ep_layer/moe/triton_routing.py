@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.launch import Launcher, cdiv, next_power_of_2
-from ..kernels.triton_support import tl, triton, uses_pdl
+from ..kernels.triton_support import tl, triton
 from .routing import NORM_EPS, RoutingConfig
 
 GEMV_MAX_TOKENS = 16  # the split GEMV computes the logits of at most this many tokens
@@ -39,22 +39,18 @@ if triton is not None:
     @Launcher
     @triton.jit
     def _router_gemv_kernel(x_ptr, w_ptr, part_ptr, N, E, H, stride_x, stride_w,
-                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
         """part[s] [N, E] = x[:, d] . w[:, d]^T over the s-th BLOCK_H channels d: x in any float dtype
-        (converted in registers), w float32 [E, H]; float32 products summed by a fixed tree. PDL: launched as a
-        programmatic dependent (uses_pdl): w, which no kernel writes, is loaded before waiting for x's."""
+        (converted in registers), w float32 [E, H]; float32 products summed by a fixed tree."""
         experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
         split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_N)
         channels = split * BLOCK_H + tl.arange(0, BLOCK_H)
         row_ok, expert_ok, channel_ok = rows < N, experts < E, channels < H
-        w = tl.load(w_ptr + experts[:, None] * stride_w + channels[None, :],
-                    mask=expert_ok[:, None] & channel_ok[None, :], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + rows[:, None] * stride_x + channels[None, :], mask=row_ok[:, None] & channel_ok[None, :],
                     other=0.0)
+        w = tl.load(w_ptr + experts[:, None] * stride_w + channels[None, :],
+                    mask=expert_ok[:, None] & channel_ok[None, :], other=0.0)
         part = tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
         tl.store(part_ptr + (split * N + rows[:, None]) * E + experts[None, :], part,
                  mask=row_ok[:, None] & expert_ok[None, :])
@@ -64,13 +60,8 @@ if triton is not None:
     def _noaux_tc_kernel(logits_ptr, bias_ptr, idx_ptr, weights_ptr, routed_scaling_factor, norm_eps, part_stride,
                          PARTS: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                          TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, GROUPS_PAD: tl.constexpr,
-                         GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, NORMALIZE: tl.constexpr,
-                         PDL: tl.constexpr):
-        """One token's experts and weights; its logits are the sum of PARTS parts part_stride apart. PDL:
-        launched as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+                         GROUP_PAD: tl.constexpr, TOPK_PAD: tl.constexpr, NORMALIZE: tl.constexpr):
+        """One token's experts and weights; its logits are the sum of PARTS parts part_stride apart."""
         row = tl.program_id(0).to(tl.int64)
         group = tl.arange(0, GROUPS_PAD)
         column = tl.arange(0, GROUP_PAD)[None, :]
@@ -140,10 +131,9 @@ def route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, e_score_correc
     x = hidden_states.contiguous()
     parts = torch.empty(cdiv(h, GEMV_BLOCK_H), n, e, dtype=torch.float32, device=x.device)
     if n > 0:
-        pdl = uses_pdl(x.device)
         _router_gemv_kernel[(cdiv(e, GEMV_BLOCK_E), parts.shape[0])](
             x, weight, parts, n, e, h, x.stride(0), weight.stride(0), BLOCK_N=next_power_of_2(n),
-            BLOCK_E=GEMV_BLOCK_E, BLOCK_H=GEMV_BLOCK_H, PDL=pdl, num_warps=2, launch_pdl=pdl)
+            BLOCK_E=GEMV_BLOCK_E, BLOCK_H=GEMV_BLOCK_H, num_warps=2)
     return _select(parts, e_score_correction_bias, config)
 
 
@@ -157,11 +147,10 @@ def _select(parts: torch.Tensor, e_score_correction_bias: torch.Tensor,
     if num_tokens == 0:
         return topk_idx, topk_weights
     group_size = num_experts // config.n_group
-    pdl = uses_pdl(parts.device)
     _noaux_tc_kernel[(num_tokens,)](
         parts, bias, topk_idx, topk_weights, config.routed_scaling_factor, NORM_EPS, num_tokens * num_experts,
         PARTS=num_parts, N_GROUP=config.n_group, GROUP_SIZE=group_size, TOPK_GROUP=config.topk_group,
         TOP_K=config.top_k, GROUPS_PAD=next_power_of_2(config.n_group),
         GROUP_PAD=next_power_of_2(group_size), TOPK_PAD=next_power_of_2(config.top_k),
-        NORMALIZE=config.norm_topk_prob, PDL=pdl, num_warps=1, launch_pdl=pdl)
+        NORMALIZE=config.norm_topk_prob, num_warps=1)
     return topk_idx, topk_weights

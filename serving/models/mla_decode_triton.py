@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ep_layer.kernels.launch import Launcher, cdiv, next_power_of_2
-from ep_layer.kernels.triton_support import sm_count, tl, triton, uses_pdl
+from ep_layer.kernels.triton_support import sm_count, tl, triton
 
 BLOCK_H = 16  # heads per program (they share every key load)
 BLOCK_T = 32  # keys per step of the online softmax
@@ -44,14 +44,10 @@ if triton is not None:
                            H, MAX_BLOCKS, BLOCK_SIZE, SPLITS, scale,
                            stride_nb, stride_nh, stride_pb, stride_ph, stride_cs,
                            LORA: tl.constexpr, ROPE: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr):
         """Program (b, g, s): heads [g*BLOCK_H, ...) of row b over its keys [s*chunk, (s+1)*chunk)
         with chunk = cdiv(key_count, SPLITS). Writes out[b, s, h] = sum_t p_t c_kv_t / sum_t p_t (float32;
-        p_t = exp(score_t - m)) and lse[b, s, h] = m + log(sum_t p_t) (-inf for an empty part). PDL: launched
-        as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        p_t = exp(score_t - m)) and lse[b, s, h] = m + log(sum_t p_t) (-inf for an empty part)."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -94,14 +90,11 @@ if triton is not None:
     @Launcher
     @triton.jit
     def _merge_splits_kernel(out_ptr, lse_ptr, merged_ptr, H, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                             LORA: tl.constexpr, PDL: tl.constexpr):
+                             LORA: tl.constexpr):
         """Program (b, h): merged[b, h] = sum_s softmax_s(lse[b, :, h]) * out[b, s, h] in merged's dtype.
         Part s holds its softmax-weighted mean of c_kv and the log of its weight sum, so the whole is their
         mean weighted by softmax over the parts' log-sum-exps (an empty part, -inf, weighs 0; part 0 is
-        never empty). PDL: launched as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        never empty)."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         parts = tl.arange(0, SPLITS_PAD)
@@ -149,14 +142,13 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     q_latent, q_pe = (q if q.stride(-1) == 1 else q.contiguous() for q in (q_latent, q_pe))
     tables = block_tables.contiguous()
     grid = (b, cdiv(h, BLOCK_H), splits)
-    pdl = uses_pdl(q_latent.device)
     _mla_decode_kernel[grid](q_latent, q_pe, flat, tables, key_counts, out, lse, h, tables.shape[1], block_size,
                              splits, scale, *q_latent.stride()[:2], *q_pe.stride()[:2], flat.stride(0),
-                             LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, PDL=pdl,
-                             num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl)
+                             LORA=kv_lora_rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, num_warps=NUM_WARPS,
+                             num_stages=NUM_STAGES)
     if splits == 1:
         return out[:, 0].to(q_latent.dtype)
     merged = torch.empty(b, h, kv_lora_rank, dtype=q_latent.dtype, device=q_latent.device)
     _merge_splits_kernel[(b, h)](out, lse, merged, h, SPLITS=splits, SPLITS_PAD=next_power_of_2(splits),
-                                 LORA=kv_lora_rank, PDL=pdl, num_warps=MERGE_WARPS, launch_pdl=pdl)
+                                 LORA=kv_lora_rank, num_warps=MERGE_WARPS)
     return merged

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ep_layer.kernels.launch import Launcher, next_power_of_2
-from ep_layer.kernels.triton_support import tl, triton, uses_pdl
+from ep_layer.kernels.triton_support import tl, triton
 
 ELEMENTS_PER_WARP = 1024  # a warp per 1024 channels (32 per lane), at most MAX_WARPS
 MAX_WARPS = 16
@@ -29,12 +29,8 @@ if triton is not None:
 
     @Launcher
     @triton.jit
-    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, dim, stride_x, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """out[row] = weight * (x[row] * rsqrt(mean(x[row]^2) + eps)).to(x's dtype), in x's dtype. PDL: launched
-        as a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+    def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, dim, stride_x, eps, BLOCK: tl.constexpr):
+        """out[row] = weight * (x[row] * rsqrt(mean(x[row]^2) + eps)).to(x's dtype), in x's dtype."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < dim
@@ -59,8 +55,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0] > 0:
         block = next_power_of_2(dim)
-        pdl = uses_pdl(x.device)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, dim, rows.stride(0), eps, BLOCK=block, PDL=pdl,
-                                           num_warps=max(1, min(MAX_WARPS, block // ELEMENTS_PER_WARP)),
-                                           launch_pdl=pdl)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, dim, rows.stride(0), eps, BLOCK=block,
+                                           num_warps=max(1, min(MAX_WARPS, block // ELEMENTS_PER_WARP)))
     return out.view(x.shape)

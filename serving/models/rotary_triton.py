@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ep_layer.kernels.launch import Launcher, cdiv, next_power_of_2
-from ep_layer.kernels.triton_support import tl, triton, uses_pdl
+from ep_layer.kernels.triton_support import tl, triton
 
 BLOCK_HEADS = 16  # heads per program
 
@@ -29,13 +29,9 @@ if triton is not None:
     @triton.jit
     def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xn, stride_xh, stride_cn,
                        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                       INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
+                       INTERLEAVE: tl.constexpr):
         """out[n, h] = [x1 * cos - x2 * sin | x2 * cos + x1 * sin] with (x1, x2) the pairs of x[n, h]:
-        (even, odd) channels if INTERLEAVE, else (first half, second half); cos/sin [n, HALF]. PDL: launched as
-        a programmatic dependent (uses_pdl)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        (even, odd) channels if INTERLEAVE, else (first half, second half); cos/sin [n, HALF]."""
         n = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)[:, None]
         j = tl.arange(0, HALF_PAD)[None, :]
@@ -78,9 +74,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     heads = rows.shape[1]
     if n > 0 and heads > 0:
-        pdl = uses_pdl(x.device)
         _rotate_kernel[(n, cdiv(heads, BLOCK_HEADS))](
             rows, cos, sin, out, heads, rows.stride(0), rows.stride(1), cos.stride(0), HALF=dim // 2,
-            HALF_PAD=next_power_of_2(dim // 2), BLOCK_HEADS=BLOCK_HEADS, INTERLEAVE=interleave, PDL=pdl,
-            enable_fp_fusion=False, launch_pdl=pdl)
+            HALF_PAD=next_power_of_2(dim // 2), BLOCK_HEADS=BLOCK_HEADS, INTERLEAVE=interleave,
+            enable_fp_fusion=False)
     return out
