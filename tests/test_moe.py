@@ -421,6 +421,30 @@ def test_shared_mlp_in_two_halves_is_the_routed_mlp(fp8: bool, seed: int) -> Non
     assert torch.equal(layer(x), outs[0])
 
 
+class _CastActivationExperts(TorchExperts):
+    """TorchExperts whose dense_gate_up hands dense_down its activation as a pair (as the Triton kernels hand the
+    FP8 cast of theirs), to run FusedMoE's shared expert on that contract on CPU."""
+
+    def dense_gate_up(self, x: torch.Tensor, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        act = super().dense_gate_up(x, weights)
+        return act, torch.ones(act.shape[0], 1)
+
+    def dense_down(self, act: tuple[torch.Tensor, torch.Tensor], weights: ExpertWeights) -> torch.Tensor:
+        rows, ones = act
+        return super().dense_down(rows * ones.to(rows.dtype), weights)
+
+
+def test_the_layer_runs_a_shared_activation_handed_over_as_a_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExpertKernels.dense_gate_up may hand dense_down a pair (the Triton kernels' FP8 rows and scales): the
+    layer's shared expert passes it on, and its output is the same."""
+    layer, weights = _layer("fp8-block")
+    layer.load_weights(weights.items())
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = layer(x)
+    monkeypatch.setattr(layer, "_kernels", {x.device: _CastActivationExperts()})
+    assert torch.equal(layer(x), want)
+
+
 def test_expert_kernel_selection() -> None:
     from ep_layer.kernels import triton_support
 

@@ -340,7 +340,8 @@ class FusedMoE(nn.Module):
         """shared_expert's second half: the down projection of shared_gate_up's output, bf16 [N, H]."""
         if act is None:
             return None
-        return self._kernels_for(act.device).dense_down(act, self.shared_experts)
+        device = (act[0] if isinstance(act, tuple) else act).device
+        return self._kernels_for(device).dense_down(act, self.shared_experts)
 
     # ------------------------------------------------------------------ helpers
     def _check_input(self, hidden_states: torch.Tensor, normal: bool = False) -> torch.Tensor:
