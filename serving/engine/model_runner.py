@@ -217,7 +217,8 @@ class ModelRunner:
         """Capture a step graph for each size (largest first, all sharing one memory pool), then upload them
         all (graph_upload). Every expert-parallel rank must capture the same sizes at the same time: the
         warm-up run before each capture executes the MoE layers' dispatch and combine with the peers. The
-        Triton kernels those runs launch are compiled first, in parallel (_compile_ahead)."""
+        Triton kernels the other sizes' runs launch are compiled after the first size's, in parallel
+        (_compile_ahead)."""
         padding = self.graph_inputs(ScheduledBatch(), max(sizes))
         tables = torch.full((padding.block_tables.shape[0], self.max_blocks_per_seq), -1, dtype=torch.int32)
         tables[:, :padding.block_tables.shape[1]] = padding.block_tables
@@ -228,9 +229,10 @@ class ModelRunner:
         pool = None
         side = torch.cuda.Stream(self.device)
         start = time.perf_counter()
-        if COMPILES_AHEAD:
-            self.compiled_ahead = self._compile_ahead(sizes)
-        for size in sorted(sizes, reverse=True):
+        largest_first = sorted(sizes, reverse=True)
+        for i, size in enumerate(largest_first):
+            if i == 1 and COMPILES_AHEAD:  # after the first size's run and capture
+                self.compiled_ahead = self._compile_ahead(largest_first[1:])
             static = self._static_view(size)
             self._write_inputs(self.graph_inputs(ScheduledBatch(), size), static)  # this size's padding
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -249,11 +251,13 @@ class ModelRunner:
         self.capture_seconds = time.perf_counter() - start
 
     def _compile_ahead(self, sizes: list[int]) -> tuple[int, float]:
-        """Compile every Triton variant the step graphs launch, on a pool of threads, before the warm-up runs
-        would compile them one at a time: each size's forward is captured into a graph that is never replayed,
-        its kernels' first launches handed to the compile threads (ep_layer.kernels.launch.compile_ahead).
-        Nothing runs on the GPU, so the skipped kernels' outputs are never read. Returns (variants, seconds).
-        Where such a capture fails, the warm-up runs compile what is left, as without it."""
+        """Compile every Triton variant the step graphs of `sizes` launch, on a pool of threads, before their
+        warm-up runs would compile them one at a time: each size's forward is captured into a graph that is never
+        replayed, its kernels' first launches handed to the compile threads (ep_layer.kernels.launch.compile_ahead).
+        Nothing runs on the GPU, so the skipped kernels' outputs are never read. It follows the first size's
+        warm-up run and capture, which did the lazy initialisations a capture cannot do (cuBLAS's handle: a
+        capture that came first failed on an H100). Returns (variants, seconds). Where such a capture fails, the
+        warm-up runs compile what is left, as without it."""
         start = time.perf_counter()
         try:
             with compile_ahead() as compiled:
