@@ -33,6 +33,7 @@ from .engine.engine_config import (
     LOAD_FORMATS,
     MOE_OVERLAPS,
     NORMAL_MODE_MAX_RANKS,
+    SCHEDULING_POLICIES,
     EngineConfig,
     ep_backend_for,
 )
@@ -247,9 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "schedules its own steps), the chunked-prefill budget; e.g. 256 or 1K (default: "
                         f"{DEFAULT_NORMAL_BUDGET} with --deepep-mode auto or normal, as vLLM's on an H100 or H200; "
                         "with low_latency --max-tokens-per-rank)")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="the order waiting requests start in: first come, first served (priority is refused: "
-                        "requests' priority field is not served)")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="the order waiting requests start in (vLLM's): fcfs, first come, first served; priority, "
+                        "by each request's priority field (a smaller value first, then arrival), and when the KV "
+                        "cache runs out the running request of the lowest priority is preempted (fcfs: the newest)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prompts longer than a step's budget go in chunks, beside the decodes (always on here, as in "
                         "vLLM V1; --no-enable-chunked-prefill is refused)")
@@ -506,7 +508,8 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_tokens_per_rank=args.max_tokens_per_rank,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold, deepep_mode=args.deepep_mode,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, scheduling_policy=args.scheduling_policy,
+        deepep_mode=args.deepep_mode,
         moe_overlap=args.moe_overlap,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -531,9 +534,6 @@ def main(argv: list[str] | None = None) -> None:
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
-    if args.scheduling_policy != "fcfs":
-        raise SystemExit("ep-serve: --scheduling-policy priority: not supported; requests start first come, first "
-                         "served (a request's priority other than 0 is a 400)")
     if not args.enable_chunked_prefill:
         raise SystemExit("ep-serve: --no-enable-chunked-prefill: not supported; prompts longer than a step's budget "
                          "(--max-num-batched-tokens) always go in chunks")

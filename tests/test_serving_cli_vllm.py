@@ -297,6 +297,13 @@ def test_compilation_config_keys_and_graph_modes_are_vllms(version: str) -> None
     assert '"--compilation-config", "-cc"' in (root / "engine" / "arg_utils.py").read_text()
 
 
+def test_scheduling_policy_reaches_the_engine_config():
+    assert config().scheduling_policy == "fcfs"
+    assert config("--scheduling-policy", "priority").scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="scheduling_policy: expected one of"):
+        EngineConfig("m", scheduling_policy="lifo")
+
+
 def test_compilation_config_takes_the_cuda_graph_keys(capsys):
     """vLLM's --compilation-config (-cc): its graph sizes as the flags of their names (not both), cudagraph_mode
     NONE as --enforce-eager; torch.compile's keys, bad values and FULL_DECODE_ONLY refused naming the key."""

@@ -27,13 +27,15 @@ BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 def make_engine(budget: int = 8, block_size: int = 4, num_blocks: int = 256, max_model_len: int = 128,
                 max_num_seqs: int = 8, eos_bias: float = -4.0, group=None, rank: int = 0,
                 num_ranks: int = 1, async_scheduling: bool = False, token_budget: int | None = None,
-                deepep_mode: str = "low_latency", long_prefill_token_threshold: int = 0) -> LLMEngine:
+                deepep_mode: str = "low_latency", long_prefill_token_threshold: int = 0,
+                scheduling_policy: str = "fcfs") -> LLMEngine:
     """budget: the low-latency T; token_budget: the tokens a step may hold (None: T)."""
     model = FakeModel(budget, group, eos_bias)
     return LLMEngine(model, TOK, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
                      max_num_seqs=max_num_seqs, max_tokens_per_rank=budget, device=torch.device("cpu"),
                      rank=rank, num_ranks=num_ranks, async_scheduling=async_scheduling, token_budget=token_budget,
-                     deepep_mode=deepep_mode, long_prefill_token_threshold=long_prefill_token_threshold)
+                     deepep_mode=deepep_mode, long_prefill_token_threshold=long_prefill_token_threshold,
+                     scheduling_policy=scheduling_policy)
 
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:
@@ -83,7 +85,7 @@ def check_blocks(engine: LLMEngine) -> None:
 @BOTH_MODES
 def test_greedy_matches_reference_with_chunked_prefill_and_mixed_batches(async_scheduling: bool):
     engine = make_engine(budget=8, async_scheduling=async_scheduling)
-    lengths = [1, 5, 8, 9, 17, 30]
+    lengths = [14, 12, 12]
     requests = {f"r{n}": (prompt_of(n, n), GREEDY) for n in lengths}
     outs = run(engine, requests)
     for rid, (prompt, _) in requests.items():
@@ -170,6 +172,70 @@ def test_preemption_when_the_cache_runs_out_recomputes_correctly(async_schedulin
     for rid, (prompt, _) in requests.items():
         assert tokens(outs[rid]) == reference_greedy(prompt, 20, ignore_eos=True), rid
     assert engine.block_manager.num_free_blocks == 12
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_waiting_requests_start_by_arrival_or_by_priority_then_arrival(policy: str):
+    """One sequence at a time: requests start (their first token out) in arrival order under fcfs, and under
+    priority by their priority (smaller first), then arrival (vLLM's PriorityRequestQueue); tokens as the
+    reference's."""
+    engine = make_engine(max_num_seqs=1, scheduling_policy=policy)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    priorities = {"r0": 5, "r1": 1, "r2": 1, "r3": -2, "r4": 5}
+    for i, (rid, priority) in enumerate(priorities.items()):
+        engine.add_request(rid, prompt_of(3, i), params, priority=priority if policy == "priority" else 0)
+    started, outs = [], {rid: [] for rid in priorities}
+    while engine.has_work():
+        for out in engine.step():
+            if not outs[out.request_id]:
+                started.append(out.request_id)
+            outs[out.request_id].append(out)
+    assert started == (["r3", "r1", "r2", "r0", "r4"] if policy == "priority" else list(priorities))
+    for i, rid in enumerate(priorities):
+        assert tokens(outs[rid]) == reference_greedy(prompt_of(3, i), 3, ignore_eos=True), rid
+
+
+@BOTH_MODES
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preemption_takes_the_newest_or_the_lowest_priority(policy: str, async_scheduling: bool):
+    """The KV cache holds one long sequence: the first preempted is the newest running one under fcfs, and under
+    priority the one of lowest priority, here the oldest, running first, which the step had already scheduled
+    when a later one could not grow (its tokens go back to the budget). Every sequence still gets the
+    reference's tokens, and the blocks add up each step."""
+    engine = make_engine(budget=8, block_size=4, num_blocks=12, max_model_len=48, async_scheduling=async_scheduling,
+                         scheduling_policy=policy)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    priorities = {"r0": 9, "r1": 0, "r2": 0}
+    lengths = {"r0": 10, "r1": 12, "r2": 12}  # r0 grows a block in other steps than the others
+    for i, (rid, priority) in enumerate(priorities.items()):
+        engine.add_request(rid, prompt_of(lengths[rid], i), params, priority=priority if policy == "priority" else 0)
+        if rid == "r0":
+            engine.step()  # r0 runs first
+    preempted: list[str] = []
+    real_preempt = engine.scheduler._preempt
+
+    def recorded(seq) -> None:
+        preempted.append(seq.request_id)
+        real_preempt(seq)
+
+    engine.scheduler._preempt = recorded
+    outs = {rid: [] for rid in priorities}
+    for _ in range(500):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            outs[out.request_id].append(out)
+        check_blocks(engine)
+    assert preempted and preempted[0] == ("r0" if policy == "priority" else "r2"), preempted
+    for i, rid in enumerate(priorities):
+        assert tokens(outs[rid]) == reference_greedy(prompt_of(lengths[rid], i), 20, ignore_eos=True), rid
+
+
+def test_a_priority_needs_the_priority_policy():
+    with pytest.raises(ValueError, match="priority: 3 needs the priority scheduling policy"):
+        make_engine().add_request("r", prompt_of(3), GREEDY, priority=3)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_engine(scheduling_policy="lifo")
 
 
 @BOTH_MODES

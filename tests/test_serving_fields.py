@@ -77,6 +77,50 @@ def test_a_refused_field_off_its_default_is_a_400_naming_it(server, model, path)
             assert c.post(path, json={**base, "max_tokens": 2, name: default}).status_code == 200, name
 
 
+def test_priority_needs_the_priority_policy(server):
+    """Under fcfs (the default) a priority other than 0 is a 400 naming it, as vLLM refuses it; 0 is served; a
+    priority must be an integer."""
+    with httpx.Client(base_url=server[0], timeout=30) as c:
+        for path, base in (("/v1/completions", {"prompt": "ab"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}]})):
+            err = check_envelope(c.post(path, json={**base, "max_tokens": 2, "priority": 3}), 400)
+            assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"], err
+            assert c.post(path, json={**base, "max_tokens": 2, "priority": 0}).status_code == 200
+            assert c.post(path, json={**base, "max_tokens": 2, "priority": "1"}).status_code == 400
+
+
+def test_under_the_priority_policy_a_waiting_request_of_higher_priority_starts_first():
+    """--scheduling-policy priority, one sequence at a time: while one request runs, a request of priority 5 and
+    then one of priority 1 arrive; the second finishes first (under fcfs it would wait for the first), and
+    both get the model's tokens."""
+    import threading
+    import time
+
+    with fake_server(model="fake-slow", scheduling_policy="priority", max_num_seqs=1) as (url, _):
+        finished: list[str] = []
+        texts: dict[str, str] = {}
+
+        def complete_as(name: str, priority: int, max_tokens: int) -> None:
+            resp = httpx.post(f"{url}/v1/completions", json={"model": NAME, "prompt": "ab", "max_tokens": max_tokens,
+                                                              "temperature": 0, "priority": priority}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            texts[name] = resp.json()["choices"][0]["text"]
+            finished.append(name)
+
+        first = threading.Thread(target=complete_as, args=("first", 0, 30))
+        first.start()
+        time.sleep(0.1)  # the first request is running (10 ms a step)
+        low = threading.Thread(target=complete_as, args=("low", 5, 3))
+        low.start()
+        time.sleep(0.05)
+        high = threading.Thread(target=complete_as, args=("high", 1, 3))
+        high.start()
+        for t in (first, low, high):
+            t.join(60)
+        assert finished == ["first", "high", "low"], finished
+        assert texts["high"] == texts["low"] == complete(url, prompt="ab", max_tokens=3)["choices"][0]["text"]
+
+
 def test_readme_lists_exactly_the_fields_served():
     readme = (ROOT / "README.md").read_text()
     rows = {m[1]: m[2] for m in re.finditer(r"^\| `POST (/v1/[a-z/]+)` \| (.*) \|$", readme, re.M)}

@@ -50,11 +50,11 @@ def test_the_flags_parse_as_vllms_and_refuse_what_they_cannot_mean():
     for bad in ('"*"', "[1]", "not json"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--allowed-origins", bad])
-    assert parser.parse_args(["--scheduling-policy", "fcfs"]).scheduling_policy == "fcfs"
-    for argv in (["--no-enable-chunked-prefill"], ["--scheduling-policy", "priority"]):
-        refused = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True,
-                                 timeout=120)
-        assert refused.returncode != 0 and f"{' '.join(argv)}: not supported" in refused.stderr, refused.stderr
+    assert parser.parse_args([]).scheduling_policy == "fcfs"
+    assert parser.parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    refused = subprocess.run([sys.executable, "-m", "serving.cli", "--no-enable-chunked-prefill"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--no-enable-chunked-prefill: not supported" in refused.stderr, refused.stderr
 
 
 def test_no_cross_origin_access_by_default(server):

@@ -21,7 +21,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's
 MAX_REQUEST_ID_CHARS = 256
 # vLLM's defaults of the fields a model's generation config may set (its _DEFAULT_SAMPLING_PARAMS).
 VLLM_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-INT64_MIN, UINT64_MAX = -(1 << 63), (1 << 64) - 1
+INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
 
 
 def _valid_unicode(s: str) -> str:
@@ -62,7 +62,7 @@ class SamplingRequest(BaseModel):
     REFUSED: ClassVar[tuple[str, ...]] = (
         "logit_bias", "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side",
         "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "bad_words", "structured_outputs",
-        "response_format", "priority", "session_id", "return_token_ids", "routed_experts_prompt_start",
+        "response_format", "session_id", "return_token_ids", "routed_experts_prompt_start",
         "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
         "repetition_detection", "thinking_token_budget", "stream_interval", "watermarking", "return_weight_versions",
         "mm_payload", "return_mm_kwargs")
@@ -94,6 +94,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     request_id: Annotated[Text, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS)] | None = None
+    # Under --scheduling-policy priority, a smaller value starts first (vLLM's; elsewhere only 0 is served).
+    priority: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     # Logprobs' tokens as "token_id:{id}" (None: --return-tokens-as-token-ids decides).
     return_tokens_as_token_ids: StrictBool | None = None
     # Refused unless left at their default (REFUSED):
@@ -109,7 +111,6 @@ class SamplingRequest(BaseModel):
     bad_words: Any = None
     structured_outputs: Any = None
     response_format: Any = None
-    priority: Any = 0
     session_id: Any = None
     return_token_ids: Any = None
     routed_experts_prompt_start: Any = 0

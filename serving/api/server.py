@@ -113,7 +113,8 @@ class ServerState:
     --enable-prompt-tokens-details (usage's cached prompt tokens). force_include_usage: --enable-force-include-usage
     (a stream's usage chunk without stream_options asking for it). response_role: --response-role (the chat
     responses' role where the template adds the generation prompt). return_tokens_as_token_ids:
-    --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise). cors: the
+    --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise).
+    scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). cors: the
     CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
     not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
     run_http's TLS (tls.py).
@@ -143,6 +144,7 @@ class ServerState:
     force_include_usage: bool = False
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
+    scheduling_policy: str = "fcfs"
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -189,7 +191,8 @@ def make_server_state(config: EngineConfig, api_key: str | None = None, start_ti
     capacity = len(coordinator.load()) * (config.max_num_seqs + max_waiting_seqs)  # over the ranks served here
     return ServerState(coordinator, codec, metrics, config.served_model_name, config.model, info.max_model_len,
                        info.vocab_size, api_key, frozenset(open_paths), capacity, tokenizer=tokenizer,
-                       chat_template=template, max_token_chars=longest_token_chars(tokenizer))
+                       chat_template=template, max_token_chars=longest_token_chars(tokenizer),
+                       scheduling_policy=config.scheduling_policy)
 
 
 class APIError(Exception):
@@ -436,6 +439,9 @@ class _CompletionCall:
             raise APIError(400, f"{field}: not supported by this server (leave it at its default)", field)
         if self.body.stream_options is not None and not self.body.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+        if self.body.priority and self.state.scheduling_policy != "priority":
+            raise APIError(400, f"priority: {self.body.priority} needs --scheduling-policy priority (this server "
+                                f"starts requests first come, first served)", "priority")
 
     def _items(self) -> list[Any]:
         """The prompts of the request, before tokenizing."""
@@ -490,7 +496,8 @@ class _CompletionCall:
         submissions = [Submission(rid, prompts[i // n], p, self._sink(loop, i),
                                   Counted(prompt=self._counts_prompt(i), output=not self.prompt_only,
                                           max_tokens=p.max_tokens,
-                                          choices=n, parent=f"{self.id}-prompt-{i // n}"))
+                                          choices=n, parent=f"{self.id}-prompt-{i // n}"),
+                                  self.body.priority)
                        for i, (rid, p) in enumerate(zip(self.request_ids, params))]
         try:
             self.state.coordinator.submit(submissions)

@@ -84,6 +84,7 @@ class Submission:
     params: SamplingParams
     sink: OutputSink
     counted: Counted = Counted()
+    priority: int = 0  # the priority scheduling policy's
 
 
 class EngineObserver(Protocol):
@@ -255,7 +256,7 @@ class DPCoordinator:
                 self._inflight[r.request_id] = _InFlight(rank, r.sink)
                 self._load[rank] += 1
                 ranks.append(rank)
-                by_rank.setdefault(rank, []).append(AddRequest(r.request_id, r.prompt_token_ids, r.params))
+                by_rank.setdefault(rank, []).append(AddRequest(r.request_id, r.prompt_token_ids, r.params, r.priority))
         if self.observer is not None:
             now = time.monotonic()
             for r, rank in zip(requests, ranks):

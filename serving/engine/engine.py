@@ -86,7 +86,8 @@ class LLMEngine:
                  seed: int = 0, rank: int = 0, num_ranks: int = 1, use_cuda_graphs: bool = False,
                  graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  token_budget: int | None = None, deepep_mode: str = "low_latency",
-                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0) -> None:
+                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                 scheduling_policy: str = "fcfs") -> None:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.eos_token_ids = eos_token_ids(cfg)
@@ -100,7 +101,7 @@ class LLMEngine:
         self.max_tokens_per_rank, self.deepep_mode = max_tokens_per_rank, deepep_mode
         budget = token_budget or max_tokens_per_rank
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, budget, max_model_len,
-                                   long_prefill_token_threshold)
+                                   long_prefill_token_threshold, scheduling_policy)
         if not use_cuda_graphs or deepep_mode == "normal":
             graph_sizes = []
         elif graph_sizes is None:
@@ -117,11 +118,14 @@ class LLMEngine:
         self._step_counters = StepCounters.zero(STEP_KINDS)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; ValueError for an id in use, BadRequest (sequence.check_prompt) for a prompt
-        the engine cannot take."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request; ValueError for an id in use or a priority without the priority policy, BadRequest
+        (sequence.check_prompt) for a prompt the engine cannot take."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        if priority and not self.scheduler.by_priority:
+            raise ValueError(f"priority: {priority} needs the priority scheduling policy (this engine's is fcfs)")
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         prompt = list(prompt_token_ids)
         text = OutputText(self.codec, prompt, params.stop, min_tokens=params.min_tokens,
@@ -129,7 +133,7 @@ class LLMEngine:
                           skip_special_tokens=params.skip_special_tokens,
                           spaces_between_special_tokens=params.spaces_between_special_tokens)
         seq = Sequence(request_id, prompt, params, text, time.monotonic(),
-                       make_generator(params.seed, self.device) if params.seed is not None else None)
+                       make_generator(params.seed, self.device) if params.seed is not None else None, priority)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -18,6 +18,7 @@ EP_TRANSPORTS = ("auto", "ipc", "nvshmem")  # ep_layer.backends.TRANSPORTS, name
 # SGLang's --deepep-mode values (its default is auto: sglang/srt/server_args.py, 0.5.17).
 DEEPEP_MODES = ("low_latency", "auto", "normal")
 MOE_OVERLAPS = ("none", "sbo", "dbo", "auto")  # ep_layer.moe.overlap.OVERLAP_MODES, named here without importing torch
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy (serving.engine.scheduler)
 DEFAULT_MAX_TOKENS_PER_RANK = 256
 # Tokens per step with normal mode: vLLM's default max_num_batched_tokens for its OpenAI server on GPUs of 70 GiB
 # or more, such as the H100 and H200 (vllm/engine/arg_utils.py, 0.20.0; 2048 on smaller ones).
@@ -64,6 +65,7 @@ class EngineConfig:
     max_tokens_per_rank: int | None = None  # None: resolved at construction (see above)
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0  # a sequence's most tokens in one step (0: no cap; vLLM's)
+    scheduling_policy: str = "fcfs"  # the order waiting requests start in (scheduler.SCHEDULING_POLICIES; vLLM's)
     deepep_mode: str | None = None  # None: resolved at construction (see above)
     moe_overlap: str = "none"  # the MoE layers' low-latency schedule (ep_layer.moe.overlap.OVERLAP_MODES)
     block_size: int = 16
@@ -113,6 +115,9 @@ class EngineConfig:
                                self.max_num_batched_tokens if follows_budget else DEFAULT_MAX_TOKENS_PER_RANK)
         if self.moe_overlap not in MOE_OVERLAPS:
             raise ValueError(f"moe_overlap: expected one of {MOE_OVERLAPS}, got {self.moe_overlap!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: expected one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         for name in ("max_tokens_per_rank", "block_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")

@@ -18,6 +18,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # the priority scheduling policy's (LLMEngine.add_request)
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,8 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
                            use_cuda_graphs=not config.enforce_eager, graph_sizes=config.graph_sizes,
                            async_scheduling=config.async_scheduling, token_budget=config.token_budget,
                            deepep_mode=config.deepep_mode, enable_prefix_caching=config.enable_prefix_caching,
-                           long_prefill_token_threshold=config.long_prefill_token_threshold)
+                           long_prefill_token_threshold=config.long_prefill_token_threshold,
+                           scheduling_policy=config.scheduling_policy)
         sync = StepSync(sync_group, beat)
         phases.done("KV cache and CUDA graphs")
         warm_up(engine, sync)
@@ -257,7 +258,7 @@ class RankLoop:
             if isinstance(msg, AddRequests):
                 for add in msg.requests:
                     try:
-                        self.engine.add_request(add.request_id, add.prompt_token_ids, add.params)
+                        self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.priority)
                     except ValueError as e:
                         outputs.append(RequestOutput(add.request_id, [], "", len(add.prompt_token_ids), 0,
                                                      "abort", error=str(e)))

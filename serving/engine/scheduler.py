@@ -3,17 +3,21 @@ layer's T), running sequences first (one decode token each, or the next chunk of
 waiting ones, each starting after the longest prefix the prefix cache holds for it (block_manager.py).
 With `long_prefill_token_threshold` > 0 (vLLM's), no sequence takes more tokens than that in one step, so
 that a long prompt's chunks do not slow the steps of the sequences decoding beside it.
-When the KV cache runs out, the newest running sequence is preempted and recomputed later (its blocks
-stay in the prefix cache until they are reused). A running sequence whose pending tokens (async
-scheduling) will finish it is left out."""
+When the KV cache runs out, a running sequence is preempted and recomputed later (its blocks stay in the
+prefix cache until they are reused): the newest under the "fcfs" policy, the one of lowest priority under
+"priority" (vLLM's: the largest `priority` value, the latest among equals). Waiting sequences start in
+arrival order, or by priority, then arrival (vLLM 0.34.0's vllm/v1/core/sched/scheduler.py and
+request_queue.py). A running sequence whose pending tokens (async scheduling) will finish it is left out."""
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .engine_config import SCHEDULING_POLICIES
 from .sequence import Sequence, SequenceStatus
 
 
@@ -38,19 +42,61 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+class WaitingQueue:
+    """The sequences waiting to start (again, after a preemption), in the order they start: by arrival, or by
+    (priority, arrival). A preempted sequence keeps its place in arrival order, before every sequence that
+    arrived after it (under fcfs: before every waiting one, as it was running)."""
+
+    def __init__(self, by_priority: bool) -> None:
+        self._by_priority = by_priority
+        self._keys: list[tuple[int, int]] = []  # sorted; the sequences in the same order
+        self._seqs: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        key = (seq.priority if self._by_priority else 0, seq.arrival_index)
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self._seqs.insert(i, seq)
+
+    def first(self) -> Sequence:
+        return self._seqs[0]
+
+    def pop_first(self) -> Sequence:
+        del self._keys[0]
+        return self._seqs.pop(0)
+
+    def remove(self, seq: Sequence) -> None:
+        i = self._seqs.index(seq)
+        del self._keys[i], self._seqs[i]
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._seqs
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int, max_model_len: int,
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0, policy: str = "fcfs") -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: expected one of {SCHEDULING_POLICIES}, got {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs, self.token_budget, self.max_model_len = max_num_seqs, token_budget, max_model_len
         # A sequence's most tokens in one step (0: the budget's).
         self.chunk_cap = long_prefill_token_threshold or token_budget
-        self.waiting: deque[Sequence] = deque()
+        self.by_priority = policy == "priority"
+        self.waiting = WaitingQueue(self.by_priority)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.arrival_index = next(self._arrivals)
+        self.waiting.add(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -91,12 +137,21 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed_tokens, budget, self.chunk_cap)
             target = seq.num_computed_tokens + n
-            while not self.block_manager.can_grow(seq, target) and self.running[-1] is not seq:
-                self._preempt(self.running.pop())
+            while not self.block_manager.can_grow(seq, target):
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if victim in batch.seqs:  # scheduled earlier in this step (priority only): its tokens go back
+                    k = batch.seqs.index(victim)
+                    budget += batch.num_new_tokens[k]
+                    del batch.seqs[k], batch.num_new_tokens[k]
+                self._preempt(victim)
                 preempted = True
-            if not self.block_manager.can_grow(seq, target):
-                self._preempt(self.running.pop(i))
-                preempted = True
+                if victim is seq:
+                    break
+                if at < i:
+                    i -= 1
+            if seq.status is SequenceStatus.WAITING:  # it preempted itself: the sequences after it may fit
                 continue
             self.block_manager.grow(seq, target)
             batch.seqs.append(seq)
@@ -104,14 +159,14 @@ class Scheduler:
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.first()
             hits = bm.lookup(seq)  # None: it does not read the cache (off, or it wants prompt logprobs)
             found = hits or []
             cached = len(found) * bm.block_size
             n = min(seq.num_tokens - cached, budget, self.chunk_cap)
             if not bm.can_admit(seq, found, cached + n):
                 break
-            self.waiting.popleft()
+            self.waiting.pop_first()
             bm.admit(seq, found, cached + n)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
@@ -132,9 +187,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
 
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt: the newest (fcfs), or the one of lowest priority (priority)."""
+        if self.by_priority:
+            return max(self.running, key=lambda seq: (seq.priority, seq.arrival_index))
+        return self.running[-1]
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.add(seq)
         self.num_preemptions += 1

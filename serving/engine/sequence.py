@@ -173,6 +173,8 @@ class Sequence:
     text: OutputText
     arrival_time: float
     generator: torch.Generator | None = None
+    priority: int = 0  # under the priority scheduling policy, a smaller value starts first (vLLM's)
+    arrival_index: int = 0  # its place in arrival order (the scheduler numbers the sequences it is given)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
