@@ -44,10 +44,10 @@ from ..models.paged_attention import PADDED_DECODE_MAX_KEYS
 from .graph_upload import upload
 from .scheduler import ScheduledBatch
 
+log = logging.getLogger(__name__)
 GRAPH_MAX_MODEL_LEN = PADDED_DECODE_MAX_KEYS  # longer contexts run eagerly without Triton (module docstring)
 _TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "token_seqs")  # a graph's inputs, one row per token
 _SEQ_ROWS = ("block_tables", "seq_lens", "query_start")  # ... per sequence row (see _rows)
-log = logging.getLogger(__name__)
 _LAYOUT = ("input_ids", "positions", "query_start", "seq_lens", "block_tables", "slot_mapping", "logits_indices")
 
 
@@ -96,7 +96,7 @@ class ModelRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: ForwardBatch | None = None
         self.capture_seconds = 0.0
-        self.compiled_ahead = (0, 0.0)  # Triton variants compiled before the graphs' warm-up runs, in seconds
+        self.compiled_ahead = (0, 0.0)  # Triton variants compiled ahead on threads (_compile_ahead), and seconds
         buffer = getattr(model, "ep_buffer", None)
         self.eager_reason = why_eager(device, buffer.backend_name if buffer is not None else None, max_model_len)
         cfg = model.config
