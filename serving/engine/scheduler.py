@@ -44,8 +44,8 @@ class ScheduledBatch:
 
 class WaitingQueue:
     """The sequences waiting to start (again, after a preemption), in the order they start: by arrival, or by
-    (priority, arrival). A preempted sequence keeps its place in arrival order, before every sequence that
-    arrived after it (under fcfs: before every waiting one, as it was running)."""
+    (priority, arrival). A preempted sequence keeps its place in arrival order: before every sequence that
+    arrived after it."""
 
     def __init__(self, by_priority: bool) -> None:
         self._by_priority = by_priority
