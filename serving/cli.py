@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                    help="whether clients must present a certificate: 0 no (default), 1 optional, 2 required")
     p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS", help="the TLS ciphers allowed (OpenSSL's list)")
+    p.add_argument("--enable-ssl-refresh", action="store_true",
+                   help="reload the key and certificate (and --ssl-ca-certs) when their files change, for new "
+                        "connections (a change that does not load keeps the previous ones)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /openapi.json (the interactive docs are never served)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -530,7 +533,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         raise SystemExit(f"ep-serve: {_flag_named(e)}") from None
     try:
-        tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.ssl_ciphers)
+        tls = Tls(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.ssl_ciphers,
+                  args.enable_ssl_refresh)
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving_fakes import VOCAB, FakeTokenizer, reference_greedy
 
 from serving.api.metrics import INTER_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
-from serving.api.server import ServerState, build_app, make_server_state, uvicorn_config
+from serving.api.server import ServerState, build_app, make_http_server, make_server_state
 from serving.engine.engine_config import EngineConfig
 
 TOK = FakeTokenizer()
@@ -45,14 +45,14 @@ def fake_config(**overrides) -> EngineConfig:
 @contextlib.contextmanager
 def http_server(state: ServerState, as_run_http: bool = False) -> Iterator[str]:
     """uvicorn serving build_app(state) from a thread, on a port the OS picked; yields the base URL (https where
-    state.tls serves it). as_run_http: uvicorn configured as run_http configures it (uvicorn_config: the
-    connection limits, TLS), else with uvicorn's defaults."""
+    state.tls serves it). as_run_http: the server run_http runs (make_http_server: the connection limits, TLS and
+    its refresh), else uvicorn's defaults."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY on TCP only
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
-    config = (uvicorn_config(state, host=HOST, port=0, log_level="warning") if as_run_http
-              else uvicorn.Config(build_app(state), log_level="warning"))
-    server = uvicorn.Server(config)
+    server = (make_http_server(state, host=HOST, port=0, log_level="warning") if as_run_http
+              else uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning")))
+    config = server.config
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

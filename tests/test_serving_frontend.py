@@ -2,20 +2,25 @@
 access (--allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials; none by default, as vLLM
 0.34.0's vllm/entrypoints/common/cli_args.py), --enable-force-include-usage, --response-role,
 --return-tokens-as-token-ids, --disable-fastapi-docs, --enable-chunked-prefill, --scheduling-policy, --root-path
-and TLS (--ssl-*), each from the command line to a real uvicorn server in front of fake-model ranks."""
+and TLS (--ssl-*, --enable-ssl-refresh), each from the command line to a real uvicorn server in front of fake-model
+ranks."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 from test_serving_api import NAME, fake_server, http_server, sse_events
 
+from serving.api import tls as tls_module
 from serving.api.chat_template import ChatTemplate
 from serving.api.cors import Cors
 from serving.api.tls import Tls
@@ -157,6 +162,66 @@ def test_tls_serves_https_and_bad_files_fail_before_the_ranks_start(server, tmp_
                        (["--ssl-keyfile", str(cert), "--ssl-certfile", str(cert)], "cannot load")):
         done = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True, timeout=120)
         assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
+
+
+def _self_signed(key: Path, cert: Path, name: str) -> None:
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+
+
+def _served_certificate(url: str) -> bytes:
+    """The certificate a new TLS connection to url's host and port gets (DER)."""
+    host, port = url.removeprefix("https://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        with context.wrap_socket(raw) as tls:
+            return tls.getpeercert(binary_form=True)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not found (it makes the test's certificates)")
+def test_ssl_refresh_serves_a_rotated_certificate_to_new_connections(server, tmp_path, monkeypatch):
+    """--enable-ssl-refresh: after the key and certificate files are replaced, new connections get the new
+    certificate (and /health over it), without a restart; files that do not load (a rotation half done) leave
+    the previous certificate served. Without the flag the first certificate stays. It needs the key and
+    certificate flags."""
+    monkeypatch.setattr(tls_module, "CERT_POLL_S", 0.05)
+    _, state = server
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    _self_signed(key, cert, "first")
+    first = ssl.PEM_cert_to_DER_cert(cert.read_text())
+    _self_signed(tmp_path / "key2.pem", tmp_path / "cert2.pem", "second")
+    second = ssl.PEM_cert_to_DER_cert((tmp_path / "cert2.pem").read_text())
+
+    def served_after_change(url: str, want: bytes) -> bytes:
+        deadline = time.monotonic() + 5
+        while (got := _served_certificate(url)) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return got
+
+    first_files = key.read_bytes(), cert.read_bytes()
+    for refresh in (True, False):
+        key.write_bytes(first_files[0])
+        cert.write_bytes(first_files[1])
+        with http_server(dataclasses.replace(state, tls=Tls(str(key), str(cert), refresh=refresh)),
+                         as_run_http=True) as url:
+            assert _served_certificate(url) == first
+            cert.write_text("not a certificate")  # half a rotation: nothing loads, the first stays
+            time.sleep(0.3)
+            assert _served_certificate(url) == first
+            key.write_bytes((tmp_path / "key2.pem").read_bytes())
+            cert.write_bytes((tmp_path / "cert2.pem").read_bytes())
+            if refresh:
+                got = served_after_change(url, second)
+            else:
+                time.sleep(0.3)  # six polls' worth
+                got = _served_certificate(url)
+            assert got == (second if refresh else first), refresh
+            trusting = ssl.create_default_context(cadata=ssl.DER_cert_to_PEM_cert(got))
+            assert httpx.get(f"{url}/health", verify=trusting, timeout=5).status_code == 200
+    with pytest.raises(ValueError, match="--enable-ssl-refresh: needs --ssl-keyfile"):
+        Tls(refresh=True)
 
 
 def test_tokens_as_token_ids_in_logprobs(server):

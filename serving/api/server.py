@@ -84,7 +84,7 @@ from .protocol import (
     UsageInfo,
     error_body,
 )
-from .tls import Tls
+from .tls import CertRefresher, Tls
 
 DEFAULT_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key
 MAX_BODY_BYTES = 16 << 20  # a longer request body is a 413
@@ -1025,22 +1025,36 @@ def uvicorn_config(state: ServerState, *, host: str, port: int, log_level: str =
                           timeout_graceful_shutdown=shutdown_grace_s + SHUTDOWN_FLUSH_S, **state.tls.uvicorn_options())
 
 
+def make_http_server(state: ServerState, *, host: str, port: int, log_level: str = "info",
+                     shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> Any:
+    """run_http's uvicorn.Server over uvicorn_config: on shutdown it sets state.shutdown_deadline, and with
+    state.tls.refresh (--enable-ssl-refresh) it reloads its TLS context while it serves (tls.CertRefresher)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if state.tls.refresh:  # config.ssl: the context uvicorn made at load, which new connections use
+                self.cert_refresh = asyncio.create_task(CertRefresher(state.tls, self.config.ssl).watch())
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            state.shutdown_deadline = time.monotonic() + shutdown_grace_s  # read by the calls in flight
+            refresh = getattr(self, "cert_refresh", None)
+            if refresh is not None:
+                refresh.cancel()
+            await super().shutdown(sockets)
+
+    return Server(uvicorn_config(state, host=host, port=port, log_level=log_level, shutdown_grace_s=shutdown_grace_s))
+
+
 def run_http(state: ServerState, *, host: str, port: int, log_level: str = "info",
              shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """Serve build_app(state) under state.connection_limits until SIGTERM or SIGINT, then return: new
     connections stop at once, requests in flight get shutdown_grace_s to finish; those still running
     then end with a 503 (SHUTTING_DOWN; a stream: an error event, then data: [DONE]), which aborts
     them in the engine. The caller stops the engine ranks afterwards, and the process exits normally."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets: Any = None) -> None:
-            state.shutdown_deadline = time.monotonic() + shutdown_grace_s  # read by the calls in flight
-            await super().shutdown(sockets)
-
     raise_open_files_limit(state.connection_limits)
-    server = Server(uvicorn_config(state, host=host, port=port, log_level=log_level,
-                                   shutdown_grace_s=shutdown_grace_s))
+    server = make_http_server(state, host=host, port=port, log_level=log_level, shutdown_grace_s=shutdown_grace_s)
     if threading.current_thread() is not threading.main_thread():
         server.run()
         return
