@@ -23,6 +23,7 @@ from .api.connections import (
     ConnectionLimits,
 )
 from .api.cors import Cors
+from .api.reasoning import REASONING_PARSERS, ThinkTokens
 from .api.tls import Tls
 from .engine.engine_config import (
     DEEPEP_MODES,
@@ -217,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                    help="whether clients must present a certificate: 0 no (default), 1 optional, 2 required")
     p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS", help="the TLS ciphers allowed (OpenSSL's list)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
+                        "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
+                        "deepseek_v3 those whose chat_template_kwargs set thinking or enable_thinking")
     p.add_argument("--enable-ssl-refresh", action="store_true",
                    help="reload the key and certificate (and --ssl-ca-certs) when their files change, for new "
                         "connections (a change that does not load keeps the previous ones)")
@@ -579,6 +584,7 @@ def main(argv: list[str] | None = None) -> None:
                         force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        reasoning_parser=args.reasoning_parser,
                         cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                   tuple(args.allowed_headers), args.allow_credentials)))
 
@@ -608,6 +614,12 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
     if max_logprobs is not None:
         state.max_logprobs = max_logprobs
     state = dataclasses.replace(state, **(frontend or {}))
+    if state.reasoning_parser is not None:
+        try:
+            state.think_tokens = ThinkTokens.of(state.codec.special_tokens())
+        except ValueError as e:
+            state.coordinator.shutdown()
+            raise SystemExit(f"ep-serve: could not start: {e}") from None
     state.generation_defaults = dict(generation_defaults or {})
     if not log_stats:
         state.coordinator.observer = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -126,8 +126,12 @@ class FakeModel(nn.Module):
             positions = range(max(0, length - _WINDOW), length)
             window = [int(self.kv[int(table[p // bs]) * bs + p % bs]) - 1 for p in positions]
             assert min(window) >= 0, f"sequence {i}: read a KV slot that was never written"
-            out[r] = _logits_for(window, length - 1, self.eos_bias)
+            out[r] = self._next_logits(window, length - 1)
         return out
+
+    def _next_logits(self, window: list[int], position: int) -> torch.Tensor:
+        """The logits after the last tokens `window`, the last one at `position`."""
+        return _logits_for(window, position, self.eos_bias)
 
     def _check(self, b: ForwardBatch) -> None:
         n, s = b.num_tokens, b.num_seqs
@@ -192,13 +196,43 @@ def reference_greedy(prompt: list[int], max_tokens: int, eos_bias: float = -4.0,
     return out
 
 
-# This module is an EngineConfig.loader ("serving_fakes"): config.model "fake", "fake-eos" (EOS likely) or
-# "fake-slow" (10 ms per forward).
+THINK_START_ID, THINK_END_ID = VOCAB - 2, VOCAB - 1  # two filler ids, "<think>" and "</think>" to ThinkingTokenizer
+# ThinkingModel's one output: "<think>", "a", "b", "</think>", " ", "c", EOS (each token's successor).
+THINKING_CHAIN = {THINK_START_ID: 2, 2: 3, 3: THINK_END_ID, THINK_END_ID: 1, 1: 4, 4: EOS}
+
+
+class ThinkingTokenizer(FakeTokenizer):
+    """FakeTokenizer whose last two filler ids are DeepSeek's thinking markers, added tokens that are not special
+    (decoded into the text, as DeepSeek-R1's tokenizer has them)."""
+
+    _MARKERS: ClassVar[dict[int, bytes]] = {THINK_START_ID: b"<think>", THINK_END_ID: b"</think>"}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        kept = (t for t in token_ids if t != EOS or not skip_special_tokens)
+        return b"".join(self._MARKERS.get(t, _PIECES[t]) for t in kept).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> dict[int, str]:
+        return {**super().special_tokens(), **{t: m.decode() for t, m in self._MARKERS.items()}}
+
+
+class ThinkingModel(FakeModel):
+    """After any token outside THINKING_CHAIN it starts the chain: every answer thinks "ab" and says " c"."""
+
+    def _next_logits(self, window: list[int], position: int) -> torch.Tensor:
+        logits = torch.zeros(VOCAB)
+        logits[THINKING_CHAIN.get(window[-1], THINK_START_ID)] = 30.0
+        return logits
+
+
+# This module is an EngineConfig.loader ("serving_fakes"): config.model "fake", "fake-eos" (EOS likely),
+# "fake-slow" (10 ms per forward) or "fake-think" (ThinkingModel and ThinkingTokenizer).
 def load_model(config: Any, group: dist.ProcessGroup | None, device: torch.device) -> tuple[FakeModel, FakeTokenizer]:
+    if config.model == "fake-think":
+        return ThinkingModel(config.max_tokens_per_rank, group), ThinkingTokenizer()
     eos_bias = 8.0 if config.model == "fake-eos" else -4.0
     delay = 0.01 if config.model == "fake-slow" else 0.0
     return FakeModel(config.max_tokens_per_rank, group, eos_bias, step_delay_s=delay), FakeTokenizer()
 
 
 def load_tokenizer(config: Any) -> FakeTokenizer:
-    return FakeTokenizer()
+    return ThinkingTokenizer() if config.model == "fake-think" else FakeTokenizer()

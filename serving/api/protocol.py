@@ -198,7 +198,7 @@ class ChatCompletionRequest(SamplingRequest):
     template's)."""
 
     REFUSED: ClassVar[tuple[str, ...]] = (
-        *SamplingRequest.REFUSED, "tools", "tool_choice", "reasoning_effort", "include_reasoning",
+        *SamplingRequest.REFUSED, "tools", "tool_choice", "reasoning_effort",
         "parallel_tool_calls", "echo", "documents", "chat_template", "media_io_kwargs", "mm_processor_kwargs",
         "return_prompt_text", "return_assistant_tokens_mask")
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
@@ -214,11 +214,11 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[Text, Any] | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None  # 0..20, only with logprobs
+    include_reasoning: StrictBool = True  # with --reasoning-parser: False leaves the reasoning out (vLLM's)
     # Refused unless left at their default:
     tools: Any = None
     tool_choice: Any = "none"
     reasoning_effort: Any = None
-    include_reasoning: Any = True
     parallel_tool_calls: Any = True
     echo: Any = False
     documents: Any = None
@@ -293,7 +293,8 @@ class ChatCompletionLogProbs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"  # --response-role, or the continued message's (vLLM's get_chat_request_role)
-    content: str
+    content: str | None  # None: --reasoning-parser found only reasoning
+    reasoning: str | None = None  # --reasoning-parser's (vLLM's field)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -314,8 +315,8 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatCompletionStreamChoice(BaseModel):
-    """delta: {"role": "assistant"} on a choice's first chunk, then {"content": text}; {} on a last
-    chunk without text."""
+    """delta: {"role": "assistant"} on a choice's first chunk, then {"content": text} (and with --reasoning-parser
+    {"reasoning": text}); {} on a chunk without text."""
 
     index: int
     delta: dict[str, str]

@@ -84,6 +84,7 @@ from .protocol import (
     UsageInfo,
     error_body,
 )
+from .reasoning import ReasoningStream, ThinkTokens, split_reasoning, thinks
 from .tls import CertRefresher, Tls
 
 DEFAULT_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key
@@ -114,7 +115,8 @@ class ServerState:
     (a stream's usage chunk without stream_options asking for it). response_role: --response-role (the chat
     responses' role where the template adds the generation prompt). return_tokens_as_token_ids:
     --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise).
-    scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). cors: the
+    scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). reasoning_parser:
+    --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both). cors: the
     CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
     not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
     run_http's TLS (tls.py).
@@ -145,6 +147,8 @@ class ServerState:
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
     scheduling_policy: str = "fcfs"
+    reasoning_parser: str | None = None
+    think_tokens: ThinkTokens | None = None
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -853,6 +857,10 @@ class _ChatCompletionCall(_CompletionCall):
     id_prefix = "chatcmpl"
     body: ChatCompletionRequest
 
+    def __init__(self, state: ServerState, body: Any, raw: Request) -> None:
+        super().__init__(state, body, raw)
+        self._reasoning_streams: dict[int, ReasoningStream] = {}  # a thinking choice's, by index (streamed)
+
     @property
     def max_tokens(self) -> int | None:
         b = self.body
@@ -865,6 +873,9 @@ class _ChatCompletionCall(_CompletionCall):
     def _refuse_unsupported(self) -> None:
         super()._refuse_unsupported()
         b = self.body
+        if not b.include_reasoning and self.state.reasoning_parser is None:
+            raise APIError(400, "include_reasoning: false needs --reasoning-parser (without it nothing is taken "
+                                "for reasoning)", "include_reasoning")
         if b.top_logprobs is not None:  # vLLM's checks (ChatCompletionRequest.check_logprobs)
             if not b.logprobs:
                 raise APIError(400, "top_logprobs: only allowed when logprobs is true", "top_logprobs")
@@ -902,9 +913,22 @@ class _ChatCompletionCall(_CompletionCall):
         return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
                                  b.chat_template_kwargs, b.add_special_tokens, room)
 
+    @property
+    def _thinks(self) -> bool:
+        """Whether this request's responses are split into reasoning and content (--reasoning-parser)."""
+        parser = self.state.reasoning_parser
+        return parser is not None and thinks(parser, self.body.chat_template_kwargs)
+
+    def _message(self, text: str) -> AssistantMessage:
+        if not self._thinks:
+            return AssistantMessage(role=self._role(), content=text)
+        reasoning, content = split_reasoning(text)
+        return AssistantMessage(role=self._role(), content=content,
+                                reasoning=reasoning if self.body.include_reasoning else None)
+
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
         want = bool(self.body.logprobs)
-        choices = [ChatCompletionChoice(index=i, message=AssistantMessage(role=self._role(), content=texts[i]),
+        choices = [ChatCompletionChoice(index=i, message=self._message(texts[i]),
                                         logprobs=self._chat_logprobs(self.token_ids[i], self.logprobs[i]) if want
                                         else None, finish_reason=f.finish_reason, stop_reason=f.stop_reason)
                    for i, f in enumerate(finals)]
@@ -928,13 +952,31 @@ class _ChatCompletionCall(_CompletionCall):
         return self.state.response_role if self.body.add_generation_prompt else self.body.messages[-1].role
 
     def _chunk(self, index: int, out: RequestOutput) -> dict:
-        delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        if self._thinks:
+            delta = self._reasoning_delta(index, out)
+        else:
+            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
         logprobs = None
         if self.body.logprobs:
             logprobs = self._chat_logprobs(list(out.new_token_ids), list(out.logprobs or []))
         return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                               finish_reason=out.finish_reason,
                                                               stop_reason=out.stop_reason)])
+
+    def _reasoning_delta(self, index: int, out: RequestOutput) -> dict[str, str]:
+        """A thinking choice's delta: this output's text split by its ReasoningStream (the reasoning left out where
+        include_reasoning is false)."""
+        stream = self._reasoning_streams.get(index)
+        if stream is None:
+            assert self.state.think_tokens is not None
+            stream = self._reasoning_streams[index] = ReasoningStream(self.state.think_tokens)
+        reasoning, content = stream.feed(out.new_text, out.new_token_ids)
+        delta = {}
+        if reasoning is not None and self.body.include_reasoning:
+            delta["reasoning"] = reasoning
+        if content is not None:
+            delta["content"] = content
+        return delta
 
     def _usage_chunk(self, usage: UsageInfo) -> dict:
         return self._stream_chunk([], usage)
