@@ -306,6 +306,39 @@ def test_expert_parallel_ranks_replay_the_same_step_graphs_on_one_gpu(checkpoint
     assert graphs[0]["replays"] == graphs[1]["replays"]  # in step: the idle rank replays too
 
 
+def test_a_failed_throwaway_capture_leaves_the_compiles_to_the_warm_up_runs(monkeypatch, caplog) -> None:
+    """_compile_ahead's fallback (CPU, with stand-ins for the capture and the compile pool): a capture that fails
+    (as the first form did on an H100) is logged, the device synchronised, and start-up goes on with nothing
+    compiled ahead."""
+    import contextlib
+    import logging
+
+    from serving.engine import model_runner
+
+    calls: list[str] = []
+
+    @contextlib.contextmanager
+    def pool():
+        calls.append("pool")
+        yield {"variants": 0}
+        calls.append("pool left")
+
+    @contextlib.contextmanager
+    def failing_capture(graph):
+        raise RuntimeError("operation failed due to a previous error during capture")
+        yield
+
+    monkeypatch.setattr(model_runner, "compile_ahead", pool)
+    monkeypatch.setattr(torch.cuda, "graph", failing_capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("synchronize"))
+    runner = SimpleNamespace(model=None, device=torch.device("cpu"), _static_view=lambda size: size)
+    with caplog.at_level(logging.WARNING, logger=model_runner.__name__):
+        variants, seconds = model_runner.ModelRunner._compile_ahead(runner, [4, 2, 1])
+    assert variants == 0 and seconds >= 0 and calls == ["pool", "synchronize"]
+    assert "the warm-up runs compile them" in caplog.text and "previous error during capture" in caplog.text
+
+
 def _compiles_while_capturing(rank: int, world_size: int, path: str) -> dict:
     """In a fresh process (Triton's in-memory caches empty): the Triton compiles (`triton.compiler.compile`
     calls, a disk-cache hit included) made before the step graphs are compiled ahead (the first size's warm-up
