@@ -16,7 +16,7 @@ The HTTP side (metrics, the reset endpoint, the flags, echo) is tests/test_prefi
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -368,11 +368,11 @@ BOTH_MODES = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 def make_engine(caching: bool, budget: int = 8, block_size: int = 4, num_blocks: int = 256, max_model_len: int = 64,
                 max_num_seqs: int = 8, async_scheduling: bool = False, group=None, rank: int = 0,
-                num_ranks: int = 1) -> LLMEngine:
+                num_ranks: int = 1, scheduling_policy: str = "fcfs") -> LLMEngine:
     return LLMEngine(FakeModel(budget, group), TOK, num_blocks=num_blocks, block_size=block_size,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_tokens_per_rank=budget,
                      device=torch.device("cpu"), rank=rank, num_ranks=num_ranks, async_scheduling=async_scheduling,
-                     enable_prefix_caching=caching)
+                     enable_prefix_caching=caching, scheduling_policy=scheduling_policy)
 
 
 def computed_tokens(engine: LLMEngine) -> int:
@@ -405,6 +405,7 @@ class Arrival:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    priority: int = 0  # under the priority scheduling policy
 
 
 def workload(rng: random.Random, n: int, sampled: bool = False, window: int = 30) -> list[Arrival]:
@@ -438,7 +439,7 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], aborts: dict[int, list[str
             started = step
             for a in arrivals:
                 if a.step == step:
-                    engine.add_request(a.request_id, a.prompt, a.params)
+                    engine.add_request(a.request_id, a.prompt, a.params, a.priority)
             for rid in (aborts or {}).get(step, ()):
                 out = engine.abort(rid)
                 if out is not None:
@@ -503,6 +504,23 @@ def test_greedy_outputs_are_the_same_with_caching_on_and_off(scenario: str, asyn
     assert off_engine.scheduler_stats().prefix_cache_queries == 0
     if scenario == "preempting":
         assert on_engine.scheduler.num_preemptions > 0, seed
+
+
+@BOTH_MODES
+def test_priority_scheduling_keeps_the_outputs_and_the_cache_right(async_scheduling: bool, seed: int):
+    """The preempting scenario under the priority policy, with random priorities: every request still gets the
+    reference's tokens, caching on or off, the cache adds up after every step (drive), and preemptions happen."""
+    rng = random.Random(seed)
+    arrivals = [replace(a, priority=rng.randint(-3, 3))
+                for a in workload(rng, 12, window=10) + HEAVY]
+    for caching in (False, True):
+        engine = make_engine(caching, async_scheduling=async_scheduling, scheduling_policy="priority",
+                             **SCENARIOS["preempting"])
+        got = summary(drive(engine, arrivals))
+        for a in arrivals:
+            want = reference_greedy(a.prompt, a.params.max_tokens, ignore_eos=True)
+            assert got[a.request_id][0] == want and got[a.request_id][2] == "length", (seed, caching, a.request_id)
+        assert engine.scheduler.num_preemptions > 0, seed
 
 
 @BOTH_MODES
