@@ -113,6 +113,17 @@ def human_int(text: str) -> int:
     return int(float(number) * _DECIMAL[suffix])
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object (--default-chat-template-kwargs; --compilation-config checks its keys too)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def _json_strings(text: str) -> list[str]:
     """vLLM's type of its CORS flags: a JSON list of strings."""
     try:
@@ -134,12 +145,7 @@ CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE")
 def _compilation_config(text: str) -> dict[str, object]:
     """vLLM's --compilation-config: a JSON object, of which ep-serve takes the CUDA-graph keys (COMPILATION_KEYS);
     any other key (torch.compile's) is refused, naming it."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    value = _json_object(text)
     other = sorted(set(value) - set(COMPILATION_KEYS))
     if other:
         raise argparse.ArgumentTypeError(f"{', '.join(other)}: not supported; ep-serve compiles nothing with "
@@ -218,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
                    help="whether clients must present a certificate: 0 no (default), 1 optional, 2 required")
     p.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS", help="the TLS ciphers allowed (OpenSSL's list)")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
+                   help="chat template variables every chat request gets under its own chat_template_kwargs (which "
+                        "win), a JSON object; e.g. '{\"thinking\": true}' for DeepSeek-V3.1's thinking by default")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own, else a fresh id")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per HTTP request")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
                         "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
@@ -585,6 +597,9 @@ def main(argv: list[str] | None = None) -> None:
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         reasoning_parser=args.reasoning_parser,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        request_id_headers=args.enable_request_id_headers,
+                        access_log=not args.disable_uvicorn_access_log,
                         cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                   tuple(args.allowed_headers), args.allow_credentials)))
 

@@ -18,15 +18,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving_fakes import FakeTokenizer
 from test_serving_api import NAME, fake_server, http_server, sse_events
 
 from serving.api import tls as tls_module
 from serving.api.chat_template import ChatTemplate
 from serving.api.cors import Cors
+from serving.api.server import uvicorn_config
 from serving.api.tls import Tls
 from serving.cli import build_parser
 
 ORIGIN = "https://ui.example"
+TOK = FakeTokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +225,41 @@ def test_ssl_refresh_serves_a_rotated_certificate_to_new_connections(server, tmp
             assert httpx.get(f"{url}/health", verify=trusting, timeout=5).status_code == 200
     with pytest.raises(ValueError, match="--enable-ssl-refresh: needs --ssl-keyfile"):
         Tls(refresh=True)
+
+
+def test_request_id_headers_and_the_access_log(server):
+    """--enable-request-id-headers: every response (a 404 too) carries X-Request-Id, the request's own or a fresh
+    hex id; not without the flag. --disable-uvicorn-access-log turns uvicorn's access log off."""
+    _, state = server
+    with http_server(dataclasses.replace(state, request_id_headers=True)) as url:
+        given = httpx.get(f"{url}/health", headers={"X-Request-Id": "abc-1"}, timeout=5)
+        assert given.status_code == 200 and given.headers["x-request-id"] == "abc-1"
+        fresh = [httpx.get(f"{url}/nowhere", timeout=5) for _ in range(2)]
+        ids = [r.headers["x-request-id"] for r in fresh]
+        assert fresh[0].status_code == 404 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and ids[0] != ids[1]
+    with http_server(state) as url:
+        assert "x-request-id" not in httpx.get(f"{url}/health", timeout=5).headers
+    assert uvicorn_config(state, host="127.0.0.1", port=0).access_log
+    assert not uvicorn_config(dataclasses.replace(state, access_log=False), host="127.0.0.1", port=0).access_log
+    args = build_parser().parse_args(["--enable-request-id-headers", "--disable-uvicorn-access-log",
+                                      "--default-chat-template-kwargs", '{"thinking": true}'])
+    assert (args.enable_request_id_headers, args.disable_uvicorn_access_log) == (True, True)
+    assert args.default_chat_template_kwargs == {"thinking": True}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--default-chat-template-kwargs", "[1]"])
+
+
+def test_default_chat_template_kwargs_sit_under_the_requests(server):
+    """--default-chat-template-kwargs: every chat render gets them, a request's chat_template_kwargs win."""
+    _, state = server
+    template = ChatTemplate("{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    with http_server(dataclasses.replace(state, chat_template=template,
+                                         default_chat_template_kwargs={"greeting": "ab"})) as url:
+        default = httpx.post(f"{url}/tokenize", json=body, timeout=5).json()["tokens"]
+        own = httpx.post(f"{url}/tokenize", json={**body, "chat_template_kwargs": {"greeting": "c"}},
+                         timeout=5).json()["tokens"]
+        assert default == TOK.encode("abhi") and own == TOK.encode("chi")
 
 
 def test_tokens_as_token_ids_in_logprobs(server):

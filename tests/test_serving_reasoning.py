@@ -143,3 +143,14 @@ def test_ep_serve_refuses_a_parser_for_a_tokenizer_without_the_markers() -> None
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "--reasoning-parser: the tokenizer has no <think> and no </think> token" \
         in done.stderr, done.stderr[-1000:]
+
+
+def test_deepseek_v3_thinks_by_the_default_chat_template_kwargs_unless_the_request_says_not(thinking) -> None:
+    state = dataclasses.replace(thinking, reasoning_parser="deepseek_v3",
+                                default_chat_template_kwargs={"thinking": True},
+                                think_tokens=ThinkTokens.of(thinking.codec.special_tokens()))
+    with http_server(state) as url:
+        message = chat(url).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == ("ab", " c")
+        message = chat(url, chat_template_kwargs={"thinking": False}).json()["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == (None, "<think>ab</think> c")

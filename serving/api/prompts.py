@@ -94,8 +94,13 @@ async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_genera
     chars = sum(len(m["content"]) + len(m["name"] or "") for m in chat)
     check_size(state, chars, room, "messages")
     work = functools.partial(_render_and_encode, state, chat, add_generation_prompt, continue_final_message,
-                             variables, add_special_tokens)
+                             template_variables(state, variables), add_special_tokens)
     return work() if chars <= INLINE_CHARS else await _off_the_loop(state, work)
+
+
+def template_variables(state: ServerState, variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs over --default-chat-template-kwargs (the request's win, as vLLM's)."""
+    return {**state.default_chat_template_kwargs, **(variables or {})}
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -57,6 +57,7 @@ from .prompts import (
     encode_text,
     longest_token_chars,
     make_tokenize_pool,
+    template_variables,
     token_strs,
 )
 from .protocol import (
@@ -85,6 +86,7 @@ from .protocol import (
     error_body,
 )
 from .reasoning import ReasoningStream, ThinkTokens, split_reasoning, thinks
+from .request_id import RequestIdHeaders
 from .tls import CertRefresher, Tls
 
 DEFAULT_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key
@@ -116,7 +118,9 @@ class ServerState:
     responses' role where the template adds the generation prompt). return_tokens_as_token_ids:
     --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise).
     scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). reasoning_parser:
-    --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both). cors: the
+    --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both).
+    default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
+    --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off). cors: the
     CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
     not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
     run_http's TLS (tls.py).
@@ -149,6 +153,9 @@ class ServerState:
     scheduling_policy: str = "fcfs"
     reasoning_parser: str | None = None
     think_tokens: ThinkTokens | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    request_id_headers: bool = False
+    access_log: bool = True
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -299,6 +306,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.serving = state
     app.root_path = state.root_path  # as vLLM sets it: requests may come with the prefix or without
     app.add_middleware(_Guard, state=state)
+    if state.request_id_headers:  # outside the guard: its 401s, 413s and 503s carry the header too
+        app.add_middleware(RequestIdHeaders)
     state.cors.add_to(app)  # added last: the outermost middleware
 
     @app.exception_handler(APIError)
@@ -917,7 +926,7 @@ class _ChatCompletionCall(_CompletionCall):
     def _thinks(self) -> bool:
         """Whether this request's responses are split into reasoning and content (--reasoning-parser)."""
         parser = self.state.reasoning_parser
-        return parser is not None and thinks(parser, self.body.chat_template_kwargs)
+        return parser is not None and thinks(parser, template_variables(self.state, self.body.chat_template_kwargs))
 
     def _message(self, text: str) -> AssistantMessage:
         if not self._thinks:
@@ -1063,6 +1072,7 @@ def uvicorn_config(state: ServerState, *, host: str, port: int, log_level: str =
 
     limits = state.connection_limits
     return uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, http=limits.protocol(),
+                          access_log=state.access_log,
                           timeout_keep_alive=limits.keep_alive_timeout_s,
                           timeout_graceful_shutdown=shutdown_grace_s + SHUTDOWN_FLUSH_S, **state.tls.uvicorn_options())
 
