@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else a fresh id")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per HTTP request")
+    p.add_argument("--sse-keep-alive-interval", type=int, default=0, metavar="SECONDS",
+                   help="a stream idle this long (queued, prefilling, between tokens) gets an SSE comment, so that "
+                        "proxies with read timeouts keep it open (0, the default: none)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
                         "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
@@ -555,6 +558,9 @@ def main(argv: list[str] | None = None) -> None:
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
+    if args.sse_keep_alive_interval < 0:
+        raise SystemExit(f"ep-serve: --sse-keep-alive-interval: expected >= 0 seconds (0: none), got "
+                         f"{args.sse_keep_alive_interval}")
     if not args.enable_chunked_prefill:
         raise SystemExit("ep-serve: --no-enable-chunked-prefill: not supported; prompts longer than a step's budget "
                          "(--max-num-batched-tokens) always go in chunks")
@@ -600,6 +606,7 @@ def main(argv: list[str] | None = None) -> None:
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
                         request_id_headers=args.enable_request_id_headers,
                         access_log=not args.disable_uvicorn_access_log,
+                        sse_keep_alive_s=float(args.sse_keep_alive_interval),
                         cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                   tuple(args.allowed_headers), args.allow_credentials)))
 

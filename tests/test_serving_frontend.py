@@ -249,6 +249,29 @@ def test_request_id_headers_and_the_access_log(server):
         build_parser().parse_args(["--default-chat-template-kwargs", "[1]"])
 
 
+def test_an_idle_stream_gets_keep_alive_comments():
+    """--sse-keep-alive-interval: a stream queued behind a running request (one sequence at a time) gets SSE
+    comments while it waits, then its events as without them; none without the setting."""
+    import threading
+
+    with fake_server(model="fake-slow", max_num_seqs=1) as (_, state):
+        for interval in (0.1, 0.0):
+            with http_server(dataclasses.replace(state, sse_keep_alive_s=interval)) as served:
+                first = threading.Thread(target=httpx.post, args=(f"{served}/v1/completions",),
+                                         kwargs={"json": {"model": NAME, "prompt": "ab", "max_tokens": 60,
+                                                          "ignore_eos": True}, "timeout": 60})
+                first.start()
+                time.sleep(0.1)
+                lines = httpx.post(f"{served}/v1/completions", timeout=60,
+                                   json={"model": NAME, "prompt": "ab", "max_tokens": 3, "temperature": 0,
+                                         "stream": True}).text.splitlines()
+                first.join(60)
+            comments = [line for line in lines if line.startswith(":")]
+            assert (comments and set(comments) == {": keep-alive"}) if interval else not comments, (interval, lines)
+            events = sse_events([line for line in lines if not line.startswith(":")])
+            assert events[-1] == "[DONE]" and len([e for e in events[:-1] if e["choices"]]) >= 3
+
+
 def test_default_chat_template_kwargs_sit_under_the_requests(server):
     """--default-chat-template-kwargs: every chat render gets them, a request's chat_template_kwargs win."""
     _, state = server

@@ -97,6 +97,14 @@ SHUTDOWN_GRACE_S = 10  # on SIGTERM/SIGINT: how long requests in flight may take
 SHUTTING_DOWN = "the server is shutting down"  # the 503 of requests still running when the grace is over
 SHUTDOWN_FLUSH_S = 5  # after the grace: for those 503s to be written, before uvicorn cancels what is left
 _DISCONNECT_POLL_S = 1.0
+SSE_KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic (vLLM's)
+
+
+class _KeepAlive:
+    """_next's answer where a stream's keep-alive comment is due."""
+
+
+KEEP_ALIVE = _KeepAlive()
 _MAX_ECHOED_CHARS = 100  # of a request's value that an error message repeats
 _STATS_TIMEOUT_S = 5.0
 _TRACEBACK = "Traceback (most recent call last):"
@@ -120,7 +128,8 @@ class ServerState:
     scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). reasoning_parser:
     --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both).
     default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
-    --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off). cors: the
+    --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off).
+    sse_keep_alive_s: --sse-keep-alive-interval (0: none). cors: the
     CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
     not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
     run_http's TLS (tls.py).
@@ -156,6 +165,7 @@ class ServerState:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     request_id_headers: bool = False
     access_log: bool = True
+    sse_keep_alive_s: float = 0.0
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -622,9 +632,10 @@ class _CompletionCall:
                 loop.call_soon_threadsafe(self.queue.put_nowait, (index, output))
         return put
 
-    async def _next(self) -> tuple[int, RequestOutput] | None:
+    async def _next(self, keep_alive_by: float | None = None) -> tuple[int, RequestOutput] | _KeepAlive | None:
         """The next output; None once the client has gone; a 503 once the server is shutting down and
-        the grace for requests in flight is over. The client is checked at least every
+        the grace for requests in flight is over; KEEP_ALIVE where no output came by time.monotonic()
+        `keep_alive_by` (a stream's keep-alive comment is due). The client is checked at least every
         _DISCONNECT_POLL_S, also while outputs keep coming."""
         while True:
             wait = _DISCONNECT_POLL_S
@@ -634,11 +645,15 @@ class _CompletionCall:
                 if left <= 0:
                     raise APIError(503, SHUTTING_DOWN)
                 wait = min(wait, left)
+            if keep_alive_by is not None:
+                wait = max(0.0, min(wait, keep_alive_by - time.monotonic()))
             try:
                 item = await asyncio.wait_for(self.queue.get(), wait)
             except asyncio.TimeoutError:
                 item = None
             now = time.monotonic()
+            if item is None and keep_alive_by is not None and now >= keep_alive_by:
+                return KEEP_ALIVE
             if item is None or now >= self._next_poll:
                 self._next_poll = now + _DISCONNECT_POLL_S
                 if await self.raw.is_disconnected():
@@ -691,12 +706,18 @@ class _CompletionCall:
 
     async def _stream(self) -> AsyncIterator[str]:
         completion_tokens = 0
+        interval = self.state.sse_keep_alive_s
         try:
             for chunk in self._opening_chunks():
                 yield _sse(chunk)
+            sent = time.monotonic()  # of the last event; a keep-alive comment is due `interval` after it
             while self.pending:
                 try:
-                    item = await self._next()
+                    item = await self._next(sent + interval if interval else None)
+                    if item is KEEP_ALIVE:
+                        yield SSE_KEEP_ALIVE
+                        sent = time.monotonic()
+                        continue
                     if item is None:
                         return
                     index, out = item
@@ -716,6 +737,7 @@ class _CompletionCall:
                 completion_tokens += len(out.new_token_ids)
                 if chunk is not None:
                     yield _sse(chunk)
+                    sent = time.monotonic()
             else:
                 options = self.body.stream_options
                 if self.state.force_include_usage or (options is not None and options.include_usage):
