@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else a fresh id")
     p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access log line per HTTP request")
+    p.add_argument("--disable-access-log-for-endpoints", default="", metavar="PATHS",
+                   help="comma-separated paths whose requests get no access log line, e.g. /health,/metrics")
     p.add_argument("--sse-keep-alive-interval", type=int, default=0, metavar="SECONDS",
                    help="a stream idle this long (queued, prefilling, between tokens) gets an SSE comment, so that "
                         "proxies with read timeouts keep it open (0, the default: none)")
@@ -598,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
           rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
+          quiet_paths=args.disable_access_log_for_endpoints,
           frontend=dict(prompt_tokens_details=args.enable_prompt_tokens_details,
                         force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
@@ -616,11 +619,12 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           open_paths: frozenset[str] = frozenset({"/health", "/ping", "/metrics"}), max_waiting_seqs: int | None = None,
           log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
-          max_logprobs: int | None = None, log_stats: bool = True, frontend: Mapping[str, Any] | None = None) -> None:
+          max_logprobs: int | None = None, log_stats: bool = True, frontend: Mapping[str, Any] | None = None,
+          quiet_paths: str = "") -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats). frontend: ServerState's fields of the HTTP
-    front (cors, tls, root_path, response_role, ...), by name."""
+    front (cors, tls, root_path, response_role, ...), by name. quiet_paths: QuietPaths'."""
     from .api.server import make_server_state, run_http
 
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
@@ -651,6 +655,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
                          UVICORN_LOG_LEVELS[uvicorn_log_level])
     for name in ("uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).addFilter(ready)
+    if quiet_paths:
+        logging.getLogger("uvicorn.access").addFilter(QuietPaths(quiet_paths))
     try:
         # uvicorn logs at least its start (the bound URL, which the summary needs); _UvicornLogs drops
         # whatever is below the level asked for.
@@ -658,6 +664,21 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
                  log_level=min(uvicorn_log_level, "info", key=UVICORN_LOG_LEVELS.__getitem__))
     finally:
         state.coordinator.shutdown()
+
+
+class QuietPaths(logging.Filter):
+    """On uvicorn's access logger: drops the lines of requests to `paths` (--disable-access-log-for-endpoints;
+    the query string does not count). uvicorn's line arguments: client, method, path with query, version,
+    status (uvicorn/protocols/http/h11_impl.py)."""
+
+    def __init__(self, paths: str) -> None:
+        super().__init__()
+        self.paths = frozenset(p.strip() for p in paths.split(",") if p.strip())
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) > 2 and isinstance(args[2], str) else None
+        return path is None or path.partition("?")[0] not in self.paths
 
 
 class _UvicornLogs(logging.Filter):

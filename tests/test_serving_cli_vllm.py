@@ -39,6 +39,7 @@ from serving.cli import (
     COMPILATION_KEYS,
     CUDAGRAPH_MODES,
     UVICORN_LOG_LEVELS,
+    QuietPaths,
     RequestLog,
     _UvicornLogs,
     build_parser,
@@ -295,6 +296,21 @@ def test_compilation_config_keys_and_graph_modes_are_vllms(version: str) -> None
              for target in stmt.targets}
     assert modes - set(CUDAGRAPH_MODES) == {"FULL_DECODE_ONLY"}
     assert '"--compilation-config", "-cc"' in (root / "engine" / "arg_utils.py").read_text()
+
+
+def test_access_log_lines_of_quiet_paths_are_dropped():
+    """--disable-access-log-for-endpoints: uvicorn's access line of a listed path (its query string aside) is
+    dropped, others kept (the record as uvicorn's h11 protocol logs it)."""
+    args = parse("--disable-access-log-for-endpoints", "/health, /metrics")
+    quiet = QuietPaths(args.disable_access_log_for_endpoints)
+
+    def line(path: str) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "h11_impl.py", 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+
+    assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
+    assert quiet.filter(line("/v1/models")) and quiet.filter(line("/healthz"))
+    assert QuietPaths("").paths == frozenset()
 
 
 def test_scheduling_policy_reaches_the_engine_config():
