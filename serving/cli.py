@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sse-keep-alive-interval", type=int, default=0, metavar="SECONDS",
                    help="a stream idle this long (queued, prefilling, between tokens) gets an SSE comment, so that "
                         "proxies with read timeouts keep it open (0, the default: none)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (and /tokenize's) instead of refusing it")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
                         "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
@@ -610,6 +612,7 @@ def main(argv: list[str] | None = None) -> None:
                         request_id_headers=args.enable_request_id_headers,
                         access_log=not args.disable_uvicorn_access_log,
                         sse_keep_alive_s=float(args.sse_keep_alive_interval),
+                        trust_request_chat_template=args.trust_request_chat_template,
                         cors=Cors(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                   tuple(args.allowed_headers), args.allow_credentials)))
 

@@ -285,6 +285,29 @@ def test_default_chat_template_kwargs_sit_under_the_requests(server):
         assert default == TOK.encode("abhi") and own == TOK.encode("chi")
 
 
+def test_a_requests_chat_template_needs_the_trust_flag(server):
+    """--trust-request-chat-template: a chat's (and /tokenize's) own chat_template renders it; without the flag a
+    request that brings one gets a 400 naming the field and the flag, and the server's template renders."""
+    _, state = server
+    own = "{% for m in messages %}.{{ m.content }},{% endfor %}"
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    plain = dataclasses.replace(state, chat_template=ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"))
+    for trusted in (True, False):
+        with http_server(dataclasses.replace(plain, trust_request_chat_template=trusted)) as url:
+            tokenized = httpx.post(f"{url}/tokenize", json={**body, "chat_template": own}, timeout=5)
+            chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "chat_template": own, "max_tokens": 1,
+                                                                   "temperature": 0}, timeout=30)
+            if trusted:
+                assert tokenized.json()["tokens"] == TOK.encode(".hi,") and chat.status_code == 200
+                assert chat.json()["usage"]["prompt_tokens"] == len(TOK.encode(".hi,"))
+            else:
+                for refused in (tokenized, chat):
+                    error = refused.json()["error"]
+                    assert refused.status_code == 400 and error["param"] == "chat_template", error
+                    assert "--trust-request-chat-template" in error["message"]
+            assert httpx.post(f"{url}/tokenize", json=body, timeout=5).json()["tokens"] == TOK.encode("hi")
+
+
 def test_tokens_as_token_ids_in_logprobs(server):
     """--return-tokens-as-token-ids, or a request's return_tokens_as_token_ids (which wins either way): logprobs
     name each token "token_id:{id}" (completions: tokens, top_logprobs' keys and text offsets by those names;

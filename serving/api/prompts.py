@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import os
 import threading
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.sequence import BadRequest
-from .chat_template import ChatTemplateError
+from .chat_template import ChatTemplate, ChatTemplateError
 from .protocol import CHAT_ROLES, ChatMessage
 
 if TYPE_CHECKING:
@@ -87,13 +88,15 @@ async def encode_text(state: ServerState, text: str, add_special_tokens: bool, w
 
 async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
                       continue_final_message: bool, variables: Mapping[str, Any] | None, add_special_tokens: bool,
-                      room: int) -> list[int]:
-    """The token ids of a chat: rendered by the chat template, then encoded (with the tokenizer's
-    special tokens on top of the template's only when add_special_tokens); refused unrendered when its
-    messages are longer than `room` tokens could hold, and off the event loop when they are long."""
+                      room: int, template: str | None = None) -> list[int]:
+    """The token ids of a chat: rendered by the chat template (the request's own `template` where given: the
+    caller checked --trust-request-chat-template), then encoded (with the tokenizer's special tokens on top of
+    the template's only when add_special_tokens); refused unrendered when its messages are longer than `room`
+    tokens could hold, and off the event loop when they are long."""
     chars = sum(len(m["content"]) + len(m["name"] or "") for m in chat)
     check_size(state, chars, room, "messages")
-    work = functools.partial(_render_and_encode, state, chat, add_generation_prompt, continue_final_message,
+    renderer = state.chat_template if template is None else dataclasses.replace(state.chat_template, source=template)
+    work = functools.partial(_render_and_encode, state, renderer, chat, add_generation_prompt, continue_final_message,
                              template_variables(state, variables), add_special_tokens)
     return work() if chars <= INLINE_CHARS else await _off_the_loop(state, work)
 
@@ -175,12 +178,12 @@ def token_strs(state: ServerState, ids: list[int]) -> list[str]:
     return [state.codec.decode([t]) for t in ids]
 
 
-def _render_and_encode(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
-                       continue_final_message: bool, variables: Mapping[str, Any] | None,
+def _render_and_encode(state: ServerState, template: ChatTemplate, chat: list[dict[str, Any]],
+                       add_generation_prompt: bool, continue_final_message: bool, variables: Mapping[str, Any] | None,
                        add_special_tokens: bool) -> list[int]:
     try:
-        text = state.chat_template.render(chat, add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message, variables=variables)
+        text = template.render(chat, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, variables=variables)
     except ChatTemplateError as e:
         raise BadRequest(str(e), e.param or "messages") from None
     return _encode(state, text, add_special_tokens, "messages")

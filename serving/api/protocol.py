@@ -199,7 +199,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     REFUSED: ClassVar[tuple[str, ...]] = (
         *SamplingRequest.REFUSED, "tools", "tool_choice", "reasoning_effort",
-        "parallel_tool_calls", "echo", "documents", "chat_template", "media_io_kwargs", "mm_processor_kwargs",
+        "parallel_tool_calls", "echo", "documents", "media_io_kwargs", "mm_processor_kwargs",
         "return_prompt_text", "return_assistant_tokens_mask")
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         **SamplingRequest.ALSO_DEFAULT, "tools": _empty, "tool_choice": _one_of(None),
@@ -215,6 +215,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None  # 0..20, only with logprobs
     include_reasoning: StrictBool = True  # with --reasoning-parser: False leaves the reasoning out (vLLM's)
+    chat_template: Text | None = None  # rendered instead of the server's, with --trust-request-chat-template
     # Refused unless left at their default:
     tools: Any = None
     tool_choice: Any = "none"
@@ -222,7 +223,6 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Any = True
     echo: Any = False
     documents: Any = None
-    chat_template: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None

@@ -129,7 +129,8 @@ class ServerState:
     --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both).
     default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
     --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off).
-    sse_keep_alive_s: --sse-keep-alive-interval (0: none). cors: the
+    sse_keep_alive_s: --sse-keep-alive-interval (0: none). trust_request_chat_template: render a request's own
+    chat_template (--trust-request-chat-template). cors: the
     CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
     not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
     run_http's TLS (tls.py).
@@ -166,6 +167,7 @@ class ServerState:
     request_id_headers: bool = False
     access_log: bool = True
     sse_keep_alive_s: float = 0.0
+    trust_request_chat_template: bool = False
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -384,11 +386,11 @@ def build_app(state: ServerState) -> FastAPI:
         if "messages" in data:
             body = _parse(TokenizeChatRequest, data)
             _check_model(state, body.model)
-            _refuse((("chat_template", body.chat_template is not None), ("tools", bool(body.tools)),
-                     ("mm_processor_kwargs", bool(body.mm_processor_kwargs))))
+            _check_request_template(state, body.chat_template)
+            _refuse((("tools", bool(body.tools)), ("mm_processor_kwargs", bool(body.mm_processor_kwargs))))
             ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
                                     body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
-                                    state.max_model_len)
+                                    state.max_model_len, body.chat_template)
             where = "messages"
         else:
             body = _parse(TokenizeCompletionRequest, data)
@@ -904,6 +906,7 @@ class _ChatCompletionCall(_CompletionCall):
     def _refuse_unsupported(self) -> None:
         super()._refuse_unsupported()
         b = self.body
+        _check_request_template(self.state, b.chat_template)
         if not b.include_reasoning and self.state.reasoning_parser is None:
             raise APIError(400, "include_reasoning: false needs --reasoning-parser (without it nothing is taken "
                                 "for reasoning)", "include_reasoning")
@@ -942,7 +945,7 @@ class _ChatCompletionCall(_CompletionCall):
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
         return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                                 b.chat_template_kwargs, b.add_special_tokens, room)
+                                 b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template)
 
     @property
     def _thinks(self) -> bool:
@@ -1020,6 +1023,13 @@ def _check_model(state: ServerState, model: str | None) -> None:
         if len(model) > _MAX_ECHOED_CHARS:
             shown = f"{model[:_MAX_ECHOED_CHARS]}... ({len(model)} characters)"
         raise APIError(404, f"The model `{shown}` does not exist.", "model")
+
+
+def _check_request_template(state: ServerState, template: str | None) -> None:
+    """400 for a request's own chat_template unless --trust-request-chat-template (vLLM's rule)."""
+    if template is not None and not state.trust_request_chat_template:
+        raise APIError(400, "chat_template: a request's own template needs --trust-request-chat-template (this "
+                            "server renders with its own)", "chat_template")
 
 
 def _refuse(checks: tuple[tuple[str, bool], ...]) -> None:
