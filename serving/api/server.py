@@ -98,13 +98,6 @@ SHUTTING_DOWN = "the server is shutting down"  # the 503 of requests still runni
 SHUTDOWN_FLUSH_S = 5  # after the grace: for those 503s to be written, before uvicorn cancels what is left
 _DISCONNECT_POLL_S = 1.0
 SSE_KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic (vLLM's)
-
-
-class _KeepAlive:
-    """_next's answer where a stream's keep-alive comment is due."""
-
-
-KEEP_ALIVE = _KeepAlive()
 _MAX_ECHOED_CHARS = 100  # of a request's value that an error message repeats
 _STATS_TIMEOUT_S = 5.0
 _TRACEBACK = "Traceback (most recent call last):"
@@ -216,6 +209,13 @@ def make_server_state(config: EngineConfig, api_key: str | None = None, start_ti
                        info.vocab_size, api_key, frozenset(open_paths), capacity, tokenizer=tokenizer,
                        chat_template=template, max_token_chars=longest_token_chars(tokenizer),
                        scheduling_policy=config.scheduling_policy)
+
+
+class _KeepAlive:
+    """_next's answer where a stream's keep-alive comment is due."""
+
+
+KEEP_ALIVE = _KeepAlive()
 
 
 class APIError(Exception):
@@ -892,7 +892,11 @@ class _ChatCompletionCall(_CompletionCall):
 
     def __init__(self, state: ServerState, body: Any, raw: Request) -> None:
         super().__init__(state, body, raw)
-        self._reasoning_streams: dict[int, ReasoningStream] = {}  # a thinking choice's, by index (streamed)
+        # Whether the responses split into reasoning and content (--reasoning-parser), and each streamed choice's
+        # split by index.
+        parser = state.reasoning_parser
+        self._thinks = parser is not None and thinks(parser, template_variables(state, body.chat_template_kwargs))
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     @property
     def max_tokens(self) -> int | None:
@@ -946,12 +950,6 @@ class _ChatCompletionCall(_CompletionCall):
         b = self.body
         return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
                                  b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template)
-
-    @property
-    def _thinks(self) -> bool:
-        """Whether this request's responses are split into reasoning and content (--reasoning-parser)."""
-        parser = self.state.reasoning_parser
-        return parser is not None and thinks(parser, template_variables(self.state, self.body.chat_template_kwargs))
 
     def _message(self, text: str) -> AssistantMessage:
         if not self._thinks:
