@@ -411,6 +411,10 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                         "reason and seconds (off by default, as in vLLM)")
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=False,
                    help="no request lines: vLLM's older flag for the default")
+    p.add_argument("--enable-log-outputs", action="store_true",
+                   help="the request lines quote the output text (needs --enable-log-requests)")
+    p.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="characters of the output text a request line quotes (default: all)")
 
 
 def _add_multi_host_args(p: argparse.ArgumentParser) -> None:
@@ -562,6 +566,11 @@ def main(argv: list[str] | None = None) -> None:
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
+    if args.enable_log_outputs and not args.log_requests:
+        raise SystemExit("ep-serve: --enable-log-outputs: needs --enable-log-requests (outputs go in the request "
+                         "lines)")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise SystemExit(f"ep-serve: --max-log-len: expected >= 0, got {args.max_log_len}")
     if args.sse_keep_alive_interval < 0:
         raise SystemExit(f"ep-serve: --sse-keep-alive-interval: expected >= 0 seconds (0: none), got "
                          f"{args.sse_keep_alive_interval}")
@@ -600,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
           uvicorn_log_level=args.uvicorn_log_level or args.log_level,
           open_paths=frozenset(p for p in args.api_key_exempt_paths.split(",") if p),
           max_waiting_seqs=args.max_waiting_seqs, log_requests=args.log_requests,
+          log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
           rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
           quiet_paths=args.disable_access_log_for_endpoints,
@@ -620,7 +630,8 @@ def main(argv: list[str] | None = None) -> None:
 def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int, api_key: str | None,
           log_level: str = "info", uvicorn_log_level: str = "info",
           open_paths: frozenset[str] = frozenset({"/health", "/ping", "/metrics"}), max_waiting_seqs: int | None = None,
-          log_requests: bool = False, rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+          log_requests: bool = False, log_outputs: bool = False, max_log_len: int | None = None,
+          rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
           max_logprobs: int | None = None, log_stats: bool = True, frontend: Mapping[str, Any] | None = None,
           quiet_paths: str = "") -> None:
@@ -653,7 +664,7 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
     if not log_stats:
         state.coordinator.observer = None
     if log_requests:
-        state.coordinator.observer = RequestLog(state.coordinator.observer)
+        state.coordinator.observer = RequestLog(state.coordinator.observer, log_outputs, max_log_len)
     ready = _UvicornLogs(lambda url: startup_summary(config, checkpoint, state.coordinator.info, url),
                          UVICORN_LOG_LEVELS[uvicorn_log_level])
     for name in ("uvicorn.error", "uvicorn.access"):
@@ -770,11 +781,15 @@ def buffer_transport(config: EngineConfig) -> str:
 
 class RequestLog:
     """The engine's observer (serving.engine.dp_coordinator.EngineObserver) with a log line per request
-    when it ends (--enable-log-requests), in front of the observer it wraps (the metrics)."""
+    when it ends (--enable-log-requests), in front of the observer it wraps (the metrics). log_outputs
+    (--enable-log-outputs): the line quotes the request's output text too, its first max_log_len characters
+    (--max-log-len; None: all)."""
 
-    def __init__(self, inner: EngineObserver | None) -> None:
+    def __init__(self, inner: EngineObserver | None, log_outputs: bool = False, max_log_len: int | None = None) -> None:
         self.inner = inner
+        self.log_outputs, self.max_log_len = log_outputs, max_log_len
         self._arrived: dict[str, float] = {}
+        self._texts: dict[str, list[str]] = {}  # the output text so far (log_outputs), up to max_log_len
 
     def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
         self._arrived[request_id] = now
@@ -784,12 +799,19 @@ class RequestLog:
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
         if self.inner is not None:
             self.inner.on_output(rank, output, now)
+        if self.log_outputs:
+            parts = self._texts.setdefault(output.request_id, [])
+            if self.max_log_len is None or sum(map(len, parts)) < self.max_log_len:
+                parts.append(output.new_text)
         if output.finished:
             took = now - self._arrived.pop(output.request_id, now)
             error = f", error: {output.error.splitlines()[0]}" if output.error else ""
-            log.info("request %s (rank %d): %d prompt + %d output tokens, finish_reason %s%s, %.3f s",
+            text = ""
+            if self.log_outputs:
+                text = f", output {''.join(self._texts.pop(output.request_id, []))[:self.max_log_len]!r}"
+            log.info("request %s (rank %d): %d prompt + %d output tokens, finish_reason %s%s%s, %.3f s",
                      output.request_id, rank, output.num_prompt_tokens, output.num_output_tokens,
-                     output.finish_reason, error, took)
+                     output.finish_reason, error, text, took)
 
     def on_stats(self, rank: int, stats: SchedulerStats) -> None:
         if self.inner is not None:

@@ -465,6 +465,25 @@ def test_request_log_wraps_the_metrics(caplog):
     assert lines == ["request cmpl-a-0 (rank 1): 3 prompt + 2 output tokens, finish_reason length, 0.500 s"]
 
 
+def test_request_log_quotes_the_output_up_to_max_log_len(caplog):
+    """--enable-log-outputs: the request line quotes the output text (--max-log-len: its first N characters);
+    --enable-log-outputs without --enable-log-requests, or a negative --max-log-len, stops ep-serve naming it."""
+    for max_len, quoted in ((None, "'hello world'"), (7, "'hello w'"), (0, "''")):
+        observer = RequestLog(None, log_outputs=True, max_log_len=max_len)
+        with caplog.at_level(logging.INFO, logger="ep-serve"):
+            caplog.clear()
+            observer.on_request(0, "r", 1.0, Counted())
+            for i, piece in enumerate(("hello", " wor", "ld")):
+                observer.on_output(0, RequestOutput("r", [i], piece, 2, i + 1,
+                                                    finish_reason="stop" if i == 2 else None), 1.5)
+        [line] = [r.getMessage() for r in caplog.records if r.name == "ep-serve"]
+        assert line == f"request r (rank 0): 2 prompt + 3 output tokens, finish_reason stop, output {quoted}, 0.500 s"
+    for argv, says in ((["--enable-log-outputs"], "--enable-log-outputs: needs --enable-log-requests"),
+                       (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len: expected >= 0")):
+        done = subprocess.run([sys.executable, "-m", "serving.cli", *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and says in done.stderr, done.stderr[-500:]
+
+
 def test_startup_summary_states_the_layout():
     info = ModelInfo(512, (1,), 2048, 100, 16, "cpu")
     ep = config("--enable-expert-parallel", "-dp", "2", "--dtype", "float32", "--deepep-mode", "low_latency"
