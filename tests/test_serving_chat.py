@@ -399,7 +399,7 @@ BAD_TOKENIZE = [
     ("/tokenize", {"prompt": ["a"]}, "prompt", "valid string"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens", "valid boolean"),
     ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "'image_url'"),
-    ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template", "not supported"),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template", "--trust-request-chat-template"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "continue_final_message", "add_generation"),
     ("/tokenize", [1, 2], None, "expected a JSON object"),
     ("/detokenize", {"tokens": [5, 512]}, "tokens", "token id 512 is outside the vocabulary [0, 512)"),
