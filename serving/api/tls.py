@@ -78,9 +78,13 @@ class CertRefresher:
         self._ca = _stamp(tls.ca_certs)
 
     async def watch(self) -> None:
+        """Poll until cancelled; an unexpected error is logged and polling goes on (the task never ends early)."""
         while True:
             await asyncio.sleep(CERT_POLL_S)
-            self.poll()
+            try:
+                self.poll()
+            except Exception:
+                log.exception("--enable-ssl-refresh: looking at the certificate files failed; trying again")
 
     def poll(self) -> None:
         """Reload what changed since the last load (or the last failed try)."""
