@@ -49,25 +49,23 @@ class WaitingQueue:
 
     def __init__(self, by_priority: bool) -> None:
         self._by_priority = by_priority
-        self._keys: list[tuple[int, int]] = []  # sorted; the sequences in the same order
-        self._seqs: list[Sequence] = []
+        self._seqs: list[Sequence] = []  # sorted by `order`
+
+    def order(self, seq: Sequence) -> tuple[int, int]:
+        """Where a sequence starts: (priority, arrival) under the priority policy, else (0, arrival)."""
+        return (seq.priority if self._by_priority else 0, seq.arrival_index)
 
     def add(self, seq: Sequence) -> None:
-        key = (seq.priority if self._by_priority else 0, seq.arrival_index)
-        i = bisect.bisect(self._keys, key)
-        self._keys.insert(i, key)
-        self._seqs.insert(i, seq)
+        bisect.insort(self._seqs, seq, key=self.order)
 
     def first(self) -> Sequence:
         return self._seqs[0]
 
     def pop_first(self) -> Sequence:
-        del self._keys[0]
         return self._seqs.pop(0)
 
     def remove(self, seq: Sequence) -> None:
-        i = self._seqs.index(seq)
-        del self._keys[i], self._seqs[i]
+        self._seqs.remove(seq)
 
     def __contains__(self, seq: object) -> bool:
         return seq in self._seqs
@@ -189,8 +187,8 @@ class Scheduler:
 
     def _victim(self) -> Sequence:
         """The running sequence to preempt: the newest (fcfs), or the one of lowest priority (priority)."""
-        if self.by_priority:
-            return max(self.running, key=lambda seq: (seq.priority, seq.arrival_index))
+        if self.by_priority:  # the latest to start were it waiting
+            return max(self.running, key=self.waiting.order)
         return self.running[-1]
 
     def _preempt(self, seq: Sequence) -> None:
