@@ -36,7 +36,6 @@ from .engine.engine_config import (
     NORMAL_MODE_MAX_RANKS,
     SCHEDULING_POLICIES,
     EngineConfig,
-    ep_backend_for,
 )
 from .engine.heartbeat import DEFAULT_STALL_TIMEOUT_S
 from .generation_config import generation_defaults
@@ -712,15 +711,9 @@ class _UvicornLogs(logging.Filter):
 
 def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelInfo, url: str) -> str:
     """What is served, how and where, from the config and what rank 0 reported (serving.engine.messages'
-    ModelInfo). The Buffer backend and the CUDA graphs are what the ranks decide with the same functions
-    (ep_backend_for, why_eager, EngineConfig.graph_sizes): ModelInfo does not report them."""
-    import torch
-
+    ModelInfo: its Buffer backend and its step graphs)."""
     from ep_layer.layout import MAX_RANKS
 
-    from .engine.model_runner import why_eager
-
-    device = torch.device(info.device)
     size, experts = config.data_parallel_size, checkpoint.n_routed_experts
     if config.expert_parallel:
         here = config.local_ranks
@@ -729,30 +722,29 @@ def startup_summary(config: EngineConfig, checkpoint: ModelConfig, info: ModelIn
                  f"experts a rank")
     else:
         ranks = f"{size} data-parallel rank{'s' if size > 1 else ''}, all {experts} experts on each"
-    has_moe = checkpoint.first_k_dense_replace < checkpoint.num_hidden_layers
-    backend = ep_backend_for(config, device) if has_moe else None
+    backend, on_gpu = info.ep_backend, info.device.startswith("cuda")
     if backend is None:
         buffer = "no MoE layers (no Buffer)"
     elif not config.expert_parallel:
         buffer = f"Buffer backend {backend} (a rank alone: nothing exchanged)"
     elif backend == "cuda":
         buffer = f"Buffer backend cuda over {buffer_transport(config)}"
-    elif device.type == "cuda" and config.ep_backend == "auto" and size > MAX_RANKS:
+    elif on_gpu and config.ep_backend == "auto" and size > MAX_RANKS:
         buffer = (f"Buffer backend reference over torch.distributed (NCCL; the cuda backend takes at most {MAX_RANKS} "
                   "ranks)")
-    elif device.type == "cuda" and config.spans_hosts and config.ep_backend == "auto":
+    elif on_gpu and config.spans_hosts and config.ep_backend == "auto":
         buffer = "Buffer backend reference over torch.distributed (NCCL; across hosts the cuda backend needs NVSHMEM)"
     else:
-        buffer = f"Buffer backend reference over torch.distributed ({'NCCL' if device.type == 'cuda' else 'gloo'})"
+        buffer = f"Buffer backend reference over torch.distributed ({'NCCL' if on_gpu else 'gloo'})"
     if config.enforce_eager:
         graphs = "CUDA graphs off (--enforce-eager, or --compilation-config's cudagraph_mode NONE)"
     elif config.deepep_mode == "normal" and backend is not None:
         graphs = "CUDA graphs off (--deepep-mode normal: every step dispatches in normal mode)"
-    elif (reason := why_eager(device, backend, info.max_model_len)) is not None:
-        graphs = f"CUDA graphs off ({reason})"
-    else:
-        sizes = config.graph_sizes
+    elif info.graph_sizes:
+        sizes = info.graph_sizes
         graphs = f"{len(sizes)} step CUDA graphs of {sizes[0]} to {sizes[-1]} tokens"
+    else:
+        graphs = f"CUDA graphs off ({info.eager_reason or 'no capture sizes'})"
     if backend is None:
         dispatch = ""
     elif config.deepep_mode == "low_latency":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import logging
 import os
 import re
@@ -485,7 +486,7 @@ def test_request_log_quotes_the_output_up_to_max_log_len(caplog):
 
 
 def test_startup_summary_states_the_layout():
-    info = ModelInfo(512, (1,), 2048, 100, 16, "cpu")
+    info = ModelInfo(512, (1,), 2048, 100, 16, "cpu", "reference", eager_reason="no GPU")
     ep = config("--enable-expert-parallel", "-dp", "2", "--dtype", "float32", "--deepep-mode", "low_latency"
                 ).resolved(tiny())
     line = startup_summary(ep, tiny(), info, "http://127.0.0.1:8000")
@@ -509,6 +510,15 @@ def test_startup_summary_states_the_layout():
                  ).resolved(tiny())
     assert "low-latency dispatch of up to 256 tokens a rank, MoE overlap sbo," in startup_summary(sbo, tiny(), info,
                                                                                                   "http://h:1")
+    # What rank 0 reported built: its step graphs, no MoE layers.
+    captured = dataclasses.replace(info, device="cuda:0", ep_backend="cuda", graph_sizes=(1, 2, 4, 8),
+                                   eager_reason=None)
+    assert ("Buffer backend cuda (a rank alone: nothing exchanged), dispatch auto: low-latency up to 256 tokens a "
+            "rank, normal mode above (up to 8192 a step), 4 step CUDA graphs of 1 to 8 tokens, on cuda:0;"
+            in startup_summary(config().resolved(tiny()), tiny(), captured, "http://h:1"))
+    dense = dataclasses.replace(info, ep_backend=None)
+    assert ", no MoE layers (no Buffer), CUDA graphs off (no GPU), on cpu;" in \
+           startup_summary(config().resolved(tiny()), tiny(), dense, "http://h:1")
 
 
 # ---------------------------------------------------------------------------- what the ranks load

@@ -220,16 +220,21 @@ def test_the_host_count_decides_whether_the_cuda_backend_reaches_the_ranks(gpu_b
 
 
 def test_startup_summary_names_the_transport(gpu_build):
+    import torch
+
     from serving.cli import startup_summary
+    from serving.engine.engine_config import ep_backend_for
     from serving.engine.messages import ModelInfo
     from serving.model_config import ModelConfig
     from serving.tiny_model import TINY_CONFIG
 
     tiny = ModelConfig.from_dict(dict(TINY_CONFIG))
-    info = ModelInfo(512, (1,), 2048, 100, 16, "cuda:0")
+    gpu = torch.device("cuda", 0)
 
     def buffer(*argv: str) -> str:
-        line = startup_summary(config(*argv).resolved(tiny), tiny, info, "http://h:1")
+        cfg = config(*argv).resolved(tiny)
+        info = ModelInfo(512, (1,), 2048, 100, 16, str(gpu), ep_backend_for(cfg, gpu))  # the rank's backend
+        line = startup_summary(cfg, tiny, info, "http://h:1")
         return line.split("experts a rank, ")[1].split(", low-latency dispatch")[0].split(", dispatch auto")[0]
 
     gpu_build(True)

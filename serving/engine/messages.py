@@ -63,12 +63,19 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class ModelInfo:
+    """What a rank loaded and built. ep_backend: its MoE layers' Buffer backend (None: no MoE layers);
+    graph_sizes: the step graphs it captured (empty: steps run eagerly), and eager_reason why, where graphs
+    cannot run there (ModelRunner.eager_reason)."""
+
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     num_kv_blocks: int
     block_size: int
     device: str
+    ep_backend: str | None = None
+    graph_sizes: tuple[int, ...] = ()
+    eager_reason: str | None = None
 
 
 @dataclass(frozen=True)

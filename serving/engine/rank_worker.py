@@ -151,8 +151,10 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
             else:
                 graphs = "steps run eagerly"
             print(f"Rank ready in {phases.summary()}; {graphs}", file=sys.stderr, flush=True)
+        buffer = getattr(model, "ep_buffer", None)
         info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
-                         config.block_size, str(device))
+                         config.block_size, str(device), buffer.backend_name if buffer is not None else None,
+                         tuple(engine.runner.captured_sizes), engine.runner.eager_reason)
         outbox.put(RankReady(rank, info))
         RankLoop(rank, engine, sync, inbox, outbox, config.expert_parallel, beat).run()
     except BaseException:
