@@ -1,23 +1,52 @@
-"""The server process stays light: it spawns the engine ranks before loading the tokenizer, and it never imports
-the model (whose attention biases import torch._dynamo, about a second on a fast host) nor the engine, which only
-the ranks run. Checked in a fresh interpreter, with the imports the server makes from launch to ready."""
+"""The server process stays light: it spawns the engine ranks before it imports torch (seconds on a GPU host, where
+torch loads its CUDA libraries), loads the tokenizer while they start, and never imports the model (whose attention
+biases import torch._dynamo, about a second on a fast host) nor the engine, which only the ranks run. Checked in
+fresh interpreters, with the imports the server makes up to the ranks' spawn and up to ready."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-SERVER_IMPORTS = """
+UP_TO_SPAWN = """
+import sys
+import serving.cli, serving.api.server, serving.engine.dp_coordinator
+print(",".join(name for name in ("torch", "ep_layer.buffer", "triton") if name in sys.modules))
+"""
+
+UP_TO_READY = """
 import sys
 import serving.cli, serving.api.server, serving.loading
-from serving.engine.model_runner import why_eager
-heavy = ("torch._dynamo", "serving.models.deepseek_v3", "serving.engine.engine", "serving.engine.rank_worker")
+heavy = ("torch._dynamo", "serving.models.deepseek_v3", "serving.engine.engine", "serving.engine.rank_worker",
+         "serving.engine.model_runner")
 print(",".join(name for name in heavy if name in sys.modules))
 """
 
 
-def test_the_server_process_imports_neither_the_engine_nor_the_model() -> None:
-    out = subprocess.run([sys.executable, "-c", SERVER_IMPORTS], capture_output=True, text=True, timeout=120,
-                         check=True)
-    assert out.stdout.strip() == ""
+def imported(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          check=True).stdout.strip()
 
+
+def test_the_server_process_spawns_the_ranks_before_it_imports_torch() -> None:
+    assert imported(UP_TO_SPAWN) == ""
+
+
+def test_the_server_process_imports_neither_the_engine_nor_the_model() -> None:
+    assert imported(UP_TO_READY) == ""
+
+
+def test_ep_layer_imports_its_public_classes_at_their_first_use() -> None:
+    code = """
+import sys
+import ep_layer
+print("torch" in sys.modules)
+for name in ep_layer.__all__:
+    value = getattr(ep_layer, name)
+    assert getattr(sys.modules[value.__module__], name) is value and name in dir(ep_layer), name
+try:
+    ep_layer.Nothing
+except AttributeError as e:
+    print(e)
+"""
+    assert imported(code).splitlines() == ["False", "module 'ep_layer' has no attribute 'Nothing'"]

@@ -20,9 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Protocol
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .engine_config import EngineConfig
 from .heartbeat import DEFAULT_STALL_TIMEOUT_S, Heartbeats
@@ -45,6 +43,9 @@ from .messages import (
     Wake,
 )
 from .sequence import FINISH_ABORT, SamplingParams
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 OutputSink = Callable[[RequestOutput], None]
 log = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ class DPCoordinator:
         the rendezvous store waits for the ranks of other hosts."""
         config = self.config
         if config.expert_parallel and self.first_rank == 0:
+            import torch.distributed as dist  # only here: a rank alone is spawned before this process imports torch
+
             # Listens on every interface: the other hosts' ranks reach it at data_parallel_address.
             self._store = dist.TCPStore(_HOST, config.dist_port, config.data_parallel_size, is_master=True,
                                         wait_for_workers=False, timeout=timedelta(seconds=timeout_s))

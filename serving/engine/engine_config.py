@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
-
-from ep_layer.backends import resolve_backend
+from typing import TYPE_CHECKING
 
 from ..model_config import AUTO_DTYPE, SUPPORTED_DTYPES, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_LOADER = "serving.loading"
 EP_BACKENDS = ("auto", "cuda", "reference")
@@ -282,6 +282,8 @@ def capture_sizes(max_size: int) -> list[int]:
 def ep_backend_for(config: EngineConfig, device: torch.device) -> str:
     """The Buffer backend config.ep_backend stands for on `device` (resolve_backend): whether the ranks
     span several hosts (config.spans_hosts), and how many there are, decide whether the cuda backend can
-    reach them all."""
+    reach them all. (Imported here: the server parses its flags and spawns the ranks without torch.)"""
+    from ep_layer.backends import resolve_backend
+
     return resolve_backend(config.ep_backend, one_node=not config.spans_hosts, device=device,
                            num_ranks=config.data_parallel_size)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..forward_batch import HostCopy
 from .detokenizer import OutputText
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..forward_batch import HostCopy
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one overflows
