@@ -1,7 +1,7 @@
-"""The server process stays light: it spawns the engine ranks before it imports torch (seconds on a GPU host, where
-torch loads its CUDA libraries), loads the tokenizer while they start, and never imports the model (whose attention
-biases import torch._dynamo, about a second on a fast host) nor the engine, which only the ranks run. Checked in
-fresh interpreters, with the imports the server makes up to the ranks' spawn and up to ready."""
+"""The processes stay light. The server spawns the engine ranks before it imports torch (seconds on a GPU host,
+where torch loads its CUDA libraries), loads the tokenizer while they start, and never imports the model nor the
+engine, which only the ranks run. A rank never imports torch._dynamo (torch's attention biases do: a second or two).
+Checked in fresh interpreters, with the imports each process makes."""
 
 from __future__ import annotations
 
@@ -23,6 +23,14 @@ print(",".join(name for name in heavy if name in sys.modules))
 """
 
 
+RANK = """
+import sys
+import serving.engine.rank_worker, serving.loading, serving.loading.checkpoint, serving.models.deepseek_v3
+import serving.engine.engine, serving.engine.model_runner
+print("torch._dynamo" in sys.modules)
+"""
+
+
 def imported(code: str) -> str:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           check=True).stdout.strip()
@@ -34,6 +42,11 @@ def test_the_server_process_spawns_the_ranks_before_it_imports_torch() -> None:
 
 def test_the_server_process_imports_neither_the_engine_nor_the_model() -> None:
     assert imported(UP_TO_READY) == ""
+
+
+def test_an_engine_rank_does_not_import_torch_dynamo() -> None:
+    """torch's attention biases import it (mla.causal_attention imports them only where flash attention cannot run)."""
+    assert imported(RANK) == "False"
 
 
 def test_ep_layer_imports_its_public_classes_at_their_first_use() -> None:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from ..model_config import ModelConfig
 from . import paged_attention
@@ -129,7 +129,6 @@ def prompt_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tenso
     width = q_nope.shape[-1] + q_pe.shape[-1]  # a key's, and a padded value's
     keys = keys.to(q_nope.dtype)
     c_kv, k_pe = keys[:, :lora], keys[:, lora:]
-    causal = {"is_causal": True} if n == length else {"attn_mask": causal_lower_right(n, length)}
     group = max(1, paged_attention.PROMPT_BLOCK_KV_ELEMENTS // (2 * length * width))
     out = q_nope.new_empty(n, heads, v_dim)
     with sdpa_kernel(PROMPT_SDPA_BACKENDS):  # once for all head groups
@@ -138,6 +137,20 @@ def prompt_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, keys: torch.Tenso
             k = torch.cat([torch.einsum("lc,hdc->hld", c_kv, w_uk[h]), k_pe.expand(h.stop - first, -1, -1)], dim=-1)
             v = F.pad(torch.einsum("lc,hvc->hlv", c_kv, w_uv[h]), (0, width - v_dim))  # every fused kernel takes it
             q = torch.cat([q_nope[:, h], q_pe[:, h]], dim=-1).transpose(0, 1)
-            attended = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, **causal)
-            out[:, h] = attended[0, ..., :v_dim].transpose(0, 1)
+            out[:, h] = causal_attention(q[None], k[None], v[None], scale)[0, ..., :v_dim].transpose(0, 1)
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Fused attention of n queries over L >= n keys, [1, H, n or L, D] each, where query i sees keys [0, L - n + i]
+    (causal aligned to the last key: torch's causal_lower_right). Flash attention aligns its causal mask so itself;
+    elsewhere torch's attention bias does it, imported at the first such call: its module imports torch._dynamo, a
+    second or two of every rank's start-up otherwise (`tests/test_serving_imports.py`)."""
+    n, length = q.shape[-2], k.shape[-2]
+    if n == length:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True)
+    if q.is_cuda and can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, False)):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, attn_mask=causal_lower_right(n, length))
