@@ -42,7 +42,7 @@ from .generation_config import generation_defaults
 from .model_config import AUTO_DTYPE, ModelConfig
 
 if TYPE_CHECKING:
-    from .engine.dp_coordinator import Counted, EngineObserver
+    from .engine.dp_coordinator import EngineObserver, Submission
     from .engine.messages import ModelInfo, RequestOutput, SchedulerStats
 
 DEFAULT_TINY_NAME = "ep-layer-tiny"
@@ -406,14 +406,16 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="uvicorn's log level (default: --log-level)")
     p.add_argument("--enable-log-requests", dest="log_requests", action=argparse.BooleanOptionalAction,
                    default=False,
-                   help="log a line per request when it ends: its id, rank, prompt and output tokens, finish "
-                        "reason and seconds (off by default, as in vLLM)")
+                   help="log a line per request when it arrives (its id, rank, prompt tokens and sampling "
+                        "parameters; at --log-level debug its prompt's text and ids too) and one when it ends "
+                        "(prompt and output tokens, finish reason, seconds); off by default, as in vLLM")
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=False,
                    help="no request lines: vLLM's older flag for the default")
     p.add_argument("--enable-log-outputs", action="store_true",
                    help="the request lines quote the output text (needs --enable-log-requests)")
     p.add_argument("--max-log-len", type=int, default=None, metavar="N",
-                   help="characters of the output text a request line quotes (default: all)")
+                   help="characters of the output text a request line quotes, and of the prompt's text and "
+                        "token ids at debug level (default: all)")
 
 
 def _add_multi_host_args(p: argparse.ArgumentParser) -> None:
@@ -663,7 +665,9 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
     if not log_stats:
         state.coordinator.observer = None
     if log_requests:
-        state.coordinator.observer = RequestLog(state.coordinator.observer, log_outputs, max_log_len)
+        codec = state.codec
+        state.coordinator.observer = RequestLog(state.coordinator.observer, log_outputs, max_log_len,
+                                                lambda ids: codec.decode(ids, skip_special_tokens=False))
     ready = _UvicornLogs(lambda url: startup_summary(config, checkpoint, state.coordinator.info, url),
                          UVICORN_LOG_LEVELS[uvicorn_log_level])
     for name in ("uvicorn.error", "uvicorn.access"):
@@ -772,21 +776,33 @@ def buffer_transport(config: EngineConfig) -> str:
 
 
 class RequestLog:
-    """The engine's observer (serving.engine.dp_coordinator.EngineObserver) with a log line per request
-    when it ends (--enable-log-requests), in front of the observer it wraps (the metrics). log_outputs
-    (--enable-log-outputs): the line quotes the request's output text too, its first max_log_len characters
-    (--max-log-len; None: all)."""
+    """The engine's observer (serving.engine.dp_coordinator.EngineObserver) with log lines per request
+    (--enable-log-requests), in front of the observer it wraps (the metrics), as vLLM's RequestLogger: on arrival
+    its sampling parameters at info level and its prompt (text and token ids, each cut to max_log_len) at debug
+    level, and a line when it ends. log_outputs (--enable-log-outputs): the last line quotes the request's output
+    text too, its first max_log_len characters (--max-log-len; None: all). decode: token ids to text, for the
+    debug line (None: ids only)."""
 
-    def __init__(self, inner: EngineObserver | None, log_outputs: bool = False, max_log_len: int | None = None) -> None:
+    def __init__(self, inner: EngineObserver | None, log_outputs: bool = False, max_log_len: int | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self.inner = inner
-        self.log_outputs, self.max_log_len = log_outputs, max_log_len
+        self.log_outputs, self.max_log_len, self.decode = log_outputs, max_log_len, decode
         self._arrived: dict[str, float] = {}
         self._texts: dict[str, list[str]] = {}  # the output text so far (log_outputs), up to max_log_len
+        if not log.isEnabledFor(logging.INFO):
+            log.warning("--enable-log-requests: ep-serve's log level is above info, so no request is logged")
 
-    def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
-        self._arrived[request_id] = now
+    def on_request(self, rank: int, request: Submission, now: float) -> None:
+        self._arrived[request.request_id] = now
         if self.inner is not None:
-            self.inner.on_request(rank, request_id, now, counted)
+            self.inner.on_request(rank, request, now)
+        ids = request.prompt_token_ids
+        if log.isEnabledFor(logging.DEBUG):
+            cut = ids[:self.max_log_len]
+            text = self.decode(cut)[:self.max_log_len] if self.decode is not None else None
+            log.debug("request %s: prompt %r, prompt_token_ids %s", request.request_id, text, cut)
+        log.info("request %s (rank %d) received: %d prompt tokens, %s", request.request_id, rank, len(ids),
+                 request.params)
 
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
         if self.inner is not None:

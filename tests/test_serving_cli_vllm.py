@@ -49,7 +49,7 @@ from serving.cli import (
     main,
     startup_summary,
 )
-from serving.engine.dp_coordinator import Counted
+from serving.engine.dp_coordinator import Submission
 from serving.engine.engine_config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_NORMAL_BUDGET,
@@ -58,6 +58,7 @@ from serving.engine.engine_config import (
     capture_sizes,
 )
 from serving.engine.messages import ModelInfo, RequestOutput
+from serving.engine.sequence import SamplingParams
 from serving.model_config import ConfigError, ModelConfig
 from serving.tiny_model import FP8_QUANTIZATION, TINY_CONFIG, write_config_and_tokenizer
 
@@ -442,12 +443,18 @@ def test_uvicorn_logs_filter_logs_the_summary_once_and_keeps_the_level(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "ep-serve"] == ["ready at http://::1:8000"]
 
 
+def submitted(request_id: str, prompt_token_ids: list[int] | None = None, **params) -> Submission:
+    return Submission(request_id, prompt_token_ids or [3, 4, 5], SamplingParams(**params), lambda output: None)
+
+
 def test_request_log_wraps_the_metrics(caplog):
+    """One line when a request arrives, with its sampling parameters (vLLM's RequestLogger logs its "Received request"
+    line so), and one when it ends; the metrics see every call."""
     seen: list[str] = []
 
     class Metrics:
-        def on_request(self, rank, request_id, now, counted):
-            seen.append(f"request {request_id}")
+        def on_request(self, rank, request, now):
+            seen.append(f"request {request.request_id}")
 
         def on_output(self, rank, output, now):
             seen.append(f"output {output.request_id}")
@@ -455,29 +462,60 @@ def test_request_log_wraps_the_metrics(caplog):
         def on_stats(self, rank, stats):
             seen.append("stats")
 
-    observer = RequestLog(Metrics())
     with caplog.at_level(logging.INFO, logger="ep-serve"):
-        observer.on_request(1, "cmpl-a-0", 10.0, Counted())
+        observer = RequestLog(Metrics())
+        observer.on_request(1, submitted("cmpl-a-0", max_tokens=2, temperature=0.5), 10.0)
         observer.on_output(1, RequestOutput("cmpl-a-0", [5], "x", 3, 1), 10.1)  # not finished: no line
         observer.on_stats(1, None)
         observer.on_output(1, RequestOutput("cmpl-a-0", [6], "y", 3, 2, finish_reason="length"), 10.5)
     assert seen == ["request cmpl-a-0", "output cmpl-a-0", "stats", "output cmpl-a-0"]
     lines = [r.getMessage() for r in caplog.records if r.name == "ep-serve"]
-    assert lines == ["request cmpl-a-0 (rank 1): 3 prompt + 2 output tokens, finish_reason length, 0.500 s"]
+    assert lines == [f"request cmpl-a-0 (rank 1) received: 3 prompt tokens, "
+                     f"{SamplingParams(max_tokens=2, temperature=0.5)!r}",
+                     "request cmpl-a-0 (rank 1): 3 prompt + 2 output tokens, finish_reason length, 0.500 s"]
+    assert "max_tokens=2, temperature=0.5" in lines[0]
+
+
+def test_request_log_shows_the_prompt_at_debug_level_up_to_max_log_len(caplog):
+    """At debug level the arrival also shows the prompt's text and token ids, each cut to --max-log-len (vLLM's
+    "details" line); without a decoder, the ids alone. Above info level nothing is logged, and the log says so once."""
+    words = {3: "a", 4: "bb", 5: "ccc", 6: "dddd"}
+
+    def decode(ids: list[int]) -> str:
+        return " ".join(words[i] for i in ids)
+
+    for max_len, text, ids in ((None, "'a bb ccc dddd'", "[3, 4, 5, 6]"), (3, "'a b'", "[3, 4, 5]"), (0, "''", "[]")):
+        with caplog.at_level(logging.DEBUG, logger="ep-serve"):
+            caplog.clear()
+            observer = RequestLog(None, max_log_len=max_len, decode=decode)
+            observer.on_request(0, submitted("r", [3, 4, 5, 6], max_tokens=1), 1.0)
+        lines = [r.getMessage() for r in caplog.records if r.name == "ep-serve"]
+        assert lines[0] == f"request r: prompt {text}, prompt_token_ids {ids}", lines
+        assert lines[1].startswith("request r (rank 0) received: 4 prompt tokens, SamplingParams(max_tokens=1,")
+    with caplog.at_level(logging.DEBUG, logger="ep-serve"):
+        caplog.clear()
+        RequestLog(None).on_request(0, submitted("r", [3, 4]), 1.0)
+    assert caplog.records[0].getMessage() == "request r: prompt None, prompt_token_ids [3, 4]"
+    with caplog.at_level(logging.WARNING, logger="ep-serve"):
+        caplog.clear()
+        quiet = RequestLog(None)
+        quiet.on_request(0, submitted("r"), 1.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--enable-log-requests: ep-serve's log level is above info, so no request is logged"]
 
 
 def test_request_log_quotes_the_output_up_to_max_log_len(caplog):
     """--enable-log-outputs: the request line quotes the output text (--max-log-len: its first N characters);
     --enable-log-outputs without --enable-log-requests, or a negative --max-log-len, stops ep-serve naming it."""
     for max_len, quoted in ((None, "'hello world'"), (7, "'hello w'"), (0, "''")):
-        observer = RequestLog(None, log_outputs=True, max_log_len=max_len)
         with caplog.at_level(logging.INFO, logger="ep-serve"):
             caplog.clear()
-            observer.on_request(0, "r", 1.0, Counted())
+            observer = RequestLog(None, log_outputs=True, max_log_len=max_len)
+            observer.on_request(0, submitted("r"), 1.0)
             for i, piece in enumerate(("hello", " wor", "ld")):
                 observer.on_output(0, RequestOutput("r", [i], piece, 2, i + 1,
                                                     finish_reason="stop" if i == 2 else None), 1.5)
-        [line] = [r.getMessage() for r in caplog.records if r.name == "ep-serve"]
+        line = [r.getMessage() for r in caplog.records if r.name == "ep-serve"][-1]
         assert line == f"request r (rank 0): 2 prompt + 3 output tokens, finish_reason stop, output {quoted}, 0.500 s"
     for argv, says in ((["--enable-log-outputs"], "--enable-log-outputs: needs --enable-log-requests"),
                        (["--enable-log-requests", "--max-log-len", "-1"], "--max-log-len: expected >= 0")):
@@ -568,7 +606,10 @@ def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
         line = server.logged(rf"request {body['id']}-0 \(rank [01]\): (\d+) prompt \+ 4 output tokens, "
                              rf"finish_reason length, \d+\.\d+ s", timeout_s=30)
         assert int(line[1]) == body["usage"]["prompt_tokens"]
+        received = server.logged(rf"request {body['id']}-0 \(rank [01]\) received: (\d+) prompt tokens, "
+                                 rf"SamplingParams\(max_tokens=4, temperature=0\.0, ")
+        assert int(received[1]) == body["usage"]["prompt_tokens"]
         time.sleep(0.5)
-        assert len(re.findall(r"INFO ep-serve: request cmpl-", server.log.read_text())) == 1  # one line a request
+        assert len(re.findall(r"INFO ep-serve: request cmpl-", server.log.read_text())) == 2  # its arrival and end
     finally:
         server.stop()

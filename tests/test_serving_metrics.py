@@ -18,11 +18,18 @@ from ep_layer import Buffer
 from ep_layer.latency import BOUNDS_S, OPS, HostLatencyRecorder, LatencyHistogram
 from ep_layer.moe import FusedMoE
 from serving.api.metrics import EPCollector
+from serving.engine.dp_coordinator import Counted, Submission
 from serving.engine.ep_stats import read_ep_stats
 from serving.engine.messages import EPStats, StepCounters
+from serving.engine.sequence import SamplingParams
 
 MODEL = "m"
 
+
+
+def submitted(request_id: str, counted: Counted) -> Submission:
+    """An engine request as the coordinator hands it to its observer (the metrics read its id and counts)."""
+    return Submission(request_id, [3, 4, 5], SamplingParams(max_tokens=4), lambda output: None, counted)
 
 def histogram(samples_ns: list[int]) -> LatencyHistogram:
     rec = HostLatencyRecorder()
@@ -240,7 +247,6 @@ def test_a_finished_requests_phases_and_counts() -> None:
     before its first token has no phases. A parent request's n and the most tokens one of its choices generated
     count once, when its last choice finishes. The ranks' cumulative preemption counts add up as they grow."""
     from serving.api.metrics import ServingMetrics
-    from serving.engine.dp_coordinator import Counted
     from serving.engine.messages import RequestOutput, SchedulerStats
 
     metrics = ServingMetrics(MODEL, 1, 1024)
@@ -248,8 +254,9 @@ def test_a_finished_requests_phases_and_counts() -> None:
     def output(rid: str, tokens: int, finish: str | None = None, queue: float | None = None) -> RequestOutput:
         return RequestOutput(rid, [5] * tokens, "x" * tokens, 7, 0, finish_reason=finish, queue_time=queue)
 
-    metrics.on_request(0, "a", 100.0, Counted(max_tokens=4, choices=2, parent="ab"))
-    metrics.on_request(0, "b", 100.0, Counted(prompt=False, max_tokens=4, choices=2, parent="ab"))  # a's sibling
+    metrics.on_request(0, submitted("a", Counted(max_tokens=4, choices=2, parent="ab")), 100.0)
+    sibling = Counted(prompt=False, max_tokens=4, choices=2, parent="ab")  # a's
+    metrics.on_request(0, submitted("b", sibling), 100.0)
     metrics.on_output(0, output("a", 1, queue=0.25), 101.0)
     metrics.on_output(0, output("a", 2), 101.5)
     metrics.on_output(0, output("a", 1, "length"), 101.75)
@@ -257,9 +264,9 @@ def test_a_finished_requests_phases_and_counts() -> None:
                for f in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in f.samples}
     assert after_a[("vllm:request_params_n_count", None)] == 0  # b, a choice of the same request, still runs
     metrics.on_output(0, output("b", 1, "stop", queue=100.5), 201.0)
-    metrics.on_request(0, "c", 300.0, Counted(output=False, max_tokens=1))  # an echo of its prompt alone
+    metrics.on_request(0, submitted("c", Counted(output=False, max_tokens=1)), 300.0)  # an echo of its prompt alone
     metrics.on_output(0, output("c", 1, "length", queue=0.0), 300.5)
-    metrics.on_request(0, "d", 400.0, Counted(max_tokens=5))
+    metrics.on_request(0, submitted("d", Counted(max_tokens=5)), 400.0)
     metrics.on_output(0, output("d", 0, "abort"), 401.0)  # aborted while it waited
     for preemptions in (2, 2, 5):
         metrics.on_stats(0, SchedulerStats(num_preemptions=preemptions))
@@ -288,7 +295,6 @@ def test_prompt_tokens_by_source_and_the_prefill_that_was_computed() -> None:
     not count it again; a request aborted before its first token computed, as far as anyone knows, all of it.
     Waiting requests all wait for capacity."""
     from serving.api.metrics import ServingMetrics
-    from serving.engine.dp_coordinator import Counted
     from serving.engine.messages import RequestOutput, SchedulerStats
 
     rng = random.Random(11)
@@ -298,7 +304,7 @@ def test_prompt_tokens_by_source_and_the_prefill_that_was_computed() -> None:
     for i in range(12):
         rid, prompt = f"r{i}", rng.randint(1, 300)
         cached = rng.randrange(0, prompt, 16) if i % 3 else 0
-        metrics.on_request(0, rid, 0.0, Counted(max_tokens=4))
+        metrics.on_request(0, submitted(rid, Counted(max_tokens=4)), 0.0)
         if i == 11:  # aborted while it waited
             metrics.on_output(0, RequestOutput(rid, [], "", prompt, 0, finish_reason="abort"), 1.0)
             computed.append(prompt)
@@ -309,7 +315,7 @@ def test_prompt_tokens_by_source_and_the_prefill_that_was_computed() -> None:
         want_sources["local_cache_hit"] += cached
         computed.append(prompt - cached)
         if i == 4:  # a second choice of the same prompt
-            metrics.on_request(0, rid + "b", 0.0, Counted(prompt=False, max_tokens=4))
+            metrics.on_request(0, submitted(rid + "b", Counted(prompt=False, max_tokens=4)), 0.0)
             metrics.on_output(0, RequestOutput(rid + "b", [5], "x", prompt, 1, "stop", num_cached_tokens=prompt - 1),
                               1.0)
     metrics.on_stats(1, SchedulerStats(num_waiting=7))

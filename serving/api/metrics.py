@@ -31,7 +31,7 @@ from prometheus_client.utils import floatToGoString
 
 from ep_layer.latency import OPS, LatencyHistogram
 
-from ..engine.dp_coordinator import Counted
+from ..engine.dp_coordinator import Counted, Submission
 from ..engine.messages import ITERATION_TOKEN_BUCKETS, EPStats, RequestOutput, SchedulerStats
 from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
@@ -177,9 +177,9 @@ class ServingMetrics:
         self._parents: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------------ EngineObserver
-    def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None:
+    def on_request(self, rank: int, request: Submission, now: float) -> None:
         with self._lock:
-            self._timing[request_id] = _Timing(now, counted)
+            self._timing[request.request_id] = _Timing(now, request.counted)
 
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None:
         labels = (self.model_name, str(rank))

@@ -91,7 +91,7 @@ class Submission:
 class EngineObserver(Protocol):
     """Sees what the ranks do (the metrics), from the reader thread."""
 
-    def on_request(self, rank: int, request_id: str, now: float, counted: Counted) -> None: ...
+    def on_request(self, rank: int, request: Submission, now: float) -> None: ...
 
     def on_output(self, rank: int, output: RequestOutput, now: float) -> None: ...
 
@@ -263,7 +263,7 @@ class DPCoordinator:
         if self.observer is not None:
             now = time.monotonic()
             for r, rank in zip(requests, ranks):
-                self.observer.on_request(self.first_rank + rank, r.request_id, now, r.counted)
+                self.observer.on_request(self.first_rank + rank, r, now)
         for rank, adds in by_rank.items():
             self._inboxes[rank].put(AddRequests(adds))
         if self.config.expert_parallel:
