@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "proxies with read timeouts keep it open (0, the default: none)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (and /tokenize's) instead of refusing it")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's tokenizer_config.json (without file paths) and "
+                        "the chat template, as vLLM (behind --api-key, unlike vLLM: it shows the template)")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
                         "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
@@ -614,6 +617,7 @@ def main(argv: list[str] | None = None) -> None:
           rank_stall_timeout_s=args.rank_stall_timeout, connection_limits=limits, generation_defaults=defaults,
           max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
           quiet_paths=args.disable_access_log_for_endpoints,
+          tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
           frontend=dict(prompt_tokens_details=args.enable_prompt_tokens_details,
                         force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
@@ -635,12 +639,14 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
           rank_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
           connection_limits: ConnectionLimits | None = None, generation_defaults: dict[str, Any] | None = None,
           max_logprobs: int | None = None, log_stats: bool = True, frontend: Mapping[str, Any] | None = None,
-          quiet_paths: str = "") -> None:
+          quiet_paths: str = "", tokenizer_info_endpoint: bool = False) -> None:
     """Start the engine ranks, then serve HTTP until SIGTERM or SIGINT; the ranks stop with the server.
     Once the port is bound, one line says what is served, how and where (startup_summary). log_stats
     False: no vllm: request metrics are recorded (--disable-log-stats). frontend: ServerState's fields of the HTTP
-    front (cors, tls, root_path, response_role, ...), by name. quiet_paths: QuietPaths'."""
+    front (cors, tls, root_path, response_role, ...), by name. quiet_paths: QuietPaths'. tokenizer_info_endpoint:
+    serve GET /tokenizer_info (--enable-tokenizer-info-endpoint)."""
     from .api.server import make_server_state, run_http
+    from .api.tokenizer_info import tokenizer_info
 
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
         log.info("%d independent data-parallel ranks (no --enable-expert-parallel: each holds all experts)",
@@ -662,6 +668,8 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
             state.coordinator.shutdown()
             raise SystemExit(f"ep-serve: could not start: {e}") from None
     state.generation_defaults = dict(generation_defaults or {})
+    if tokenizer_info_endpoint:
+        state.tokenizer_info = tokenizer_info(config.tokenizer or config.model, state.chat_template, state.tokenizer)
     if not log_stats:
         state.coordinator.observer = None
     if log_requests:

@@ -587,7 +587,7 @@ def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
     cache = tmp_path / "cache"
     model_dir = tiny_checkpoint(str(cache))
     server = EPServe(["--enable-expert-parallel", "--data-parallel-size", "2", "--dtype", "float32",
-                      "--enable-log-requests"], cache, tmp_path / "ep-serve.log")
+                      "--enable-log-requests", "--enable-tokenizer-info-endpoint"], cache, tmp_path / "ep-serve.log")
     try:
         server.wait_healthy()
         ready = server.logged(r"ep-serve ready at (\S+): (.*)")
@@ -599,6 +599,8 @@ def test_ep_serve_states_what_it_serves_and_logs_each_request(tmp_path):
                                    f"cache "), ready[0]
         assert ready[2].endswith("blocks of 16 tokens a rank, prefix caching on, max_model_len 2048"), ready[0]
         assert server.log.read_text().count("ep-serve ready at") == 1
+        info = httpx.get(f"{server.url}/tokenizer_info", timeout=10).json()
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["chat_template"].startswith("{{ bos_token")
         resp = httpx.post(f"{server.url}/v1/completions", timeout=60,
                           json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert resp.status_code == 200, resp.text

@@ -85,7 +85,7 @@ def load_chat_template(model: str, chat_template: str | None = None) -> ChatTemp
     model's templates, a file, or the template itself) if given, else the model's own. A directory
     without tokenizer files (or `model` not a directory) has no special tokens. ValueError: a
     --chat-template that looks like a path but cannot be read, or that does not compile."""
-    config = _read_json(os.path.join(model, TOKENIZER_CONFIG_FILE))
+    config = tokenizer_config(model)
     tokens = special_tokens(config)
     templates = model_chat_templates(model, config)
     if chat_template is not None:
@@ -253,9 +253,10 @@ def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def tokenizer_config(directory: str) -> dict[str, Any]:
+    """A tokenizer directory's tokenizer_config.json as a dict ({} where it is missing or not a JSON object)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(directory, TOKENIZER_CONFIG_FILE), encoding="utf-8") as f:
             value = json.load(f)
     except (OSError, ValueError):
         return {}

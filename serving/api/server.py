@@ -123,7 +123,8 @@ class ServerState:
     default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
     --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off).
     sse_keep_alive_s: --sse-keep-alive-interval (0: none). trust_request_chat_template: render a request's own
-    chat_template (--trust-request-chat-template). cors: the
+    chat_template (--trust-request-chat-template). tokenizer_info: GET /tokenizer_info's body
+    (--enable-tokenizer-info-endpoint, tokenizer_info.py; None: no such endpoint). cors: the
     CORS policy (cors.py; no origin allowed by default). openapi: serve /openapi.json (--disable-fastapi-docs:
     not). root_path: --root-path (the path prefix of a proxy in front; open_paths are matched without it). tls:
     run_http's TLS (tls.py).
@@ -161,6 +162,7 @@ class ServerState:
     access_log: bool = True
     sse_keep_alive_s: float = 0.0
     trust_request_chat_template: bool = False
+    tokenizer_info: dict[str, Any] | None = None
     cors: Cors = field(default_factory=Cors)
     openapi: bool = True
     root_path: str = ""
@@ -402,6 +404,14 @@ def build_app(state: ServerState) -> FastAPI:
                                 f"(max_model_len {state.max_model_len})", where)
         strs = token_strs(state, ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+
+    if state.tokenizer_info is not None:
+        info = state.tokenizer_info
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            """vLLM's --enable-tokenizer-info-endpoint: the tokenizer's configuration and the chat template."""
+            return info
 
     if state.dev_mode:
         @app.post("/reset_prefix_cache")
