@@ -1,7 +1,8 @@
 """Where a decode step's time goes, in one engine without HTTP: for a few batch sizes, the host time of
 a decode step (schedule, inputs, graph replay, sampling, detokenizing) with async scheduling and
-without it, next to the GPU time of the decode graph's replay alone (CUDA events), and the GPU kernels
-that take the most time in one replay (torch.profiler), against the weight-bytes floor of that step.
+without it, next to the GPU time of what it runs (CUDA events): the decode graph's replay, then the LM head and
+the sampler, which run outside the graph; and the GPU kernels that take the most time in one replay
+(torch.profiler), against the weight-bytes floor of that step and the LM head's share of it.
 
     python -m serving.tiny_model /tmp/v3-4l --v3-shaped-layers 4
     python benchmarks/profile_decode.py /tmp/v3-4l --load-format dummy --batch 1 64
@@ -64,6 +65,19 @@ def replay_gpu_us(engine: LLMEngine, size: int, reps: int = 50) -> float:
     return statistics.median(event_us(graph.replay) for _ in range(reps))
 
 
+def outside_graph_us(engine: LLMEngine, size: int, batch: int, reps: int = 50) -> tuple[float, float]:
+    """GPU µs of what a decode step of `batch` sequences runs after the graph of `size` (medians): the LM head on
+    the graph's output rows, and greedy sampling of its logits."""
+    model, (_, hidden) = engine.runner.model, engine.runner._graphs[size]
+    rows = hidden[:batch]
+    logits = model.compute_logits(rows)
+    params = [SamplingParams(max_tokens=1, temperature=0.0)] * batch
+    head = statistics.median(event_us(lambda: model.compute_logits(rows)) for _ in range(reps))
+    sample = statistics.median(event_us(lambda: engine.sampler.run(logits, params, [None] * batch))
+                               for _ in range(reps))
+    return head, sample
+
+
 def top_kernels(engine: LLMEngine, size: int, shown: int) -> tuple[int, list[tuple[str, float]]]:
     """Kernels per replay of the decode graph of `size`, and the `shown` ones that take the most time (µs
     per replay)."""
@@ -97,25 +111,31 @@ def main() -> None:
     engine = build_engine(path, args.load_format, device, max(args.batch), args.max_model_len)
     print(f"# {path} ({args.load_format}) on {device}; graphs {engine.runner.captured_sizes} captured in "
           f"{engine.runner.capture_seconds:.1f} s; step times are medians of {args.steps}")
-    print(f"{'batch':>6} | {'step_ms':>8} | {'sync_ms':>8} | {'replay_ms':>9} | {'host_ms':>8} | "
-          f"{'sync_host_ms':>12} | {'floor_ms':>8}")
+    head_weight = engine.runner.model.lm_head.weight
+    head_floor_ms = head_weight.numel() * head_weight.element_size() / args.hbm_bytes_per_s * 1e3
+    print(f"{'batch':>6} | {'step_ms':>8} | {'sync_ms':>8} | {'replay_ms':>9} | {'head_ms':>8} | {'sample_ms':>9} | "
+          f"{'gap_ms':>7} | {'floor_ms':>8} | {'head_floor_ms':>13}")
+    nan = float("nan")
     for batch in args.batch:
         step_ms, sync_ms = (statistics.median(decode_steps(engine, batch, args.steps, mode)) * 1e3
                             for mode in (True, False))
         size = next((s for s in engine.runner.captured_sizes if s >= batch), None)
-        replay_ms = replay_gpu_us(engine, size) / 1e3 if size else float("nan")
+        replay_ms = replay_gpu_us(engine, size) / 1e3 if size else nan
+        head_ms, sample_ms = (us / 1e3 for us in outside_graph_us(engine, size, batch)) if size else (nan, nan)
         floor_ms = decode_step_bytes(Path(path), batch, 1) / args.hbm_bytes_per_s * 1e3
-        print(f"{batch:>6} | {step_ms:8.2f} | {sync_ms:8.2f} | {replay_ms:9.2f} | {step_ms - replay_ms:8.2f} | "
-              f"{sync_ms - replay_ms:12.2f} | {floor_ms:8.2f}")
+        gap_ms = step_ms - replay_ms - head_ms - sample_ms
+        print(f"{batch:>6} | {step_ms:8.2f} | {sync_ms:8.2f} | {replay_ms:9.2f} | {head_ms:8.2f} | {sample_ms:9.2f} | "
+              f"{gap_ms:7.2f} | {floor_ms:8.2f} | {head_floor_ms:13.2f}")
         if size:
             count, rows = top_kernels(engine, size, args.kernels)
             print(f"         {count} kernels per replay")
             for name, us in rows:
                 print(f"         {us:9.1f} us  {name}")
     print("step = host time of a decode step with async scheduling, sync = without it; replay = GPU time of the "
-          "decode graph alone; host = step - replay: what the host adds (inputs, sampling, detokenizing, launch "
-          "gaps); floor = weight bytes at the HBM bandwidth "
-          f"({args.hbm_bytes_per_s / 1e12:.2f} TB/s)")
+          "decode graph alone; head, sample = GPU time of the LM head and of greedy sampling, both outside the graph; "
+          "gap = step - replay - head - sample: what the step adds to its GPU work (the host's time where it is "
+          "longer, launch gaps); floor = weight bytes at the HBM bandwidth "
+          f"({args.hbm_bytes_per_s / 1e12:.2f} TB/s), head_floor = the LM head's share of it")
 
 
 if __name__ == "__main__":
