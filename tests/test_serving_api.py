@@ -147,7 +147,7 @@ def test_the_app_loads_what_a_stream_needs_before_its_first_request() -> None:
         "from serving.api.cors import Cors\n"
         "from serving.api.server import build_app\n"
         "app = build_app(SimpleNamespace(dev_mode=False, openapi=True, cors=Cors(), root_path='',\n"
-        "                                request_id_headers=False))\n"
+        "                                request_id_headers=False, tokenizer_info=None))\n"
         "assert 'anyio._backends._asyncio' not in sys.modules, 'already loaded by the imports'\n"
         "async def start():\n"
         "    async with app.router.lifespan_context(app):\n"
