@@ -332,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for its tokens)")
     _add_logging_args(p)
     _add_multi_host_args(p)
+    _add_unsupported_args(p)
     return p
 
 
@@ -400,6 +401,23 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                         "'nvshmem' (NVSHMEM; across hosts over RDMA; needs pip install 'ep-layer[nvshmem]' "
                         "and the NVSHMEM build of the kernels), or 'auto' (NVSHMEM when the ranks span hosts, "
                         "else CUDA IPC)")
+
+
+# vLLM flags for what ep-serve does not do: accepted by the parser so that main() can say what is missing
+# (argparse would only call them unrecognized). Each takes what vLLM's takes: a value or none.
+UNSUPPORTED_VLLM_FLAGS = {
+    "--speculative-config": "speculative decoding (DeepSeek-V3's MTP layer is not served)",
+    "--enable-auto-tool-choice": "tool calling (a request's tools are refused with a 400)",
+    "--tool-call-parser": "tool calling (a request's tools are refused with a 400)",
+    "--enable-lora": "LoRA adapters",
+    "--lora-modules": "LoRA adapters",
+}
+
+
+def _add_unsupported_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM flags ep-serve does not support (each stops it, saying what is missing)")
+    for flag, what in UNSUPPORTED_VLLM_FLAGS.items():
+        g.add_argument(flag, nargs="*", default=None, metavar="VALUE", help=f"not supported: {what}")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -558,6 +576,9 @@ def engine_config(args: argparse.Namespace, model: str, served_name: str, loader
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    for flag, what in UNSUPPORTED_VLLM_FLAGS.items():
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise SystemExit(f"ep-serve: {flag}: not supported: ep-serve has no {what}")
     if not args.rank_stall_timeout > 0:
         raise SystemExit(f"ep-serve: --rank-stall-timeout: expected > 0 seconds, got {args.rank_stall_timeout}")
     try:

@@ -327,6 +327,12 @@ def test_ping_and_max_logprobs(server):
     (["--kv-cache-dtype", "fp8"], "only 'auto' is supported"),
     (["--max-logprobs", "21"], "--max-logprobs: expected in [0, 20]"),
     (["--generation-config", "/nonexistent-dir"], "no generation_config.json"),
+    (["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'],
+     "--speculative-config: not supported: ep-serve has no speculative decoding"),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3"], "--enable-auto-tool-choice: not supported"),
+    (["--tool-call-parser", "deepseek_v3"], "--tool-call-parser: not supported: ep-serve has no tool calling"),
+    (["--enable-lora", "--lora-modules", "a=/x", "b=/y"], "--enable-lora: not supported: ep-serve has no LoRA"),
+    (["--lora-modules", "a=/x"], "--lora-modules: not supported"),
 ])
 def test_flags_refuse_what_is_not_built(argv, says, capsys):
     from serving.cli import main
