@@ -98,7 +98,8 @@ class ModelRunner:
         self.capture_seconds = 0.0
         self.compiled_ahead = (0, 0.0)  # Triton variants compiled ahead on threads (_compile_ahead), and seconds
         buffer = getattr(model, "ep_buffer", None)
-        self.eager_reason = why_eager(device, buffer.backend_name if buffer is not None else None, max_model_len)
+        self.ep_backend = buffer.backend_name if buffer is not None else None  # None: no MoE layers
+        self.eager_reason = why_eager(device, self.ep_backend, max_model_len)
         cfg = model.config
         # Per-token attention on the device in eager steps too, where its kernel runs: no host layout to
         # build or check, and one attention kernel for every step.

@@ -139,8 +139,8 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
         phases.done("KV cache and CUDA graphs")
         warm_up(engine, sync)
         phases.done("warm-up")
+        runner = engine.runner
         if rank == 0:
-            runner = engine.runner
             if runner.captured_sizes:
                 variants, seconds = runner.compiled_ahead
                 graphs = (f"{len(runner.captured_sizes)} step CUDA graphs of {runner.captured_sizes[0]} to "
@@ -151,10 +151,9 @@ def run_rank(rank: int, config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue,
             else:
                 graphs = "steps run eagerly"
             print(f"Rank ready in {phases.summary()}; {graphs}", file=sys.stderr, flush=True)
-        buffer = getattr(model, "ep_buffer", None)
         info = ModelInfo(engine.vocab_size, tuple(sorted(eos_token_ids(model.config))), max_model_len, blocks,
-                         config.block_size, str(device), buffer.backend_name if buffer is not None else None,
-                         tuple(engine.runner.captured_sizes), engine.runner.eager_reason)
+                         config.block_size, str(device), runner.ep_backend, tuple(runner.captured_sizes),
+                         runner.eager_reason)
         outbox.put(RankReady(rank, info))
         RankLoop(rank, engine, sync, inbox, outbox, config.expert_parallel, beat).run()
     except BaseException:
