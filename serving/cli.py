@@ -25,6 +25,7 @@ from .api.connections import (
 from .api.cors import Cors
 from .api.reasoning import REASONING_PARSERS, ThinkTokens
 from .api.tls import Tls
+from .api.tool_calls import TOOL_CALL_PARSERS, check_markers
 from .engine.engine_config import (
     DEEPEP_MODES,
     DEFAULT_LOADER,
@@ -243,6 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
                         "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
                         "deepseek_v3 those whose chat_template_kwargs set thinking or enable_thinking")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="read the tool calls in chat responses, as vLLM's parser of this name (DeepSeek-V3's "
+                        "tool call tokens), where --enable-auto-tool-choice lets a request's tool_choice be auto")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\" (the default of a request with tools): the model decides to "
+                        "call, and the response's tool_calls hold its calls (needs --tool-call-parser); "
+                        "\"required\" and named functions are refused")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave a request's tools out of the prompt where its tool_choice is \"none\"")
     p.add_argument("--enable-ssl-refresh", action="store_true",
                    help="reload the key and certificate (and --ssl-ca-certs) when their files change, for new "
                         "connections (a change that does not load keeps the previous ones)")
@@ -407,8 +417,6 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 # (argparse would only call them unrecognized). Each takes what vLLM's takes: a value or none.
 UNSUPPORTED_VLLM_FLAGS = {
     "--speculative-config": "speculative decoding (DeepSeek-V3's MTP layer is not served)",
-    "--enable-auto-tool-choice": "tool calling (a request's tools are refused with a 400)",
-    "--tool-call-parser": "tool calling (a request's tools are refused with a 400)",
     "--enable-lora": "LoRA adapters",
     "--lora-modules": "LoRA adapters",
 }
@@ -591,6 +599,8 @@ def main(argv: list[str] | None = None) -> None:
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("ep-serve: --enable-auto-tool-choice: needs --tool-call-parser (how to read the calls)")
     if args.enable_log_outputs and not args.log_requests:
         raise SystemExit("ep-serve: --enable-log-outputs: needs --enable-log-requests (outputs go in the request "
                          "lines)")
@@ -643,7 +653,9 @@ def main(argv: list[str] | None = None) -> None:
                         force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        reasoning_parser=args.reasoning_parser,
+                        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                        auto_tool_choice=args.enable_auto_tool_choice,
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
                         request_id_headers=args.enable_request_id_headers,
                         access_log=not args.disable_uvicorn_access_log,
@@ -682,12 +694,14 @@ def serve(config: EngineConfig, checkpoint: ModelConfig, *, host: str, port: int
     if max_logprobs is not None:
         state.max_logprobs = max_logprobs
     state = dataclasses.replace(state, **(frontend or {}))
-    if state.reasoning_parser is not None:
-        try:
+    try:
+        if state.reasoning_parser is not None:
             state.think_tokens = ThinkTokens.of(state.codec.special_tokens())
-        except ValueError as e:
-            state.coordinator.shutdown()
-            raise SystemExit(f"ep-serve: could not start: {e}") from None
+        if state.tool_call_parser is not None:
+            check_markers(state.codec.special_tokens())
+    except ValueError as e:
+        state.coordinator.shutdown()
+        raise SystemExit(f"ep-serve: could not start: {e}") from None
     state.generation_defaults = dict(generation_defaults or {})
     if tokenizer_info_endpoint:
         state.tokenizer_info = tokenizer_info(config.tokenizer or config.model, state.chat_template, state.tokenizer)

@@ -224,15 +224,56 @@ class ThinkingModel(FakeModel):
         return logits
 
 
+# ToolCallingModel's one output, as ToolCallingTokenizer decodes it (DeepSeek-V3's tool call format): content, then
+# two calls. Filler ids stand for the markers (added tokens that are not special) and for longer pieces.
+TOOL_PIECES: dict[int, bytes] = {
+    48: "<｜tool▁calls▁begin｜>".encode(), 49: "<｜tool▁calls▁end｜>".encode(),  # noqa: RUF001
+    50: "<｜tool▁call▁begin｜>".encode(), 51: "<｜tool▁call▁end｜>".encode(), 52: "<｜tool▁sep｜>".encode(),  # noqa: RUF001
+    53: b"Let me look.", 54: b"function", 55: b"function", 56: b"get_weather", 57: b"get_time", 58: b"\n```json\n",
+    59: b'{"city": "Paris", "unit": "celsius"}', 60: b'{"zone": "CET"}', 61: b"\n```"}
+TOOL_CALLS_SCRIPT = [53, 48, 50, 54, 52, 56, 58, 59, 61, 51, 50, 55, 52, 57, 58, 60, 61, 51, 49, EOS]
+TOOL_CALLS_TEXT = b"".join(TOOL_PIECES.get(t, b"") for t in TOOL_CALLS_SCRIPT).decode()
+
+
+class ToolCallingTokenizer(FakeTokenizer):
+    """FakeTokenizer with DeepSeek-V3's tool call markers and ToolCallingModel's pieces (TOOL_PIECES)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        kept = (t for t in token_ids if t != EOS or not skip_special_tokens)
+        return b"".join(TOOL_PIECES.get(t, _PIECES[t]) for t in kept).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> dict[int, str]:
+        return {**super().special_tokens(), **{t: TOOL_PIECES[t].decode() for t in range(48, 53)}}
+
+
+class ToolCallingModel(FakeModel):
+    """Follows TOOL_CALLS_SCRIPT: the next token is the one after the longest end of the window that occurs in the
+    script once; after anything else it starts the script."""
+
+    def _next_logits(self, window: list[int], position: int) -> torch.Tensor:
+        script = TOOL_CALLS_SCRIPT
+        following = script[0]
+        for n in range(min(3, len(window)), 0, -1):
+            after = {script[i + n] for i in range(len(script) - n) if script[i:i + n] == window[-n:]}
+            if len(after) == 1:
+                following = after.pop()
+                break
+        logits = torch.zeros(VOCAB)
+        logits[following] = 30.0
+        return logits
+
+
 # This module is an EngineConfig.loader ("serving_fakes"): config.model "fake", "fake-eos" (EOS likely),
-# "fake-slow" (10 ms per forward) or "fake-think" (ThinkingModel and ThinkingTokenizer).
+# "fake-slow" (10 ms per forward), "fake-think" (ThinkingModel and ThinkingTokenizer) or "fake-tools"
+# (ToolCallingModel and ToolCallingTokenizer).
 def load_model(config: Any, group: dist.ProcessGroup | None, device: torch.device) -> tuple[FakeModel, FakeTokenizer]:
-    if config.model == "fake-think":
-        return ThinkingModel(config.max_tokens_per_rank, group), ThinkingTokenizer()
+    if config.model in ("fake-think", "fake-tools"):
+        model = ThinkingModel if config.model == "fake-think" else ToolCallingModel
+        return model(config.max_tokens_per_rank, group), load_tokenizer(config)
     eos_bias = 8.0 if config.model == "fake-eos" else -4.0
     delay = 0.01 if config.model == "fake-slow" else 0.0
     return FakeModel(config.max_tokens_per_rank, group, eos_bias, step_delay_s=delay), FakeTokenizer()
 
 
 def load_tokenizer(config: Any) -> FakeTokenizer:
-    return ThinkingTokenizer() if config.model == "fake-think" else FakeTokenizer()
+    return {"fake-think": ThinkingTokenizer, "fake-tools": ToolCallingTokenizer}.get(config.model, FakeTokenizer)()

@@ -45,10 +45,11 @@ class ChatTemplate:
     missing: str = "this model has no chat template: start the server with --chat-template FILE|STRING"
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-               continue_final_message: bool = False, variables: Mapping[str, Any] | None = None) -> str:
+               continue_final_message: bool = False, variables: Mapping[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text of `messages` (dicts with role and content strings, keys with None values
         dropped as transformers does). variables: more template variables (chat_template_kwargs); they
-        take precedence over the special tokens."""
+        take precedence over the special tokens. tools: the request's tool definitions (OpenAI's form)."""
         if self.source is None:
             raise ChatTemplateError(self.missing)
         variables = dict(variables or {})
@@ -72,7 +73,7 @@ class ChatTemplate:
             chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
         template = _compile(self.source)
         try:
-            text = template.render(messages=chat, tools=None, documents=None,
+            text = template.render(messages=chat, tools=tools, documents=None,
                                    add_generation_prompt=add_generation_prompt,
                                    **{**self.special_tokens, **variables})
         except Exception as e:  # the template is code from the model or the operator: any failure is its own

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import functools
+import json
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.sequence import BadRequest
 from .chat_template import ChatTemplate, ChatTemplateError
-from .protocol import CHAT_ROLES, ChatMessage
+from .protocol import CHAT_ROLES, ChatMessage, MessageToolCall
 
 if TYPE_CHECKING:
     from .server import ServerState
@@ -88,16 +89,16 @@ async def encode_text(state: ServerState, text: str, add_special_tokens: bool, w
 
 async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
                       continue_final_message: bool, variables: Mapping[str, Any] | None, add_special_tokens: bool,
-                      room: int, template: str | None = None) -> list[int]:
+                      room: int, template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The token ids of a chat: rendered by the chat template (the request's own `template` where given: the
-    caller checked --trust-request-chat-template), then encoded (with the tokenizer's special tokens on top of
-    the template's only when add_special_tokens); refused unrendered when its messages are longer than `room`
-    tokens could hold, and off the event loop when they are long."""
-    chars = sum(len(m["content"]) + len(m["name"] or "") for m in chat)
+    caller checked --trust-request-chat-template) with the request's `tools`, then encoded (with the tokenizer's
+    special tokens on top of the template's only when add_special_tokens); refused unrendered when its messages
+    are longer than `room` tokens could hold, and off the event loop when they are long."""
+    chars = chat_chars(chat, tools)
     check_size(state, chars, room, "messages")
     renderer = state.chat_template if template is None else dataclasses.replace(state.chat_template, source=template)
     work = functools.partial(_render_and_encode, state, renderer, chat, add_generation_prompt, continue_final_message,
-                             template_variables(state, variables), add_special_tokens)
+                             template_variables(state, variables), add_special_tokens, tools)
     return work() if chars <= INLINE_CHARS else await _off_the_loop(state, work)
 
 
@@ -108,31 +109,55 @@ def template_variables(state: ServerState, variables: Mapping[str, Any] | None) 
 
 def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template sees them: role, content (a list of text parts joined by
-    newlines, as vLLM does for templates that take a string) and name when given. BadRequest naming
-    any role or content part type that is not served."""
+    newlines, as vLLM does for templates that take a string; None only for an assistant's), name, an assistant's
+    tool_calls (their arguments parsed from JSON, as transformers' templates take them and vLLM hands them over)
+    and a tool message's tool_call_id, where given. BadRequest naming any role, content part type or tool call
+    arguments that are not served."""
     unsupported: dict[str, str] = {}  # part type -> where it first is
     chat = []
     for i, m in enumerate(messages):
-        if m.role == "tool":
-            raise BadRequest(f"messages[{i}].role: 'tool' messages (tool calling) are not supported by this server",
-                             "messages")
         if m.role not in CHAT_ROLES:
             raise BadRequest(f"messages[{i}].role: expected one of {', '.join(map(repr, CHAT_ROLES))}, got "
                              f"{m.role!r}", "messages")
+        if m.content is None and m.role != "assistant":
+            raise BadRequest(f"messages[{i}].content: expected a string or a list of content parts for a "
+                             f"{m.role!r} message (only an assistant's may be null)", "messages")
         texts = [m.content] if isinstance(m.content, str) else []
-        for j, part in enumerate([] if isinstance(m.content, str) else m.content):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.type != "text":
                 unsupported.setdefault(part.type, f"messages[{i}].content[{j}]")
             elif part.text is None:
                 raise BadRequest(f"messages[{i}].content[{j}].text: expected a string", "messages")
             else:
                 texts.append(part.text)
-        chat.append({"role": m.role, "content": "\n".join(texts), "name": m.name})
+        message = {"role": m.role, "content": None if m.content is None else "\n".join(texts), "name": m.name,
+                   "tool_call_id": m.tool_call_id}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                     for j, call in enumerate(m.tool_calls)]
+        chat.append(message)
     if unsupported:
         names = ", ".join(repr(t) for t in unsupported)
         raise BadRequest(f"{next(iter(unsupported.values()))}: content parts of type {names} are not supported "
                          f"(only 'text')", "messages")
     return chat
+
+
+def _template_tool_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    """A tool call as templates take it: its arguments a JSON object (empty where the text is)."""
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments else {}
+    except ValueError as e:
+        raise BadRequest(f"{where}.function.arguments: expected JSON ({e})", "messages") from None
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def chat_chars(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """About how many characters of text a chat puts in the prompt (its contents, names, tool calls and tools), to
+    bound its rendering by the context's room (check_size)."""
+    chars = sum(len(m["content"] or "") + len(m["name"] or "") for m in chat)
+    calls = [m["tool_calls"] for m in chat if "tool_calls" in m]
+    return chars + (len(json.dumps(calls)) if calls else 0) + (len(json.dumps(tools)) if tools else 0)
 
 
 def check_token_ids(state: ServerState, ids: list[int]) -> None:
@@ -180,10 +205,10 @@ def token_strs(state: ServerState, ids: list[int]) -> list[str]:
 
 def _render_and_encode(state: ServerState, template: ChatTemplate, chat: list[dict[str, Any]],
                        add_generation_prompt: bool, continue_final_message: bool, variables: Mapping[str, Any] | None,
-                       add_special_tokens: bool) -> list[int]:
+                       add_special_tokens: bool, tools: list[dict[str, Any]] | None) -> list[int]:
     try:
         text = template.render(chat, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, variables=variables)
+                               continue_final_message=continue_final_message, variables=variables, tools=tools)
     except ChatTemplateError as e:
         raise BadRequest(str(e), e.param or "messages") from None
     return _encode(state, text, add_special_tokens, "messages")

@@ -17,7 +17,7 @@ from ..engine.sequence import SamplingParams
 MAX_N = 16  # choices per prompt
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 MAX_STOP_TOKEN_IDS = 1024
-CHAT_ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's successor to system
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's successor to system
 MAX_REQUEST_ID_CHARS = 256
 # vLLM's defaults of the fields a model's generation config may set (its _DEFAULT_SAMPLING_PARAMS).
 VLLM_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -180,13 +180,50 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+class FunctionCallText(BaseModel):
+    name: Text
+    arguments: Text  # JSON, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message: as a response gives it, and as a client sends it back."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallText
+
+
 class ChatMessage(BaseModel):
-    """role is checked against CHAT_ROLES by the server, so that its 400 names the role given."""
+    """role is checked against CHAT_ROLES by the server, so that its 400 names the role given. content may be
+    null for an assistant message with tool_calls; a "tool" message answers the call named by tool_call_id."""
 
     model_config = ConfigDict(extra="ignore")
     role: Text
-    content: Text | list[ContentPart]
+    content: Text | list[ContentPart] | None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. OpenAI's strict: handed to the template as given
+    name: Text
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None  # a JSON Schema
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 Messages = Annotated[list[ChatMessage], Field(min_length=1)]
@@ -198,12 +235,10 @@ class ChatCompletionRequest(SamplingRequest):
     template's)."""
 
     REFUSED: ClassVar[tuple[str, ...]] = (
-        *SamplingRequest.REFUSED, "tools", "tool_choice", "reasoning_effort",
-        "parallel_tool_calls", "echo", "documents", "media_io_kwargs", "mm_processor_kwargs",
+        *SamplingRequest.REFUSED, "reasoning_effort", "echo", "documents", "media_io_kwargs", "mm_processor_kwargs",
         "return_prompt_text", "return_assistant_tokens_mask")
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        **SamplingRequest.ALSO_DEFAULT, "tools": _empty, "tool_choice": _one_of(None),
-        "return_prompt_text": _one_of(False)}
+        **SamplingRequest.ALSO_DEFAULT, "return_prompt_text": _one_of(False)}
 
     messages: Messages
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to max_model_len
@@ -216,17 +251,28 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = None  # 0..20, only with logprobs
     include_reasoning: StrictBool = True  # with --reasoning-parser: False leaves the reasoning out (vLLM's)
     chat_template: Text | None = None  # rendered instead of the server's, with --trust-request-chat-template
+    tools: list[ChatTool] | None = None  # handed to the chat template
+    # "auto" where tools are given and this is not (`effective_tool_choice`); null is "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
+    parallel_tool_calls: StrictBool | None = True  # false: a response keeps its first tool call only
     # Refused unless left at their default:
-    tools: Any = None
-    tool_choice: Any = "none"
     reasoning_effort: Any = None
-    parallel_tool_calls: Any = True
     echo: Any = False
     documents: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_prompt_text: Any = None
     return_assistant_tokens_mask: Any = False
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """tool_choice as vLLM resolves it: "auto" where tools are given and tool_choice is not; an empty tools
+        list counts as none given ("auto" and "required" then fall back to "none")."""
+        if not self.tools:
+            return self.tool_choice if isinstance(self.tool_choice, NamedToolChoice) else "none"
+        if "tool_choice" not in self.model_fields_set:
+            return "auto"
+        return self.tool_choice or "none"
 
 
 class PromptTokenUsageInfo(BaseModel):
@@ -293,15 +339,16 @@ class ChatCompletionLogProbs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"  # --response-role, or the continued message's (vLLM's get_chat_request_role)
-    content: str | None  # None: --reasoning-parser found only reasoning
+    content: str | None  # None: --reasoning-parser found only reasoning, or --tool-call-parser only calls
     reasoning: str | None = None  # --reasoning-parser's (vLLM's field)
+    tool_calls: list[MessageToolCall] = Field(default_factory=list)  # --tool-call-parser's
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -316,12 +363,12 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatCompletionStreamChoice(BaseModel):
     """delta: {"role": "assistant"} on a choice's first chunk, then {"content": text} (and with --reasoning-parser
-    {"reasoning": text}); {} on a chunk without text."""
+    {"reasoning": text}, with --tool-call-parser {"tool_calls": [...]}); {} on a chunk without text."""
 
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]
     logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -356,9 +403,9 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: StrictBool = False
     return_token_strs: StrictBool | None = False
     chat_template_kwargs: dict[Text, Any] | None = None
-    # Accepted only at their defaults:
-    chat_template: Text | None = None
-    tools: list[Any] | None = None
+    chat_template: Text | None = None  # with --trust-request-chat-template
+    tools: list[ChatTool] | None = None  # handed to the chat template
+    # Accepted only at its default:
     mm_processor_kwargs: dict[str, Any] | None = None
 
 

@@ -76,8 +76,11 @@ from .protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCallText,
+    MessageToolCall,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokenUsageInfo,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -88,6 +91,7 @@ from .protocol import (
 from .reasoning import ReasoningStream, ThinkTokens, split_reasoning, thinks
 from .request_id import RequestIdHeaders
 from .tls import CertRefresher, Tls
+from .tool_calls import ToolCallStream, extract_tool_calls, tool_call_id
 
 DEFAULT_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})  # reachable without the API key
 MAX_BODY_BYTES = 16 << 20  # a longer request body is a 413
@@ -120,6 +124,9 @@ class ServerState:
     --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise).
     scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). reasoning_parser:
     --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both).
+    tool_call_parser: --tool-call-parser (tool_calls.py), used where auto_tool_choice (--enable-auto-tool-choice)
+    lets a request's tool_choice be "auto"; exclude_tools_when_tool_choice_none: --exclude-tools-when-tool-choice-none
+    (tool_choice "none" leaves the tools out of the prompt).
     default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
     --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off).
     sse_keep_alive_s: --sse-keep-alive-interval (0: none). trust_request_chat_template: render a request's own
@@ -157,6 +164,9 @@ class ServerState:
     scheduling_policy: str = "fcfs"
     reasoning_parser: str | None = None
     think_tokens: ThinkTokens | None = None
+    tool_call_parser: str | None = None
+    auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     request_id_headers: bool = False
     access_log: bool = True
@@ -389,10 +399,11 @@ def build_app(state: ServerState) -> FastAPI:
             body = _parse(TokenizeChatRequest, data)
             _check_model(state, body.model)
             _check_request_template(state, body.chat_template)
-            _refuse((("tools", bool(body.tools)), ("mm_processor_kwargs", bool(body.mm_processor_kwargs))))
+            _refuse((("mm_processor_kwargs", bool(body.mm_processor_kwargs)),))
             ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
                                     body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
-                                    state.max_model_len, body.chat_template)
+                                    state.max_model_len, body.chat_template,
+                                    [t.model_dump() for t in body.tools] if body.tools else None)
             where = "messages"
         else:
             body = _parse(TokenizeCompletionRequest, data)
@@ -907,6 +918,13 @@ class _ChatCompletionCall(_CompletionCall):
         parser = state.reasoning_parser
         self._thinks = parser is not None and thinks(parser, template_variables(state, body.chat_template_kwargs))
         self._reasoning_streams: dict[int, ReasoningStream] = {}
+        # Whether the responses' tool calls are parsed (--tool-call-parser, where tool_choice is "auto" and the
+        # server allows it), each streamed choice's parse by index, and the choices that streamed a call.
+        self._tool_choice = body.effective_tool_choice
+        self._parses_tools = (self._tool_choice == "auto" and state.auto_tool_choice
+                              and state.tool_call_parser is not None)
+        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._called: set[int] = set()
 
     @property
     def max_tokens(self) -> int | None:
@@ -924,12 +942,41 @@ class _ChatCompletionCall(_CompletionCall):
         if not b.include_reasoning and self.state.reasoning_parser is None:
             raise APIError(400, "include_reasoning: false needs --reasoning-parser (without it nothing is taken "
                                 "for reasoning)", "include_reasoning")
+        self._check_tools()
         if b.top_logprobs is not None:  # vLLM's checks (ChatCompletionRequest.check_logprobs)
             if not b.logprobs:
                 raise APIError(400, "top_logprobs: only allowed when logprobs is true", "top_logprobs")
             if not 0 <= b.top_logprobs <= self.state.max_logprobs:
                 raise APIError(400, f"top_logprobs: expected in [0, {self.state.max_logprobs}] (--max-logprobs), got "
                                     f"{b.top_logprobs}", "top_logprobs")
+
+    def _check_tools(self) -> None:
+        """vLLM's checks of tools and tool_choice (ChatCompletionRequest.check_tool_usage, and the server's flags);
+        a choice that forces a call is refused: it needs output constrained to the call's schema."""
+        b, choice = self.body, self.body.tool_choice
+        if "tool_choice" in b.model_fields_set and choice not in (None, "none") and b.tools is None:
+            raise APIError(400, "tool_choice: needs tools (the functions the model may call)", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in b.tools or ()]
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice: names the function {choice.function.name!r}, which is not among "
+                                    f"tools ({', '.join(map(repr, names)) or 'none'})", "tool_choice")
+        choice = self._tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            shown = '"required"' if choice == "required" else "a named function"
+            raise APIError(400, f"tool_choice: {shown} is not supported by this server (forcing a call needs output "
+                                f"constrained to its schema); use \"auto\" or \"none\"", "tool_choice")
+        if choice == "auto" and not self._parses_tools:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                "set", "tool_choice")
+
+    def _tools(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the chat template gets (vLLM's: all of them, unless tool_choice is "none" and
+        --exclude-tools-when-tool-choice-none)."""
+        b = self.body
+        if not b.tools or (self._tool_choice == "none" and self.state.exclude_tools_when_tool_choice_none):
+            return None
+        return [t.model_dump() for t in b.tools]
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
         b = self.body
@@ -959,20 +1006,32 @@ class _ChatCompletionCall(_CompletionCall):
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
         return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                                 b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template)
+                                 b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template, self._tools())
 
     def _message(self, text: str) -> AssistantMessage:
-        if not self._thinks:
-            return AssistantMessage(role=self._role(), content=text)
-        reasoning, content = split_reasoning(text)
+        reasoning, content = split_reasoning(text) if self._thinks else (None, text)
+        calls: list[MessageToolCall] = []
+        parsed = extract_tool_calls(content) if self._parses_tools and content is not None else None
+        if parsed is not None:
+            content, found = parsed
+            calls = [MessageToolCall(id=tool_call_id(), function=FunctionCallText(name=c.name, arguments=c.arguments))
+                     for c in found[:1 if self.body.parallel_tool_calls is False else None]]
         return AssistantMessage(role=self._role(), content=content,
-                                reasoning=reasoning if self.body.include_reasoning else None)
+                                reasoning=reasoning if self.body.include_reasoning else None, tool_calls=calls)
+
+    @staticmethod
+    def _finish_reason(reason: str | None, called: bool) -> str | None:
+        """vLLM's: "tool_calls" for a choice that called a tool and stopped by itself (a cut one stays "length")."""
+        return "tool_calls" if called and reason == "stop" else reason
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
         want = bool(self.body.logprobs)
-        choices = [ChatCompletionChoice(index=i, message=self._message(texts[i]),
+        messages = [self._message(text) for text in texts]
+        choices = [ChatCompletionChoice(index=i, message=messages[i],
                                         logprobs=self._chat_logprobs(self.token_ids[i], self.logprobs[i]) if want
-                                        else None, finish_reason=f.finish_reason, stop_reason=f.stop_reason)
+                                        else None, finish_reason=self._finish_reason(f.finish_reason,
+                                                                                     bool(messages[i].tool_calls)),
+                                        stop_reason=f.stop_reason)
                    for i, f in enumerate(finals)]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                       choices=choices, usage=usage)
@@ -998,12 +1057,33 @@ class _ChatCompletionCall(_CompletionCall):
             delta = self._reasoning_delta(index, out)
         else:
             delta = {"content": out.new_text} if out.new_text or not out.finished else {}
+        if self._parses_tools:
+            content = delta.pop("content", None)
+            delta.update(self._tool_delta(index, content, out.finished))
         logprobs = None
         if self.body.logprobs:
             logprobs = self._chat_logprobs(list(out.new_token_ids), list(out.logprobs or []))
+        finish_reason = self._finish_reason(out.finish_reason, index in self._called)
         return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                              finish_reason=out.finish_reason,
+                                                              finish_reason=finish_reason,
                                                               stop_reason=out.stop_reason)])
+
+    def _tool_delta(self, index: int, content: str | None, finished: bool) -> dict[str, Any]:
+        """A choice's content piece run through its ToolCallStream: the content outside the calls, and the calls'
+        deltas (the first call's only where parallel_tool_calls is false)."""
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            stream = self._tool_streams[index] = ToolCallStream()
+        content, calls = stream.feed(content or "", finished)
+        if self.body.parallel_tool_calls is False:
+            calls = [c for c in calls if c["index"] == 0]
+        delta: dict[str, Any] = {}
+        if content is not None:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+            self._called.add(index)
+        return delta
 
     def _reasoning_delta(self, index: int, out: RequestOutput) -> dict[str, str]:
         """A thinking choice's delta: this output's text split by its ReasoningStream (the reasoning left out where
