@@ -218,8 +218,7 @@ class ModelRunner:
         """Capture a step graph for each size (largest first, all sharing one memory pool), then upload them
         all (graph_upload). Every expert-parallel rank must capture the same sizes at the same time: the
         warm-up run before each capture executes the MoE layers' dispatch and combine with the peers. The
-        Triton kernels the other sizes' runs launch are compiled after the first size's, in parallel
-        (_compile_ahead)."""
+        Triton kernels every size's run launches are compiled before any of them, in parallel (_compile_ahead)."""
         padding = self.graph_inputs(ScheduledBatch(), max(sizes))
         tables = torch.full((padding.block_tables.shape[0], self.max_blocks_per_seq), -1, dtype=torch.int32)
         tables[:, :padding.block_tables.shape[1]] = padding.block_tables
@@ -231,9 +230,9 @@ class ModelRunner:
         side = torch.cuda.Stream(self.device)
         start = time.perf_counter()
         largest_first = sorted(sizes, reverse=True)
-        for i, size in enumerate(largest_first):
-            if i == 1 and COMPILES_AHEAD:  # after the first size's run and capture
-                self.compiled_ahead = self._compile_ahead(largest_first[1:])
+        if COMPILES_AHEAD:
+            self.compiled_ahead = self._compile_ahead(largest_first)
+        for size in largest_first:
             static = self._static_view(size)
             self._write_inputs(self.graph_inputs(ScheduledBatch(), size), static)  # this size's padding
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -255,15 +254,17 @@ class ModelRunner:
         """Compile every Triton variant the step graphs of `sizes` launch, on a pool of threads, before their
         warm-up runs would compile them one at a time: each size's forward is captured into a graph that is never
         replayed, its kernels' first launches handed to the compile threads (ep_layer.kernels.launch.compile_ahead).
-        Nothing runs on the GPU, so the skipped kernels' outputs are never read. It follows the first size's
-        warm-up run and capture, which did the lazy initialisations a capture cannot do (cuBLAS's handle: a
-        capture that came first failed on an H100). Returns (variants, seconds). Where such a capture fails, the
-        warm-up runs compile what is left, as without it."""
+        Nothing runs on the GPU, so the skipped kernels' outputs are never read. The captures come before any
+        warm-up run, so the lazy initialisations happen inside them (cuBLAS's handle: a capture in the default
+        "global" mode failed there on an H100): "relaxed" captures allow them, and a throwaway graph may hold
+        whatever they did. Returns (variants, seconds). Where such a capture fails, the warm-up runs compile
+        what is left, as without it."""
         start = time.perf_counter()
         try:
             with compile_ahead() as compiled:
                 for size in sizes:
-                    with torch.cuda.graph(torch.cuda.CUDAGraph()), torch.inference_mode():
+                    with (torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="relaxed"),
+                          torch.inference_mode()):
                         self.model.hidden_states(self._static_view(size))
         except RuntimeError as e:  # CUDA's capture errors (a compile's error is not one: it raises)
             log.warning("compiling the step graphs' kernels ahead failed; the warm-up runs compile them: %s", e)
