@@ -308,7 +308,7 @@ def test_template_errors_are_400(client, server):
 BAD_CHATS = [
     ({"messages": []}, "messages", "at least 1"),
     ({"messages": "hi"}, "messages", "valid list"),
-    ({"messages": [{"role": "user"}]}, "messages", "Field required (at 0.content)"),
+    ({"messages": [{"role": "user"}]}, "messages", "messages[0].content: expected a string or a list of content"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages", "a string or a list of"),
     ({"messages": [{"role": "tool", "content": None}]}, "messages", "only an assistant's may be null"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [

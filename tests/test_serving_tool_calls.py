@@ -185,6 +185,20 @@ def test_tools_tool_calls_and_tool_messages_reach_the_template() -> None:
 
 
 # ---------------------------------------------------------------------------- over HTTP
+def test_a_chats_tools_reach_the_template_over_http(calling) -> None:
+    """/tokenize and a chat render the request's tools (the fake tokenizer's letters: a template of names only)."""
+    names = ("{% for t in tools or [] %}{{ t.function.name }} {% endfor %}"
+             "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "weather"}}]
+    with http_server(dataclasses.replace(calling, trust_request_chat_template=True)) as url:
+        hi = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "chat_template": names}
+        tokens = httpx.post(f"{url}/tokenize", json={**hi, "tools": tools}).json()["tokens"]
+        assert tokens == calling.codec.encode("weather hi")
+        assert httpx.post(f"{url}/tokenize", json=hi).json()["tokens"] == calling.codec.encode("hi")
+        usage = httpx.post(f"{url}/v1/chat/completions", json={**hi, "tools": tools, "max_tokens": 1}).json()["usage"]
+        assert usage["prompt_tokens"] == len(tokens)
+
+
 @pytest.fixture(scope="module")
 def calling():
     with fake_server(model="fake-tools", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}") \

@@ -195,11 +195,12 @@ class MessageToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     """role is checked against CHAT_ROLES by the server, so that its 400 names the role given. content may be
-    null for an assistant message with tool_calls; a "tool" message answers the call named by tool_call_id."""
+    null or left out in an assistant's message (one with tool_calls); a "tool" message answers the call named by
+    tool_call_id."""
 
     model_config = ConfigDict(extra="ignore")
     role: Text
-    content: Text | list[ContentPart] | None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: Text | None = None
