@@ -213,6 +213,71 @@ def test_logprobs_are_log_softmax_of_the_raw_logits_whatever_the_processing(seed
     assert int(out.tokens[5]) == int(logits[5].argmax())
 
 
+def shaped_oracle(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """vLLM's allowed_token_ids mask, then logit_bias, on one row, token by token in float64."""
+    out = row.double().clone()
+    for t in range(out.shape[0]):
+        if p.allowed_token_ids is not None and t not in p.allowed_token_ids:
+            out[t] = -math.inf
+    for t, bias in p.logit_bias:
+        out[t] += bias
+    return out
+
+
+def test_allowed_token_ids_and_logit_bias_shape_what_is_drawn_but_not_the_logprobs(seed: int):
+    vocab, rng = 40, torch.Generator().manual_seed(seed)
+    logits = random_logits(8, vocab, seed)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randperm(vocab, generator=rng)[:n].tolist())
+
+    def biases(n: int) -> tuple[tuple[int, float], ...]:
+        return tuple((t, float(torch.empty(()).uniform_(-100, 100, generator=rng))) for t in ids(n))
+
+    params = [SamplingParams(temperature=0, allowed_token_ids=ids(5), logprobs=2),
+              SamplingParams(temperature=0, logit_bias=biases(6)),
+              SamplingParams(temperature=0, allowed_token_ids=ids(7), logit_bias=biases(20), logprobs=0),
+              SamplingParams(temperature=0, allowed_token_ids=ids(1)),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, allowed_token_ids=ids(3), seed=3),
+              SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias=((0, 8.0), (1, -3.0))),
+              SamplingParams(temperature=0.5, top_k=2, allowed_token_ids=ids(9), logit_bias=biases(4), seed=4)]
+    counts = TokenCounts(vocab, "cpu")
+    history = counts.history([6], [counts.assign([0, 2], [1])])
+    generators = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+    out = Sampler("cpu", seed=seed).run(logits, params, generators, history)
+    for i, p in enumerate(params):
+        token = int(out.tokens[i])
+        shaped = shaped_oracle(logits[i], p)
+        if i == 6:  # the penalties come after the bias
+            shaped = penalized_oracle(shaped.float(), [0, 2], [1], p)
+        if p.greedy:
+            assert token == int(shaped.argmax()), (seed, i)
+        assert math.isfinite(float(shaped[token])), (seed, i)  # never a masked token
+    raw = logits.double().log_softmax(-1)
+    for i, row in enumerate(out.logprob_rows):  # vLLM's raw logprobs: before the mask and the bias
+        if row >= 0:
+            assert float(out.logprob_values[row, 0]) == pytest.approx(float(raw[i, int(out.tokens[i])]),
+                                                                      abs=LOGPROB_ATOL)
+
+
+def test_out_of_vocabulary_ids_and_empty_allowed_lists_are_refused_naming_the_field():
+    with pytest.raises(BadRequest, match="allowed_token_ids: expected at least one token id") as e:
+        SamplingParams(allowed_token_ids=())
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(BadRequest, match="logit_bias: expected finite biases"):
+        SamplingParams(logit_bias=((1, math.nan),))
+    for field, params in (("stop_token_ids", SamplingParams(stop_token_ids=(64,))),
+                          ("allowed_token_ids", SamplingParams(allowed_token_ids=(3, 64))),
+                          ("logit_bias", SamplingParams(logit_bias=((64, 1.0),)))):
+        with pytest.raises(BadRequest, match=f"{field}: token id 64 is outside the vocabulary") as e:
+            params.check_vocabulary(64)
+        assert e.value.param == field
+        with pytest.raises(BadRequest, match=field):
+            fake_engine(False).add_request("r", [1, 2], params)
+        params.check_vocabulary(65)
+
+
 def test_token_logprobs_with_no_top():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     ids, values = token_logprobs(logits, torch.tensor([0]), 0)

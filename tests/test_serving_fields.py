@@ -6,7 +6,8 @@
 - min_tokens, include_stop_str_in_output, skip_special_tokens against the fake model's reference greedy
   text (tests/serving_fakes.py), streamed and not; spaces_between_special_tokens against transformers'
   decode of the tiny model's tokenizer;
-- the developer role renders as a system prompt; tool messages are refused in words that say so;
+- logit_bias and allowed_token_ids decide what is drawn, the logprobs staying the raw ones;
+- the developer role renders as a system prompt; the tiny model's template refuses a tool message;
 - --generation-config's defaults (a file read as vLLM reads it) reach the requests that leave the fields
   unset; /ping; --max-logprobs; the flags that refuse what is not built.
 """
@@ -75,6 +76,34 @@ def test_a_refused_field_off_its_default_is_a_400_naming_it(server, model, path)
             assert err["param"] == name and "not supported" in err["message"], (name, err)
             default = model.model_fields[name].default
             assert c.post(path, json={**base, "max_tokens": 2, name: default}).status_code == 200, name
+
+
+def test_logit_bias_and_allowed_token_ids_decide_what_is_drawn(server):
+    """A bias of 100 makes a token the greedy choice at every step (EOS banned by min_tokens meanwhile); sampled
+    tokens stay among allowed_token_ids; both on the chat endpoint too; out-of-vocabulary ids, keys that are not
+    integers and an empty list are 400s naming the field."""
+    url = server[0]
+    forced = complete(url, prompt="ab", max_tokens=6, min_tokens=6, logit_bias={"7": 100, "9": -100},
+                      logprobs=1)["choices"][0]
+    assert forced["text"] == TOK.decode([7] * 6)
+    want = reference_next(TOK.encode("ab"), eos_bias=8.0).double().log_softmax(-1)[7]  # raw: before the bias
+    assert forced["logprobs"]["token_logprobs"][0] == pytest.approx(float(want), abs=1e-5)
+    allowed = [3, 4, 5]
+    for seed in range(4):
+        text = complete(url, prompt="ab", max_tokens=8, temperature=1.0, seed=seed, allowed_token_ids=allowed,
+                        ignore_eos=True)["choices"][0]["text"]
+        assert set(TOK.encode(text)) <= set(allowed), text
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "model": NAME, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 3, "temperature": 0,
+        "allowed_token_ids": [5]}).json()
+    assert chat["choices"][0]["message"]["content"] == TOK.decode([5] * 3)
+    for body, param, says in (({"logit_bias": {"64": 1}}, "logit_bias", "token id 64 is outside the vocabulary"),
+                              ({"logit_bias": {"seven": 1}}, "logit_bias", "expected token ids"),
+                              ({"allowed_token_ids": [1, 64]}, "allowed_token_ids", "token id 64 is outside"),
+                              ({"allowed_token_ids": []}, "allowed_token_ids", "expected at least one"),
+                              ({"stop_token_ids": [64]}, "stop_token_ids", "token id 64 is outside")):
+        err = check_envelope(httpx.post(f"{url}/v1/completions", json={"prompt": "ab", **body}, timeout=30), 400)
+        assert err["param"] == param and says in err["message"], (body, err)
 
 
 def test_priority_needs_the_priority_policy(server):

@@ -12,11 +12,14 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_serializer
 
-from ..engine.sequence import SamplingParams
+from ..engine.sequence import BadRequest, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 MAX_STOP_TOKEN_IDS = 1024
+# Each step builds the sampler's mask and biases from these lists: bounded, so one request cannot slow the others.
+MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS = 1024, 32768
+LOGIT_BIAS_RANGE = 100.0  # a bias is clamped to +-this (vLLM's)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's successor to system
 MAX_REQUEST_ID_CHARS = 256
 # vLLM's defaults of the fields a model's generation config may set (its _DEFAULT_SAMPLING_PARAMS).
@@ -60,15 +63,15 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     REFUSED: ClassVar[tuple[str, ...]] = (
-        "logit_bias", "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side",
-        "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "bad_words", "structured_outputs",
-        "response_format", "session_id", "return_token_ids", "routed_experts_prompt_start",
-        "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params", "vllm_xargs",
+        "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
+        "logprob_token_ids", "bad_words", "structured_outputs", "response_format", "session_id", "return_token_ids",
+        "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params",
+        "vllm_xargs",
         "repetition_detection", "thinking_token_budget", "stream_interval", "watermarking", "return_weight_versions",
         "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        "logit_bias": _empty, "best_of": lambda value, request: value == request.n, "bad_words": _empty,
+        "best_of": lambda value, request: value == request.n, "bad_words": _empty,
         "response_format": _one_of({"type": "text"}), "return_token_ids": _one_of(False),
         "stream_interval": _one_of(1), "watermarking": _one_of(False), "return_mm_kwargs": _one_of(False)}
 
@@ -98,14 +101,17 @@ class SamplingRequest(BaseModel):
     priority: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     # Logprobs' tokens as "token_id:{id}" (None: --return-tokens-as-token-ids decides).
     return_tokens_as_token_ids: StrictBool | None = None
+    # Token id (as a string, as JSON keys are) to a bias added to its logit, clamped to [-100, 100] (vLLM's).
+    logit_bias: Annotated[dict[Text, Float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Only these can be drawn.
+    allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
+                                 Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     # Refused unless left at their default (REFUSED):
-    logit_bias: Any = None
     best_of: Any = None
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     truncate_prompt_tokens: Any = None
     truncation_side: Any = None
-    allowed_token_ids: Any = None
     prompt_logprobs: Any = None
     logprob_token_ids: Any = None
     bad_words: Any = None
@@ -152,7 +158,21 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, each bias clamped to [-100, 100] as vLLM's to_sampling_params does;
+        BadRequest for a key that is not an integer."""
+        biases: dict[int, float] = {}  # keys naming one id twice ("7", "07"): the last wins, as in vLLM's dict
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias: expected token ids (integers as strings) for keys, got {key!r}",
+                                 "logit_bias") from None
+            biases[token] = min(LOGIT_BIAS_RANGE, max(-LOGIT_BIAS_RANGE, bias))
+        return tuple(biases.items())
 
 
 class CompletionRequest(SamplingRequest):

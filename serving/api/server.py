@@ -607,17 +607,13 @@ class _CompletionCall:
 
     def _params(self) -> SamplingParams:
         """The engine's SamplingParams of the request; a 400 for a value they refuse."""
-        b = self.body
-        stop_ids = tuple(b.stop_token_ids or ())
-        bad = next((t for t in stop_ids if t >= self.state.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"stop_token_ids: {bad} is outside the vocabulary [0, {self.state.vocab_size})",
-                           "stop_token_ids")
         logprobs, prompt_logprobs = self._logprobs_params()
         # Until the prompt is known, max_tokens is checked against the most it could be.
         max_tokens = self.state.max_model_len if self.max_tokens is None else self.max_tokens
-        return b.to_sampling_params(max_tokens=max_tokens, defaults=self.state.generation_defaults,
-                                    logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        params = self.body.to_sampling_params(max_tokens=max_tokens, defaults=self.state.generation_defaults,
+                                              logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        params.check_vocabulary(self.state.vocab_size)
+        return params
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
         """SamplingParams' (logprobs, prompt_logprobs) for the request."""

@@ -121,12 +121,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
         """Queue a request; ValueError for an id in use or a priority without the priority policy, BadRequest
-        (sequence.check_prompt) for a prompt the engine cannot take."""
+        (sequence.check_prompt, SamplingParams.check_vocabulary) for a prompt or token ids the engine cannot take."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         if priority and not self.scheduler.by_priority:
             raise ValueError(f"priority: {priority} needs the priority scheduling policy (this engine's is fcfs)")
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        params.check_vocabulary(self.vocab_size)
         prompt = list(prompt_token_ids)
         text = OutputText(self.codec, prompt, params.stop, min_tokens=params.min_tokens,
                           include_stop=params.include_stop_str_in_output,

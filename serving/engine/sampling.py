@@ -135,11 +135,13 @@ class Sampler:
             banned: tuple[list[int], list[int]] | None = None) -> SamplerOutput:
         """The tokens and, for the rows that ask, their logprobs. history: the penalized rows' token
         counts (None: no row has penalties). banned: (rows, token ids) pairs that cannot be drawn (min_tokens:
-        vLLM's MinTokensLogitsProcessor, before the penalties); logprobs stay the raw logits'."""
+        vLLM's MinTokensLogitsProcessor, after the rows' allowed_token_ids and logit_bias, before the penalties);
+        logprobs stay the raw logits'."""
         if logits.shape[0] != len(params):
             raise ValueError(f"logits: expected {len(params)} rows (one per sequence), got {logits.shape[0]}")
         logits = logits.float()
-        allowed = logits if banned is None else _without(logits, *banned)
+        allowed = _shaped(logits, params)
+        allowed = allowed if banned is None else _without(allowed, *banned)
         fallback = _likeliest(allowed)  # the token of a row left without a candidate (module docstring)
         if history is None:
             processed, tokens = allowed, fallback.clone()
@@ -166,6 +168,29 @@ class Sampler:
             rows = to_device(asking, torch.int64, logits.device)
             ids, values = token_logprobs(logits[rows], tokens[rows], k)
         return SamplerOutput(tokens, where, ids, values)
+
+
+def _shaped(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits with each row's allowed_token_ids mask and then its logit_bias applied (a new tensor where any
+    row has either), as vLLM's sampler applies them before the penalties."""
+    limited = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not limited and not biased:
+        return logits
+    device = logits.device
+    if limited:
+        pairs = [(j, t) for j, i in enumerate(limited) for t in params[i].allowed_token_ids or ()]
+        keep = torch.zeros(len(limited), logits.shape[1], dtype=torch.bool, device=device)
+        keep[to_device([j for j, _ in pairs], torch.int64, device), to_device([t for _, t in pairs], torch.int64,
+                                                                             device)] = True
+        rows = to_device(limited, torch.int64, device)
+        logits = logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~keep, float("-inf")))
+    if biased:
+        entries = [(i, t, b) for i in biased for t, b in params[i].logit_bias]
+        index = (to_device([i for i, _, _ in entries], torch.int64, device),
+                 to_device([t for _, t, _ in entries], torch.int64, device))
+        logits = logits.index_put(index, to_device([b for _, _, b in entries], logits.dtype, device), accumulate=True)
+    return logits
 
 
 def _without(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:

@@ -46,7 +46,9 @@ class SamplingParams:
     min_tokens: no EOS (unless ignore_eos) or stop token id can be drawn before that many output tokens,
     and no stop string matches in their text; include_stop_str_in_output: the stop string (or the stop
     token's text) that ended the output stays in it; skip_special_tokens and
-    spaces_between_special_tokens: how the output is detokenized (vLLM's meanings)."""
+    spaces_between_special_tokens: how the output is detokenized (vLLM's meanings). allowed_token_ids: only
+    these can be drawn (None: all); logit_bias: (token id, bias) pairs added to the logits, after the allowed
+    tokens' mask and before the penalties (vLLM's order); neither changes the reported logprobs."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -66,6 +68,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # vLLM's checks, field by field (SamplingParams._verify_args in vllm/sampling_params.py at
@@ -98,6 +102,12 @@ class SamplingParams:
         if not (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens):
             raise BadRequest(f"min_tokens: expected an integer in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens!r}", "min_tokens")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise BadRequest("allowed_token_ids: expected at least one token id (null: every token)",
+                             "allowed_token_ids")
+        bad_bias = next((b for _, b in self.logit_bias if not math.isfinite(b)), None)
+        if bad_bias is not None:
+            raise BadRequest(f"logit_bias: expected finite biases, got {bad_bias}", "logit_bias")
         if any(not s for s in self.stop):
             raise BadRequest("stop: expected non-empty strings", "stop")
         if sum(map(len, self.stop)) > MAX_STOP_CHARS:
@@ -107,6 +117,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """BadRequest naming the field of a token id outside the vocabulary [0, vocab_size)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logit_bias", [t for t, _ in self.logit_bias])):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", name)
 
     def banned_before_min_tokens(self, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
         """The token ids that cannot be drawn while the output is shorter than min_tokens (vLLM's
