@@ -6,7 +6,7 @@
 - min_tokens, include_stop_str_in_output, skip_special_tokens against the fake model's reference greedy
   text (tests/serving_fakes.py), streamed and not; spaces_between_special_tokens against transformers'
   decode of the tiny model's tokenizer;
-- logit_bias and allowed_token_ids decide what is drawn, the logprobs staying the raw ones;
+- logit_bias and allowed_token_ids decide what is drawn, the logprobs staying the raw ones; return_token_ids;
 - the developer role renders as a system prompt; the tiny model's template refuses a tool message;
 - --generation-config's defaults (a file read as vLLM reads it) reach the requests that leave the fields
   unset; /ping; --max-logprobs; the flags that refuse what is not built.
@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from engine_sources import source_dir
-from serving_fakes import EOS, FakeTokenizer, reference_next
+from serving_fakes import EOS, FakeTokenizer, reference_greedy, reference_next
 from test_serving_api import NAME, check_envelope, fake_server, http_server, sse_events, tiny_server
 
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -104,6 +104,42 @@ def test_logit_bias_and_allowed_token_ids_decide_what_is_drawn(server):
                               ({"stop_token_ids": [64]}, "stop_token_ids", "token id 64 is outside")):
         err = check_envelope(httpx.post(f"{url}/v1/completions", json={"prompt": "ab", **body}, timeout=30), 400)
         assert err["param"] == param and says in err["message"], (body, err)
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(server):
+    """Each choice's prompt ids (the tokenizer's) and output ids (the model's greedy tokens, their text the choice's);
+    streamed, the prompt's in a choice's first chunk and each chunk's new ids adding up; the chat's prompt ids are
+    /tokenize's; without the field, no such keys."""
+    url = server[0]
+    prompts = ["ab", "the cat"]
+    body = dict(prompt=prompts, max_tokens=5, n=2, return_token_ids=True, temperature=0, ignore_eos=True)
+    choices = complete(url, **body)["choices"]
+    for c in choices:
+        prompt = TOK.encode(prompts[c["index"] // 2])
+        assert c["prompt_token_ids"] == prompt
+        assert c["token_ids"] == reference_greedy(prompt, 5, eos_bias=8.0, ignore_eos=True)
+        assert TOK.decode(c["token_ids"]) == c["text"]
+    events = sse_events(httpx.post(f"{url}/v1/completions", json={**body, "stream": True},
+                                   timeout=30).text.splitlines())
+    streamed: dict[int, list[int]] = {}
+    for e in events[:-1]:
+        (c,) = e["choices"]
+        first = c["index"] not in streamed
+        assert ("prompt_token_ids" in c) == first and (not first or c["prompt_token_ids"] == choices[c["index"]][
+            "prompt_token_ids"])
+        streamed.setdefault(c["index"], []).extend(c["token_ids"])
+    assert [streamed[i] for i in range(4)] == [c["token_ids"] for c in choices]
+    assert "token_ids" not in complete(url, prompt="ab", max_tokens=2)["choices"][0]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True}
+    whole = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).json()
+    tokenized = httpx.post(f"{url}/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    assert whole["prompt_token_ids"] == tokenized
+    assert TOK.decode(whole["choices"][0]["token_ids"]) == whole["choices"][0]["message"]["content"]
+    events = sse_events(httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": True},
+                                   timeout=30).text.splitlines())
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert [t for e in events[1:-1] for t in e["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
 def test_priority_needs_the_priority_policy(server):

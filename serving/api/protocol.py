@@ -64,7 +64,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     REFUSED: ClassVar[tuple[str, ...]] = (
         "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
-        "logprob_token_ids", "bad_words", "structured_outputs", "response_format", "session_id", "return_token_ids",
+        "logprob_token_ids", "bad_words", "structured_outputs", "response_format", "session_id",
         "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params",
         "vllm_xargs",
         "repetition_detection", "thinking_token_budget", "stream_interval", "watermarking", "return_weight_versions",
@@ -72,7 +72,7 @@ class SamplingRequest(BaseModel):
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         "best_of": lambda value, request: value == request.n, "bad_words": _empty,
-        "response_format": _one_of({"type": "text"}), "return_token_ids": _one_of(False),
+        "response_format": _one_of({"type": "text"}),
         "stream_interval": _one_of(1), "watermarking": _one_of(False), "return_mm_kwargs": _one_of(False)}
 
     model: Text | None = None
@@ -106,6 +106,9 @@ class SamplingRequest(BaseModel):
     # Only these can be drawn.
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]],
                                  Field(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    # The prompt's and each choice's token ids in the response (streamed: the prompt's in a choice's first chunk,
+    # each chunk's own new ids), as vLLM adds them.
+    return_token_ids: StrictBool | None = None
     # Refused unless left at their default (REFUSED):
     best_of: Any = None
     use_beam_search: Any = False
@@ -118,7 +121,6 @@ class SamplingRequest(BaseModel):
     structured_outputs: Any = None
     response_format: Any = None
     session_id: Any = None
-    return_token_ids: Any = None
     routed_experts_prompt_start: Any = 0
     return_token_offsets: Any = False
     cache_salt: Any = None
@@ -327,12 +329,27 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _TokenIdsWhereAsked(BaseModel):
+    """A response part with vLLM's token id fields, left out of the JSON unless a request's return_token_ids
+    filled them."""
+
+    @model_serializer(mode="wrap")
+    def _ids_only_where_given(self, handler: Any) -> dict:
+        data = handler(self)
+        for name in ("token_ids", "prompt_token_ids"):
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
+class CompletionChoice(_TokenIdsWhereAsked):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # the choice's output (return_token_ids)
+    prompt_token_ids: list[int] | None = None  # its prompt's (return_token_ids; streamed: in its first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -365,24 +382,26 @@ class AssistantMessage(BaseModel):
     tool_calls: list[MessageToolCall] = Field(default_factory=list)  # --tool-call-parser's
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_TokenIdsWhereAsked):
     index: int
     message: AssistantMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdsWhereAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(_TokenIdsWhereAsked):
     """delta: {"role": "assistant"} on a choice's first chunk, then {"content": text} (and with --reasoning-parser
     {"reasoning": text}, with --tool-call-parser {"tool_calls": [...]}); {} on a chunk without text."""
 
@@ -391,15 +410,17 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # the chunk's new ids (return_token_ids)
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_TokenIdsWhereAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # on each choice's opening chunk (return_token_ids)
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -684,6 +684,10 @@ class _CompletionCall:
         for rid in list(self.pending):
             self.state.coordinator.abort(rid)
 
+    def _prompt(self, index: int) -> list[int]:
+        """Choice `index`'s prompt token ids (a copy)."""
+        return list(self.prompts[index // self.body.n])
+
     def _counts_prompt(self, index: int) -> bool:
         """Whether choice `index` counts its prompt (in the metrics and the usage): its prompt's first choice only."""
         return index % self.body.n == 0
@@ -785,7 +789,7 @@ class _TextCompletionCall(_CompletionCall):
 
     def __init__(self, state: ServerState, body: Any, raw: Request) -> None:
         super().__init__(state, body, raw)
-        self.echoed: set[int] = set()  # the choices whose stream has had the prompt
+        self.started: set[int] = set()  # the choices whose stream has sent a chunk (the echo, the prompt's ids)
         self.text_lens: dict[int, int] = {}  # the text a choice's stream has sent (vLLM's text_offset base)
 
     def _refuse_unsupported(self) -> None:
@@ -833,8 +837,8 @@ class _TextCompletionCall(_CompletionCall):
     def _echo(self, index: int) -> tuple[str, list[int], list[TokenLogprobs | None]]:
         """The prompt's text, token ids and logprobs (the first None) as a choice's echo."""
         plps = self.prompt_logprobs[index]
-        prompt = self.prompts[index // self.body.n]
-        return self._prompt_text(index), list(prompt), list(plps) if plps is not None else [None] * len(prompt)
+        prompt = self._prompt(index)
+        return self._prompt_text(index), prompt, list(plps) if plps is not None else [None] * len(prompt)
 
     def _completion_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs | None],
                              offset: int) -> CompletionLogProbs:
@@ -872,8 +876,9 @@ class _TextCompletionCall(_CompletionCall):
                 prompt_text, prompt_ids, prompt_entries = self._echo(i)
                 text, token_ids, entries = prompt_text + text, prompt_ids + token_ids, prompt_entries + entries
             logprobs = self._completion_logprobs(token_ids, entries, 0) if b.logprobs is not None else None
+            ids = dict(token_ids=self.token_ids[i], prompt_token_ids=self._prompt(i)) if b.return_token_ids else {}
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=f.finish_reason,
-                                            stop_reason=f.stop_reason))
+                                            stop_reason=f.stop_reason, **ids))
         return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                   choices=choices, usage=usage)
 
@@ -881,16 +886,20 @@ class _TextCompletionCall(_CompletionCall):
         b = self.body
         text, token_ids = out.new_text, list(out.new_token_ids)
         entries: list[TokenLogprobs | None] = list(out.logprobs or [])
-        if b.echo and index not in self.echoed:
-            self.echoed.add(index)
+        first = index not in self.started
+        self.started.add(index)
+        if b.echo and first:
             prompt_text, prompt_ids, prompt_entries = self._echo(index)
             text, token_ids, entries = prompt_text + text, prompt_ids + token_ids, prompt_entries + entries
         logprobs = None
         if b.logprobs is not None:
             logprobs = self._completion_logprobs(token_ids, entries, self.text_lens.get(index, 0))
         self.text_lens[index] = self.text_lens.get(index, 0) + len(text)
+        ids = {}
+        if b.return_token_ids:
+            ids = dict(token_ids=list(out.new_token_ids), prompt_token_ids=self._prompt(index) if first else None)
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason)
+                                  stop_reason=out.stop_reason, **ids)
         chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                    choices=[choice])
         return chunk.model_dump(exclude={"usage"})
@@ -1029,18 +1038,26 @@ class _ChatCompletionCall(_CompletionCall):
                                                                                      bool(messages[i].tool_calls)),
                                         stop_reason=f.stop_reason)
                    for i, f in enumerate(finals)]
+        if self.body.return_token_ids:
+            for choice in choices:
+                choice.token_ids = self.token_ids[choice.index]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
-                                      choices=choices, usage=usage)
+                                      choices=choices, usage=usage,
+                                      prompt_token_ids=self._prompt(0) if self.body.return_token_ids else None)
 
-    def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> dict:
+    def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
+                      prompt_token_ids: list[int] | None = None) -> dict:
         chunk = ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.state.served_model_name,
-                                             choices=choices, usage=usage)
+                                             choices=choices, usage=usage, prompt_token_ids=prompt_token_ids)
         return chunk.model_dump(exclude=None if usage is not None else {"usage"})
 
     def _opening_chunks(self) -> list[dict]:
-        """The role of each choice, before its text (as OpenAI and vLLM send it)."""
+        """The role of each choice, before its text (as OpenAI and vLLM send it; with return_token_ids the prompt's
+        token ids too)."""
         role = self._role()
-        return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": role, "content": ""})])
+        prompt = self._prompt(0) if self.body.return_token_ids else None
+        return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": role, "content": ""})],
+                                   prompt_token_ids=prompt)
                 for i in range(len(self.request_ids))]
 
     def _role(self) -> str:
@@ -1060,9 +1077,10 @@ class _ChatCompletionCall(_CompletionCall):
         if self.body.logprobs:
             logprobs = self._chat_logprobs(list(out.new_token_ids), list(out.logprobs or []))
         finish_reason = self._finish_reason(out.finish_reason, index in self._called)
+        ids = list(out.new_token_ids) if self.body.return_token_ids else None
         return self._stream_chunk([ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                               finish_reason=finish_reason,
-                                                              stop_reason=out.stop_reason)])
+                                                              stop_reason=out.stop_reason, token_ids=ids)])
 
     def _tool_delta(self, index: int, content: str | None, finished: bool) -> dict[str, Any]:
         """A choice's content piece run through its ToolCallStream: the content outside the calls, and the calls'
