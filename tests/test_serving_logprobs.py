@@ -245,7 +245,7 @@ def test_penalties_and_min_p_pass_through(client, path, penalty):
     ({"min_p": 1.5}, "min_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"suffix": "x"}, "suffix"),
-    ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"3": 1.0, "x": 2.0}}, "logit_bias"),
     ({"best_of": 2}, "best_of"),
     ({"logprobs": True}, "logprobs"),
 ])
@@ -264,7 +264,7 @@ def test_bad_completion_values_are_400(client, body, param):
     ({"presence_penalty": -2.5}, "presence_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"min_p": -0.1}, "min_p"),
-    ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"3": 1e9, "100000": 1.0}}, "logit_bias"),
 ])
 def test_bad_chat_values_are_400(client, body, param):
     resp = client.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "a"}],
