@@ -7,6 +7,7 @@
   text (tests/serving_fakes.py), streamed and not; spaces_between_special_tokens against transformers'
   decode of the tiny model's tokenizer;
 - logit_bias and allowed_token_ids decide what is drawn, the logprobs staying the raw ones; return_token_ids;
+  truncate_prompt_tokens (a long text cut before it is tokenized keeps the whole text's last tokens);
 - the developer role renders as a system prompt; the tiny model's template refuses a tool message;
 - --generation-config's defaults (a file read as vLLM reads it) reach the requests that leave the fields
   unset; /ping; --max-logprobs; the flags that refuse what is not built.
@@ -140,6 +141,50 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(server):
                                    timeout=30).text.splitlines())
     assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
     assert [t for e in events[1:-1] for t in e["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(server):
+    url = server[0]
+    text = "the cat and the dog"
+    ids = TOK.encode(text)
+
+    def prompt_ids(**body) -> list[int]:
+        return complete(url, max_tokens=1, return_token_ids=True, **body)["choices"][0]["prompt_token_ids"]
+
+    assert prompt_ids(prompt=text, truncate_prompt_tokens=3) == ids[-3:]
+    assert prompt_ids(prompt=text, truncate_prompt_tokens=3, truncation_side="right") == ids[:3]
+    assert prompt_ids(prompt=ids, truncate_prompt_tokens=2) == ids[-2:]
+    assert prompt_ids(prompt=text, truncate_prompt_tokens=-1) == prompt_ids(prompt=text, truncate_prompt_tokens=50) \
+        == ids
+    chat = {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "return_token_ids": True}
+    whole = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).json()["prompt_token_ids"]
+    cut = httpx.post(f"{url}/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 4}, timeout=30).json()
+    assert cut["prompt_token_ids"] == whole[-4:] and cut["usage"]["prompt_tokens"] == 4
+    for body, says in (({"truncate_prompt_tokens": 300}, "more than this model's maximum context length"),
+                       ({"truncate_prompt_tokens": -2}, "greater than or equal to -1"),
+                       ({"truncate_prompt_tokens": 0}, "expected at least one token"),
+                       ({"truncate_prompt_tokens": 2, "truncation_side": "middle"}, "'left' or 'right'")):
+        err = check_envelope(httpx.post(f"{url}/v1/completions", json={"prompt": text, **body}, timeout=30), 400)
+        assert says in err["message"], (body, err)
+
+
+def test_a_prompt_too_long_for_the_model_is_truncated_where_asked(tmp_path):
+    """The tiny model's real tokenizer: a prompt far longer than max_model_len is a 400 without truncation; with it,
+    its last tokens are those of the whole text's tokenization, though only its end was tokenized."""
+    from tokenizers import Tokenizer
+
+    from serving.tiny_model import tiny_checkpoint
+
+    path = tiny_checkpoint(str(tmp_path))
+    text = " ".join(f"the quick brown fox {i} jumps over the lazy dog" for i in range(3000))
+    want = Tokenizer.from_file(f"{path}/tokenizer.json").encode(text).ids[-40:]
+    with tiny_server(path, num_kv_blocks=64, max_model_len=256) as (url, _), \
+            httpx.Client(base_url=url, timeout=60) as c:
+        assert "cannot fit" in check_envelope(c.post("/v1/completions", json={"prompt": text, "max_tokens": 1}),
+                                              400)["message"]
+        got = c.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 40,
+                                              "return_token_ids": True}).json()
+        assert got["choices"][0]["prompt_token_ids"] == want
 
 
 def test_priority_needs_the_priority_policy(server):

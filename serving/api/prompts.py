@@ -67,6 +67,30 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     return max(map(len, vocab), default=1) if vocab else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+    """A request's truncate_prompt_tokens as vLLM applies it: the prompt's last `keep` tokens (left: vLLM's
+    default for generation), or its first. A text is cut to what `keep` tokens could cover before it is tokenized,
+    so the work stays bounded: it then still holds at least NORMALIZER_SLACK x keep tokens, and the kept ones are
+    those of the whole text (a cut changes only the tokens next to it)."""
+
+    keep: int
+    left: bool = True
+
+    def text(self, state: ServerState, text: str) -> str:
+        if state.max_token_chars is None:
+            return text
+        most = self.keep * state.max_token_chars * NORMALIZER_SLACK
+        if len(text) <= most:
+            return text
+        return text[len(text) - most:] if self.left else text[:most]
+
+    def ids(self, ids: list[int]) -> list[int]:
+        if len(ids) <= self.keep:
+            return ids
+        return ids[len(ids) - self.keep:] if self.left else ids[:self.keep]
+
+
 def check_size(state: ServerState, chars: int, room: int, where: str) -> None:
     """BadRequest when `chars` characters of prompt text cannot fit in `room` tokens."""
     if state.max_token_chars is None:
@@ -78,27 +102,37 @@ def check_size(state: ServerState, chars: int, room: int, where: str) -> None:
                          f"are tokenized", _param(where))
 
 
-async def encode_text(state: ServerState, text: str, add_special_tokens: bool, where: str, room: int) -> list[int]:
+async def encode_text(state: ServerState, text: str, add_special_tokens: bool, where: str, room: int,
+                      truncation: Truncation | None = None) -> list[int]:
     """A text's token ids (with or without the tokenizer's special tokens), refused unread when it is
-    longer than `room` tokens could hold; long texts are tokenized off the event loop."""
-    check_size(state, len(text), room, where)
+    longer than `room` tokens could hold (with a truncation: cut to it instead); long texts are tokenized off the
+    event loop."""
+    if truncation is None:
+        check_size(state, len(text), room, where)
+    else:
+        text = truncation.text(state, text)
     if len(text) <= INLINE_CHARS:
-        return _encode(state, text, add_special_tokens, where)
-    return await _off_the_loop(state, _encode, state, text, add_special_tokens, where)
+        ids = _encode(state, text, add_special_tokens, where)
+    else:
+        ids = await _off_the_loop(state, _encode, state, text, add_special_tokens, where)
+    return ids if truncation is None else truncation.ids(ids)
 
 
 async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
                       continue_final_message: bool, variables: Mapping[str, Any] | None, add_special_tokens: bool,
-                      room: int, template: str | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                      room: int, template: str | None = None, tools: list[dict[str, Any]] | None = None,
+                      truncation: Truncation | None = None) -> list[int]:
     """The token ids of a chat: rendered by the chat template (the request's own `template` where given: the
     caller checked --trust-request-chat-template) with the request's `tools`, then encoded (with the tokenizer's
     special tokens on top of the template's only when add_special_tokens); refused unrendered when its messages
-    are longer than `room` tokens could hold, and off the event loop when they are long."""
+    are longer than `room` tokens could hold (with a truncation: the rendered text cut to it instead), and off the
+    event loop when they are long."""
     chars = chat_chars(chat, tools)
-    check_size(state, chars, room, "messages")
+    if truncation is None:
+        check_size(state, chars, room, "messages")
     renderer = state.chat_template if template is None else dataclasses.replace(state.chat_template, source=template)
     work = functools.partial(_render_and_encode, state, renderer, chat, add_generation_prompt, continue_final_message,
-                             template_variables(state, variables), add_special_tokens, tools)
+                             template_variables(state, variables), add_special_tokens, tools, truncation)
     return work() if chars <= INLINE_CHARS else await _off_the_loop(state, work)
 
 
@@ -205,13 +239,16 @@ def token_strs(state: ServerState, ids: list[int]) -> list[str]:
 
 def _render_and_encode(state: ServerState, template: ChatTemplate, chat: list[dict[str, Any]],
                        add_generation_prompt: bool, continue_final_message: bool, variables: Mapping[str, Any] | None,
-                       add_special_tokens: bool, tools: list[dict[str, Any]] | None) -> list[int]:
+                       add_special_tokens: bool, tools: list[dict[str, Any]] | None,
+                       truncation: Truncation | None = None) -> list[int]:
     try:
         text = template.render(chat, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, variables=variables, tools=tools)
     except ChatTemplateError as e:
         raise BadRequest(str(e), e.param or "messages") from None
-    return _encode(state, text, add_special_tokens, "messages")
+    if truncation is None:
+        return _encode(state, text, add_special_tokens, "messages")
+    return truncation.ids(_encode(state, truncation.text(state, text), add_special_tokens, "messages"))
 
 
 def _encode(state: ServerState, text: str, add_special_tokens: bool, where: str) -> list[int]:

@@ -63,7 +63,7 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     REFUSED: ClassVar[tuple[str, ...]] = (
-        "best_of", "use_beam_search", "length_penalty", "truncate_prompt_tokens", "truncation_side", "prompt_logprobs",
+        "best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
         "logprob_token_ids", "bad_words", "structured_outputs", "response_format", "session_id",
         "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params",
         "vllm_xargs",
@@ -109,12 +109,13 @@ class SamplingRequest(BaseModel):
     # The prompt's and each choice's token ids in the response (streamed: the prompt's in a choice's first chunk,
     # each chunk's own new ids), as vLLM adds them.
     return_token_ids: StrictBool | None = None
+    # Keep this many of the prompt's tokens (-1: max_model_len - 1), its last unless truncation_side is "right".
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # Refused unless left at their default (REFUSED):
     best_of: Any = None
     use_beam_search: Any = False
     length_penalty: Any = 1.0
-    truncate_prompt_tokens: Any = None
-    truncation_side: Any = None
     prompt_logprobs: Any = None
     logprob_token_ids: Any = None
     bad_words: Any = None

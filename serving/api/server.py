@@ -49,6 +49,7 @@ from .connections import ConnectionLimits, raise_open_files_limit
 from .cors import Cors
 from .metrics import ServingMetrics
 from .prompts import (
+    Truncation,
     check_token_ids,
     conversation,
     decode_all,
@@ -488,6 +489,18 @@ class _CompletionCall:
         if self.body.priority and self.state.scheduling_policy != "priority":
             raise APIError(400, f"priority: {self.body.priority} needs --scheduling-policy priority (this server "
                                 f"starts requests first come, first served)", "priority")
+        keep = self.body.truncate_prompt_tokens
+        if keep is not None and keep > self.state.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens: {keep} is more than this model's maximum context length "
+                                f"(max_model_len {self.state.max_model_len})", "truncate_prompt_tokens")
+
+    @property
+    def truncation(self) -> Truncation | None:
+        """The request's truncate_prompt_tokens (vLLM's: -1 keeps max_model_len - 1, a token of room for output)."""
+        keep = self.body.truncate_prompt_tokens
+        if keep is None:
+            return None
+        return Truncation(self.state.max_model_len - 1 if keep == -1 else keep, self.body.truncation_side != "right")
 
     def _items(self) -> list[Any]:
         """The prompts of the request, before tokenizing."""
@@ -827,8 +840,9 @@ class _TextCompletionCall(_CompletionCall):
 
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         if not isinstance(item, str):
-            return list(item)
-        return await encode_text(self.state, item, self.body.add_special_tokens, where, room)
+            truncation = self.truncation
+            return list(item) if truncation is None else truncation.ids(list(item))
+        return await encode_text(self.state, item, self.body.add_special_tokens, where, room, self.truncation)
 
     def _prompt_text(self, index: int) -> str:
         item = self.items[index // self.body.n]
@@ -1011,7 +1025,8 @@ class _ChatCompletionCall(_CompletionCall):
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
         return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                                 b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template, self._tools())
+                                 b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template, self._tools(),
+                                 self.truncation)
 
     def _message(self, text: str) -> AssistantMessage:
         reasoning, content = split_reasoning(text) if self._thinks else (None, text)
