@@ -329,8 +329,8 @@ def test_a_request_whose_own_work_raises_ends_alone(fault: str, async_scheduling
         monkeypatch.setattr(engine.token_counts, "assign", picky_assign)
     elif fault == "logprobs":
         logprobs = engine_module._logprobs
-        monkeypatch.setattr(engine_module, "_logprobs", lambda ids, values, k: logprobs(ids, values, k) if k != 3
-                            else 1 / 0)
+        monkeypatch.setattr(engine_module, "_logprobs",
+                            lambda ids, values, rank, k: logprobs(ids, values, rank, k) if k != 3 else 1 / 0)
     outs: dict[str, list[RequestOutput]] = {rid: [] for rid in [*GOOD, "bad"]}
     for rid, (prompt, params) in [*GOOD.items(), ("bad", (bad_prompt, bad_params))]:
         engine.add_request(rid, prompt, params)

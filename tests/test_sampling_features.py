@@ -280,8 +280,8 @@ def test_out_of_vocabulary_ids_and_empty_allowed_lists_are_refused_naming_the_fi
 
 def test_token_logprobs_with_no_top():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
-    ids, values = token_logprobs(logits, torch.tensor([0]), 0)
-    assert ids.tolist() == [[0]]
+    ids, values, ranks = token_logprobs(logits, torch.tensor([0]), 0)
+    assert ids.tolist() == [[0]] and ranks.tolist() == [3]
     assert float(values[0, 0]) == pytest.approx(1.0 - math.log(math.exp(1) + math.exp(2) + math.exp(3)))
 
 
@@ -349,6 +349,7 @@ def check_logprobs(entry: TokenLogprobs, logits: torch.Tensor, token: int, k: in
     up to ties: each listed id has the listed logprob)."""
     want = logits.double().log_softmax(-1)
     assert entry.logprob == pytest.approx(float(want[token]), abs=atol)
+    assert entry.rank == 1 + int((want > want[token]).sum())
     assert len(entry.top) == k
     assert [v for _, v in entry.top] == pytest.approx(want.topk(k).values.tolist(), abs=atol)
     for t, v in entry.top:

@@ -131,6 +131,34 @@ def test_echo_with_logprobs_gives_the_prompts(client):
     assert body["usage"]["completion_tokens"] == 4
 
 
+def check_prompt_logprobs(prompt: list[int], got: list[dict | None], n: int) -> None:
+    """vLLM's prompt_logprobs against the float64 oracle: None for the first token; then by token id, the prompt
+    token's entry (its logprob and rank: 1 + the tokens likelier) and the n likeliest with ranks 1 to n."""
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        lps = logprobs_after(prompt[:i]).double()
+        order = torch.argsort(lps, descending=True, stable=True).tolist()
+        entries = {int(t): e for t, e in got[i].items()}
+        assert set(entries) == {prompt[i], *order[:n]}, i
+        for t, e in entries.items():
+            rank = order.index(t) + 1 if t in order[:n] else 1 + int((lps > lps[t]).sum())
+            assert (e["rank"], e["decoded_token"]) == (rank, s(t)), (i, t)
+            assert e["logprob"] == pytest.approx(float(lps[t]), abs=1e-4)
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_prompt_logprobs_equal_the_models_with_their_ranks(client, n):
+    prompt = TOK.encode(PROMPT)
+    (choice,) = complete(client, max_tokens=2, prompt_logprobs=n)["choices"]
+    check_prompt_logprobs(prompt, choice["prompt_logprobs"], n)
+    assert choice["logprobs"] is None
+    body = chat(client, max_tokens=2, prompt_logprobs=n)
+    check_prompt_logprobs(prompt, body["prompt_logprobs"], n)  # the template writes the content alone
+    echoed = complete(client, max_tokens=2, logprobs=2, echo=True)["choices"][0]  # echo's own: logprobs' count
+    check_prompt_logprobs(prompt, echoed["prompt_logprobs"], 2)
+    assert "prompt_logprobs" not in complete(client, max_tokens=2)["choices"][0]
+
+
 def test_echo_alone_and_with_max_tokens_0(client):
     prompt = TOK.encode(PROMPT)
     body = complete(client, max_tokens=3, echo=True, ignore_eos=True)
@@ -246,6 +274,9 @@ def test_penalties_and_min_p_pass_through(client, path, penalty):
     ({"max_tokens": 0}, "max_tokens"),
     ({"suffix": "x"}, "suffix"),
     ({"logit_bias": {"3": 1.0, "x": 2.0}}, "logit_bias"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"best_of": 2}, "best_of"),
     ({"logprobs": True}, "logprobs"),
 ])

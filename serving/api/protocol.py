@@ -63,12 +63,10 @@ class SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     REFUSED: ClassVar[tuple[str, ...]] = (
-        "best_of", "use_beam_search", "length_penalty", "prompt_logprobs",
-        "logprob_token_ids", "bad_words", "structured_outputs", "response_format", "session_id",
-        "routed_experts_prompt_start", "return_token_offsets", "cache_salt", "kv_transfer_params", "ec_transfer_params",
-        "vllm_xargs",
-        "repetition_detection", "thinking_token_budget", "stream_interval", "watermarking", "return_weight_versions",
-        "mm_payload", "return_mm_kwargs")
+        "best_of", "use_beam_search", "length_penalty", "logprob_token_ids", "bad_words", "structured_outputs",
+        "response_format", "session_id", "routed_experts_prompt_start", "return_token_offsets", "cache_salt",
+        "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget",
+        "stream_interval", "watermarking", "return_weight_versions", "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         "best_of": lambda value, request: value == request.n, "bad_words": _empty,
@@ -109,6 +107,8 @@ class SamplingRequest(BaseModel):
     # The prompt's and each choice's token ids in the response (streamed: the prompt's in a choice's first chunk,
     # each chunk's own new ids), as vLLM adds them.
     return_token_ids: StrictBool | None = None
+    # Per prompt token (after the first) its logprob, rank and the top N (vLLM's; not with stream).
+    prompt_logprobs: StrictInt | None = None
     # Keep this many of the prompt's tokens (-1: max_model_len - 1), its last unless truncation_side is "right".
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
@@ -116,7 +116,6 @@ class SamplingRequest(BaseModel):
     best_of: Any = None
     use_beam_search: Any = False
     length_penalty: Any = 1.0
-    prompt_logprobs: Any = None
     logprob_token_ids: Any = None
     bad_words: Any = None
     structured_outputs: Any = None
@@ -330,20 +329,31 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class _TokenIdsWhereAsked(BaseModel):
-    """A response part with vLLM's token id fields, left out of the JSON unless a request's return_token_ids
-    filled them."""
+class _ExtrasWhereAsked(BaseModel):
+    """A response part with vLLM's extra fields (token ids, prompt logprobs), left out of the JSON unless the
+    request asked for them (return_token_ids, prompt_logprobs)."""
 
     @model_serializer(mode="wrap")
-    def _ids_only_where_given(self, handler: Any) -> dict:
+    def _extras_only_where_given(self, handler: Any) -> dict:
         data = handler(self)
-        for name in ("token_ids", "prompt_token_ids"):
+        for name in ("token_ids", "prompt_token_ids", "prompt_logprobs"):
             if name in data and data[name] is None:
                 del data[name]
         return data
 
 
-class CompletionChoice(_TokenIdsWhereAsked):
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as prompt_logprobs give it per token id."""
+
+    logprob: float
+    rank: int  # 1: the likeliest
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # per prompt token; None for the first
+
+
+class CompletionChoice(_ExtrasWhereAsked):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -351,6 +361,7 @@ class CompletionChoice(_TokenIdsWhereAsked):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # the choice's output (return_token_ids)
     prompt_token_ids: list[int] | None = None  # its prompt's (return_token_ids; streamed: in its first chunk)
+    prompt_logprobs: PromptLogprobs | None = None  # its prompt's (prompt_logprobs, or echo with logprobs)
 
 
 class CompletionResponse(BaseModel):
@@ -383,7 +394,7 @@ class AssistantMessage(BaseModel):
     tool_calls: list[MessageToolCall] = Field(default_factory=list)  # --tool-call-parser's
 
 
-class ChatCompletionChoice(_TokenIdsWhereAsked):
+class ChatCompletionChoice(_ExtrasWhereAsked):
     index: int
     message: AssistantMessage
     logprobs: ChatCompletionLogProbs | None = None
@@ -392,7 +403,7 @@ class ChatCompletionChoice(_TokenIdsWhereAsked):
     token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(_TokenIdsWhereAsked):
+class ChatCompletionResponse(_ExtrasWhereAsked):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -400,9 +411,10 @@ class ChatCompletionResponse(_TokenIdsWhereAsked):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs
 
 
-class ChatCompletionStreamChoice(_TokenIdsWhereAsked):
+class ChatCompletionStreamChoice(_ExtrasWhereAsked):
     """delta: {"role": "assistant"} on a choice's first chunk, then {"content": text} (and with --reasoning-parser
     {"reasoning": text}, with --tool-call-parser {"tool_calls": [...]}); {} on a chunk without text."""
 
@@ -414,7 +426,7 @@ class ChatCompletionStreamChoice(_TokenIdsWhereAsked):
     token_ids: list[int] | None = None  # the chunk's new ids (return_token_ids)
 
 
-class ChatCompletionStreamResponse(_TokenIdsWhereAsked):
+class ChatCompletionStreamResponse(_ExtrasWhereAsked):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int

@@ -82,6 +82,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     NamedToolChoice,
+    PromptLogprob,
     PromptTokenUsageInfo,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -489,6 +490,12 @@ class _CompletionCall:
         if self.body.priority and self.state.scheduling_policy != "priority":
             raise APIError(400, f"priority: {self.body.priority} needs --scheduling-policy priority (this server "
                                 f"starts requests first come, first served)", "priority")
+        plps = self.body.prompt_logprobs
+        if plps is not None and not 0 <= plps <= self.state.max_logprobs:
+            raise APIError(400, f"prompt_logprobs: expected in [0, {self.state.max_logprobs}] (--max-logprobs), got "
+                                f"{plps}", "prompt_logprobs")
+        if plps and self.body.stream:
+            raise APIError(400, "prompt_logprobs: not available when stream is true (vLLM's rule)", "prompt_logprobs")
         keep = self.body.truncate_prompt_tokens
         if keep is not None and keep > self.state.max_model_len:
             raise APIError(400, f"truncate_prompt_tokens: {keep} is more than this model's maximum context length "
@@ -657,6 +664,26 @@ class _CompletionCall:
             text = self._token_str_cache[token_id] = decode_all(self.state, [token_id])
         return text
 
+    def _prompt_logprobs_json(self, index: int) -> list[dict[int, PromptLogprob] | None] | None:
+        """Choice `index`'s prompt logprobs as vLLM gives them (None where none were computed): per prompt token
+        after the first, its own entry (its rank) and the top ones' (ranks 1, 2, ...), by token id."""
+        entries = self.prompt_logprobs[index]
+        if entries is None:
+            return None
+
+        def entry(token: int, logprob: float, rank: int) -> PromptLogprob:
+            return PromptLogprob(logprob=max(logprob, MIN_LOGPROB), rank=rank, decoded_token=self._decoded(token))
+
+        out: list[dict[int, PromptLogprob] | None] = []
+        for token, e in zip(self._prompt(index), entries):
+            if e is None:
+                out.append(None)
+                continue
+            ranked = {token: entry(token, e.logprob, e.rank)}
+            ranked.update((t, entry(t, lp, r)) for r, (t, lp) in enumerate(e.top, 1))
+            out.append(ranked)
+        return out
+
     # ------------------------------------------------------------------ outputs
     def _sink(self, loop: asyncio.AbstractEventLoop, index: int) -> Any:
         def put(output: RequestOutput) -> None:
@@ -815,7 +842,11 @@ class _TextCompletionCall(_CompletionCall):
                                 f"{b.logprobs}", "logprobs")
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
+        """The prompt's logprobs where prompt_logprobs asks, else as many as logprobs where echo shows them (vLLM's
+        rule)."""
         b = self.body
+        if b.prompt_logprobs is not None:
+            return b.logprobs, b.prompt_logprobs
         return b.logprobs, b.logprobs if b.echo and b.logprobs is not None else None
 
     def _transform(self, out: RequestOutput) -> RequestOutput:
@@ -892,7 +923,8 @@ class _TextCompletionCall(_CompletionCall):
             logprobs = self._completion_logprobs(token_ids, entries, 0) if b.logprobs is not None else None
             ids = dict(token_ids=self.token_ids[i], prompt_token_ids=self._prompt(i)) if b.return_token_ids else {}
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=f.finish_reason,
-                                            stop_reason=f.stop_reason, **ids))
+                                            stop_reason=f.stop_reason, prompt_logprobs=self._prompt_logprobs_json(i),
+                                            **ids))
         return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                   choices=choices, usage=usage)
 
@@ -999,7 +1031,7 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _logprobs_params(self) -> tuple[int | None, int | None]:
         b = self.body
-        return (b.top_logprobs or 0) if b.logprobs else None, None
+        return (b.top_logprobs or 0) if b.logprobs else None, b.prompt_logprobs
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[TokenLogprobs]) -> ChatCompletionLogProbs:
         """vLLM's _create_chat_logprobs: per token its string, logprob and UTF-8 bytes, and the
@@ -1058,7 +1090,8 @@ class _ChatCompletionCall(_CompletionCall):
                 choice.token_ids = self.token_ids[choice.index]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
                                       choices=choices, usage=usage,
-                                      prompt_token_ids=self._prompt(0) if self.body.return_token_ids else None)
+                                      prompt_token_ids=self._prompt(0) if self.body.return_token_ids else None,
+                                      prompt_logprobs=self._prompt_logprobs_json(0))
 
     def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
                       prompt_token_ids: list[int] | None = None) -> dict:

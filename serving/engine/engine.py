@@ -317,8 +317,8 @@ class LLMEngine:
             seq.num_pending += 1
             seq.pending_row = row
         tensors = [out.tokens]
-        if out.logprob_ids is not None and out.logprob_values is not None:
-            tensors += [out.logprob_ids, out.logprob_values]
+        if out.logprob_ids is not None and out.logprob_values is not None and out.logprob_ranks is not None:
+            tensors += [out.logprob_ids, out.logprob_values, out.logprob_ranks]
         return PendingStep(seqs, out.tokens, out.logprob_rows, HostCopy(tensors))
 
     def _banned(self, seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int]] | None:
@@ -364,14 +364,14 @@ class LLMEngine:
         """Wait for a pending step's tokens (and logprobs) and append them; a sequence that finished (or
         was aborted) since then drops its token. One whose logprobs, text or stop checks raise fails alone."""
         host = pending.copy.get()
-        ids, values = (host[1].tolist(), host[2].tolist()) if len(host) > 1 else ([], [])
+        ids, values, ranks = (host[1].tolist(), host[2].tolist(), host[3].tolist()) if len(host) > 1 else ([], [], [])
         outputs = []
         for seq, token, row in zip(pending.seqs, host[0].tolist(), pending.logprob_rows):
             seq.num_pending -= 1
             if seq.finished:
                 continue
             try:
-                logprobs = _logprobs(ids[row], values[row], seq.params.logprobs) if row >= 0 else None
+                logprobs = _logprobs(ids[row], values[row], ranks[row], seq.params.logprobs) if row >= 0 else None
                 outputs.append(self._append(seq, token, logprobs))
             except Exception as e:
                 outputs.append(self._fail(seq, e))
@@ -427,19 +427,19 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens if first else None)
 
 
-def _logprobs(ids: list[int], values: list[float], k: int | None) -> TokenLogprobs:
-    """A token's TokenLogprobs from its row of a step's logprobs (its own first, then the step's top)."""
+def _logprobs(ids: list[int], values: list[float], rank: int, k: int | None) -> TokenLogprobs:
+    """A token's TokenLogprobs from its row of a step's logprobs (its own first, then the step's top) and rank."""
     k = k or 0
-    return TokenLogprobs(values[0], tuple(zip(ids[1:1 + k], values[1:1 + k])))
+    return TokenLogprobs(values[0], tuple(zip(ids[1:1 + k], values[1:1 + k])), rank)
 
 
 def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None]:
     """A sequence's prompt logprobs (None for its first token), read from the host copies of its chunks."""
     out: list[TokenLogprobs | None] = [None]
     for part in seq.prompt_logprob_parts:
-        ids, values = part.copy.get()
+        ids, values, ranks = part.copy.get()
         out += map(_logprobs, ids[part.lo:part.hi].tolist(), values[part.lo:part.hi].tolist(),
-                   [seq.params.prompt_logprobs] * (part.hi - part.lo))
+                   ranks[part.lo:part.hi].tolist(), [seq.params.prompt_logprobs] * (part.hi - part.lo))
     seq.prompt_logprob_parts = []
     if len(out) != seq.num_prompt_tokens:
         raise RuntimeError(f"request {seq.request_id!r}: {len(out)} prompt logprobs for {seq.num_prompt_tokens} "

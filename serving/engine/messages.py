@@ -100,6 +100,7 @@ class TokenLogprobs(NamedTuple):
 
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int  # the token's: 1 + the tokens likelier than it (vLLM's Logprob.rank); the top's are 1, 2, ...
 
 
 @dataclass(frozen=True)

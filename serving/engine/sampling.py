@@ -117,6 +117,7 @@ class SamplerOutput:
     # [rows asking, 1 + k], k the most top logprobs a row asked: the sampled token, then the top k
     logprob_ids: torch.Tensor | None = None  # int64
     logprob_values: torch.Tensor | None = None  # float32
+    logprob_ranks: torch.Tensor | None = None  # int64 [rows asking]: the sampled token's rank (1: the likeliest)
 
 
 class Sampler:
@@ -163,11 +164,11 @@ class Sampler:
             where[i] = j
         k = max(params[i].logprobs or 0 for i in asking)
         if len(asking) == len(params):
-            ids, values = token_logprobs(logits, tokens, k)
+            ids, values, ranks = token_logprobs(logits, tokens, k)
         else:
             rows = to_device(asking, torch.int64, logits.device)
-            ids, values = token_logprobs(logits[rows], tokens[rows], k)
-        return SamplerOutput(tokens, where, ids, values)
+            ids, values, ranks = token_logprobs(logits[rows], tokens[rows], k)
+        return SamplerOutput(tokens, where, ids, values, ranks)
 
 
 def _shaped(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -257,15 +258,18 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams],
     return logits.softmax(dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids int64, logprobs float32), each [rows, 1 + k]: column 0 the given token's, then the k most
     likely tokens' (torch.topk's order), of log_softmax(logits) (vLLM's gather_logprobs), NaN read as
-    -inf (no probability; JSON has no NaN, and torch.topk would rank NaN first)."""
+    -inf (no probability; JSON has no NaN, and torch.topk would rank NaN first); and each given token's rank,
+    int64 [rows]: 1 + the tokens likelier than it (vLLM's batched_count_greater_than)."""
     logprobs = _nan_excluded(logits.float().log_softmax(dim=-1))
     top = logprobs.topk(k, dim=-1)
     token_ids = token_ids.unsqueeze(1)
-    return (torch.cat([token_ids, top.indices], dim=1),
-            torch.cat([logprobs.gather(1, token_ids), top.values], dim=1))
+    own = logprobs.gather(1, token_ids)
+    return (torch.cat([token_ids, top.indices], dim=1), torch.cat([own, top.values], dim=1),
+            (logprobs > own).sum(dim=1) + 1)
 
 
 def _nan_excluded(x: torch.Tensor) -> torch.Tensor:
