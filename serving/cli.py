@@ -353,8 +353,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "built-in tiny model (deterministic weights, written to a cache directory)")
     p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                    help="MODEL as an option (vLLM's --model); given with the positional MODEL, the two must agree")
-    p.add_argument("--served-model-name", default=None,
-                   help="model name in the API (default: MODEL as given, or 'ep-layer-tiny')")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's names in the API, as vLLM takes them: requests may use any, responses echo the "
+                        "one asked for, metrics carry the first (default: MODEL as given, or 'ep-layer-tiny')")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory of the tokenizer.json to use, or a Hugging Face repo id as for MODEL (default: "
                         "MODEL's)")
@@ -631,7 +632,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         model, default_name = local_path(args.model, args.download_dir, "MODEL"), args.model
     try:
-        config = engine_config(args, model, args.served_model_name or default_name)
+        names = args.served_model_name or [default_name]
+        config = engine_config(args, model, names[0])
         checkpoint = ModelConfig.from_file(config.model)
         config = config.resolved(checkpoint)
         defaults = generation_defaults(args.generation_config, config.model)
@@ -653,6 +655,7 @@ def main(argv: list[str] | None = None) -> None:
                         force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        served_model_aliases=tuple(names[1:]),
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                         auto_tool_choice=args.enable_auto_tool_choice,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,

@@ -126,7 +126,7 @@ STAND_IN = textwrap.dedent("""\
     sys.path.insert(0, {root!r})
     from serving.cli import build_parser, engine_config
     args = build_parser().parse_args(sys.argv[1:])
-    config = engine_config(args, args.model, args.served_model_name or args.model)
+    config = engine_config(args, args.model, (args.served_model_name or [args.model])[0])
     print(json.dumps(dict(model=args.model, host=args.host, port=args.port, size=config.data_parallel_size,
                           ep=config.expert_parallel, ranks=list(config.local_ranks),
                           address=config.data_parallel_address, rpc_port=config.dist_port,

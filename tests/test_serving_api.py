@@ -167,6 +167,21 @@ def test_models_health_version(client):
     assert models["data"][0]["max_model_len"] == 256
 
 
+def test_several_served_names_are_each_the_model(server):
+    """--served-model-name a b: /v1/models lists both, a request may name either (or the path) and its response
+    echoes the name it used (the first where it named none or the path); any other name is a 404."""
+    state = server[1]
+    with http_server(dataclasses.replace(state, served_model_aliases=("alias-1",))) as url, \
+            httpx.Client(base_url=url, timeout=30) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [NAME, "alias-1"]
+        for asked, echoed in ((NAME, NAME), ("alias-1", "alias-1"), (None, NAME), (state.model_path, NAME)):
+            body = {"prompt": "ab", "max_tokens": 2} | ({"model": asked} if asked else {})
+            assert c.post("/v1/completions", json=body).json()["model"] == echoed, asked
+            events = sse_events(c.post("/v1/completions", json={**body, "stream": True}).text.splitlines())
+            assert {e["model"] for e in events[:-1]} == {echoed}, asked
+        check_envelope(c.post("/v1/completions", json={"prompt": "ab", "model": "alias-2"}), 404)
+
+
 def test_completion_text_usage_and_finish_reason(client):
     resp = complete(client, prompt="the cat and", max_tokens=10)
     assert resp.status_code == 200, resp.text

@@ -126,7 +126,8 @@ class ServerState:
     --return-tokens-as-token-ids (logprobs' tokens as "token_id:{id}" unless a request says otherwise).
     scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). reasoning_parser:
     --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both).
-    tool_call_parser: --tool-call-parser (tool_calls.py), used where auto_tool_choice (--enable-auto-tool-choice)
+    served_model_aliases: --served-model-name's names after the first (served_model_name), which requests may use
+    too. tool_call_parser: --tool-call-parser (tool_calls.py), used where auto_tool_choice (--enable-auto-tool-choice)
     lets a request's tool_choice be "auto"; exclude_tools_when_tool_choice_none: --exclude-tools-when-tool-choice-none
     (tool_choice "none" leaves the tools out of the prompt).
     default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
@@ -166,6 +167,7 @@ class ServerState:
     scheduling_policy: str = "fcfs"
     reasoning_parser: str | None = None
     think_tokens: ThinkTokens | None = None
+    served_model_aliases: tuple[str, ...] = ()
     tool_call_parser: str | None = None
     auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
@@ -382,8 +384,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.served_model_name, root=state.model_path,
-                                         max_model_len=state.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len)
+                               for name in (state.served_model_name, *state.served_model_aliases)])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -463,6 +465,9 @@ class _CompletionCall:
         self.state, self.body, self.raw = state, body, raw
         self.id = f"{self.id_prefix}-{body.request_id or uuid.uuid4().hex}"  # vLLM's: the client's request_id
         self.created = int(time.time())  # one time for the response and every chunk of its stream, as OpenAI's
+        # The served name the request used (vLLM echoes it), else the first.
+        names = (state.served_model_name, *state.served_model_aliases)
+        self.model_name = body.model if body.model in names else state.served_model_name
 
     # ------------------------------------------------------------------ what an endpoint says
     @property
@@ -925,7 +930,7 @@ class _TextCompletionCall(_CompletionCall):
             choices.append(CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=f.finish_reason,
                                             stop_reason=f.stop_reason, prompt_logprobs=self._prompt_logprobs_json(i),
                                             **ids))
-        return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name,
                                   choices=choices, usage=usage)
 
     def _chunk(self, index: int, out: RequestOutput) -> dict:
@@ -946,12 +951,12 @@ class _TextCompletionCall(_CompletionCall):
             ids = dict(token_ids=list(out.new_token_ids), prompt_token_ids=self._prompt(index) if first else None)
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason, **ids)
-        chunk = CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+        chunk = CompletionResponse(id=self.id, created=self.created, model=self.model_name,
                                    choices=[choice])
         return chunk.model_dump(exclude={"usage"})
 
     def _usage_chunk(self, usage: UsageInfo) -> dict:
-        return CompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name, choices=[],
+        return CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[],
                                   usage=usage).model_dump()
 
 
@@ -1088,14 +1093,14 @@ class _ChatCompletionCall(_CompletionCall):
         if self.body.return_token_ids:
             for choice in choices:
                 choice.token_ids = self.token_ids[choice.index]
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name,
                                       choices=choices, usage=usage,
                                       prompt_token_ids=self._prompt(0) if self.body.return_token_ids else None,
                                       prompt_logprobs=self._prompt_logprobs_json(0))
 
     def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
                       prompt_token_ids: list[int] | None = None) -> dict:
-        chunk = ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.state.served_model_name,
+        chunk = ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model_name,
                                              choices=choices, usage=usage, prompt_token_ids=prompt_token_ids)
         return chunk.model_dump(exclude=None if usage is not None else {"usage"})
 
@@ -1168,7 +1173,7 @@ class _ChatCompletionCall(_CompletionCall):
 
 # ---------------------------------------------------------------------------- shared by the endpoints
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in (state.served_model_name, state.model_path):
+    if model is not None and model not in (state.served_model_name, *state.served_model_aliases, state.model_path):
         shown = model
         if len(model) > _MAX_ECHOED_CHARS:
             shown = f"{model[:_MAX_ECHOED_CHARS]}... ({len(model)} characters)"
