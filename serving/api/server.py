@@ -1082,17 +1082,14 @@ class _ChatCompletionCall(_CompletionCall):
         return "tool_calls" if called and reason == "stop" else reason
 
     def _response(self, texts: list[str], finals: list[RequestOutput], usage: UsageInfo) -> BaseModel:
-        want = bool(self.body.logprobs)
+        want, ids = bool(self.body.logprobs), bool(self.body.return_token_ids)
         messages = [self._message(text) for text in texts]
         choices = [ChatCompletionChoice(index=i, message=messages[i],
                                         logprobs=self._chat_logprobs(self.token_ids[i], self.logprobs[i]) if want
                                         else None, finish_reason=self._finish_reason(f.finish_reason,
                                                                                      bool(messages[i].tool_calls)),
-                                        stop_reason=f.stop_reason)
+                                        stop_reason=f.stop_reason, token_ids=self.token_ids[i] if ids else None)
                    for i, f in enumerate(finals)]
-        if self.body.return_token_ids:
-            for choice in choices:
-                choice.token_ids = self.token_ids[choice.index]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name,
                                       choices=choices, usage=usage,
                                       prompt_token_ids=self._prompt(0) if self.body.return_token_ids else None,
