@@ -154,6 +154,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(server):
     assert prompt_ids(prompt=text, truncate_prompt_tokens=3) == ids[-3:]
     assert prompt_ids(prompt=text, truncate_prompt_tokens=3, truncation_side="right") == ids[:3]
     assert prompt_ids(prompt=ids, truncate_prompt_tokens=2) == ids[-2:]
+    echoed = complete(url, prompt=text, max_tokens=1, echo=True, truncate_prompt_tokens=3)["choices"][0]["text"]
+    assert echoed.startswith(TOK.decode(ids[-3:])) and not echoed.startswith(text)  # the prompt as truncated
     assert prompt_ids(prompt=text, truncate_prompt_tokens=-1) == prompt_ids(prompt=text, truncate_prompt_tokens=50) \
         == ids
     chat = {"model": NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 1, "return_token_ids": True}

@@ -881,8 +881,12 @@ class _TextCompletionCall(_CompletionCall):
         return await encode_text(self.state, item, self.body.add_special_tokens, where, room, self.truncation)
 
     def _prompt_text(self, index: int) -> str:
+        """The prompt as echo shows it: its text as sent, or its ids' decoding (given as ids, or truncated: vLLM
+        detokenizes the truncated ids)."""
         item = self.items[index // self.body.n]
-        return item if isinstance(item, str) else decode_all(self.state, list(item))
+        if isinstance(item, str) and self.truncation is None:
+            return item
+        return decode_all(self.state, self._prompt(index))
 
     def _echo(self, index: int) -> tuple[str, list[int], list[TokenLogprobs | None]]:
         """The prompt's text, token ids and logprobs (the first None) as a choice's echo."""
