@@ -235,23 +235,27 @@ TOOL_CALLS_SCRIPT = [53, 48, 50, 54, 52, 56, 58, 59, 61, 51, 50, 55, 52, 57, 58,
 TOOL_CALLS_TEXT = b"".join(TOOL_PIECES.get(t, b"") for t in TOOL_CALLS_SCRIPT).decode()
 
 
-class ToolCallingTokenizer(FakeTokenizer):
-    """FakeTokenizer with DeepSeek-V3's tool call markers and ToolCallingModel's pieces (TOOL_PIECES)."""
+# ThinkingToolCallingModel's: it thinks "a", then says and calls as ToolCallingModel.
+THINK_TOOL_CALLS_SCRIPT = [THINK_START_ID, 2, THINK_END_ID, *TOOL_CALLS_SCRIPT]
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        kept = (t for t in token_ids if t != EOS or not skip_special_tokens)
-        return b"".join(TOOL_PIECES.get(t, _PIECES[t]) for t in kept).decode("utf-8", errors="replace")
+
+class ToolCallingTokenizer(ThinkingTokenizer):
+    """ThinkingTokenizer with DeepSeek-V3's tool call markers and ToolCallingModel's pieces (TOOL_PIECES)."""
+
+    _MARKERS: ClassVar[dict[int, bytes]] = {**ThinkingTokenizer._MARKERS, **TOOL_PIECES}
 
     def special_tokens(self) -> dict[int, str]:
         return {**super().special_tokens(), **{t: TOOL_PIECES[t].decode() for t in range(48, 53)}}
 
 
 class ToolCallingModel(FakeModel):
-    """Follows TOOL_CALLS_SCRIPT: the next token is the one after the longest end of the window that occurs in the
-    script once; after anything else it starts the script."""
+    """Follows its script (TOOL_CALLS_SCRIPT): the next token is the one after the longest end of the window that
+    occurs in the script once; after anything else it starts the script."""
+
+    script: ClassVar[list[int]] = TOOL_CALLS_SCRIPT
 
     def _next_logits(self, window: list[int], position: int) -> torch.Tensor:
-        script = TOOL_CALLS_SCRIPT
+        script = self.script
         following = script[0]
         for n in range(min(3, len(window)), 0, -1):
             after = {script[i + n] for i in range(len(script) - n) if script[i:i + n] == window[-n:]}
@@ -263,17 +267,26 @@ class ToolCallingModel(FakeModel):
         return logits
 
 
+class ThinkingToolCallingModel(ToolCallingModel):
+    script: ClassVar[list[int]] = THINK_TOOL_CALLS_SCRIPT
+
+
 # This module is an EngineConfig.loader ("serving_fakes"): config.model "fake", "fake-eos" (EOS likely),
-# "fake-slow" (10 ms per forward), "fake-think" (ThinkingModel and ThinkingTokenizer) or "fake-tools"
-# (ToolCallingModel and ToolCallingTokenizer).
+# "fake-slow" (10 ms per forward), "fake-think" (ThinkingModel and ThinkingTokenizer), "fake-tools" (ToolCallingModel
+# and ToolCallingTokenizer) or "fake-think-tools" (ThinkingToolCallingModel and ToolCallingTokenizer).
+SCRIPTED_MODELS = {"fake-think": ThinkingModel, "fake-tools": ToolCallingModel,
+                   "fake-think-tools": ThinkingToolCallingModel}
+
+
 def load_model(config: Any, group: dist.ProcessGroup | None, device: torch.device) -> tuple[FakeModel, FakeTokenizer]:
-    if config.model in ("fake-think", "fake-tools"):
-        model = ThinkingModel if config.model == "fake-think" else ToolCallingModel
-        return model(config.max_tokens_per_rank, group), load_tokenizer(config)
+    if config.model in SCRIPTED_MODELS:
+        return SCRIPTED_MODELS[config.model](config.max_tokens_per_rank, group), load_tokenizer(config)
     eos_bias = 8.0 if config.model == "fake-eos" else -4.0
     delay = 0.01 if config.model == "fake-slow" else 0.0
     return FakeModel(config.max_tokens_per_rank, group, eos_bias, step_delay_s=delay), FakeTokenizer()
 
 
 def load_tokenizer(config: Any) -> FakeTokenizer:
-    return {"fake-think": ThinkingTokenizer, "fake-tools": ToolCallingTokenizer}.get(config.model, FakeTokenizer)()
+    tokenizers = {"fake-think": ThinkingTokenizer, "fake-tools": ToolCallingTokenizer,
+                  "fake-think-tools": ToolCallingTokenizer}
+    return tokenizers.get(config.model, FakeTokenizer)()

@@ -28,6 +28,7 @@ from test_serving_api import NAME, fake_server, http_server, sse_events
 from serving.api.chat_template import ChatTemplate
 from serving.api.prompts import conversation
 from serving.api.protocol import ChatMessage
+from serving.api.reasoning import ThinkTokens
 from serving.api.tool_calls import (
     CALL_BEGIN,
     CALL_END,
@@ -197,6 +198,12 @@ def test_a_chats_tools_reach_the_template_over_http(calling) -> None:
         assert httpx.post(f"{url}/tokenize", json=hi).json()["tokens"] == calling.codec.encode("hi")
         usage = httpx.post(f"{url}/v1/chat/completions", json={**hi, "tools": tools, "max_tokens": 1}).json()["usage"]
         assert usage["prompt_tokens"] == len(tokens)
+        none = {**hi, "tools": tools, "tool_choice": "none", "max_tokens": 1, "return_token_ids": True}
+        assert httpx.post(f"{url}/v1/chat/completions", json=none).json()["prompt_token_ids"] == tokens
+    excluding = dataclasses.replace(calling, trust_request_chat_template=True, exclude_tools_when_tool_choice_none=True)
+    with http_server(excluding) as url:  # --exclude-tools-when-tool-choice-none
+        assert httpx.post(f"{url}/v1/chat/completions", json=none).json()["prompt_token_ids"] == \
+            calling.codec.encode("hi")
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +256,28 @@ def test_a_streamed_response_sends_the_calls_as_deltas(calling) -> None:
                     call["arguments"] += d["function"].get("arguments", "")
             assert content == "Let me look." and [calls[i] for i in sorted(calls)] == ([WEATHER, TIME] if parallel
                                                                                          else [WEATHER])
+
+
+def test_a_thinking_response_splits_its_reasoning_off_before_its_calls_are_read() -> None:
+    """--reasoning-parser and --tool-call-parser together (a fake model that thinks "a", says "Let me look." and
+    calls two functions): the reasoning, the content and the calls, whole and streamed."""
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with fake_server(model="fake-think-tools", chat_template=template) as (_, state):
+        state = dataclasses.replace(state, tool_call_parser="deepseek_v3", auto_tool_choice=True,
+                                    reasoning_parser="deepseek_r1",
+                                    think_tokens=ThinkTokens.of(state.codec.special_tokens()))
+        with http_server(state) as url:
+            choice = chat(url, tools=TOOLS).json()["choices"][0]
+            message = choice["message"]
+            assert (message["reasoning"], message["content"], choice["finish_reason"]) == \
+                ("a", "Let me look.", "tool_calls")
+            assert [c["function"] for c in message["tool_calls"]] == [WEATHER, TIME]
+            events = sse_events(chat(url, tools=TOOLS, stream=True).text.splitlines())
+            deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+            assert "".join(d.get("reasoning") or "" for d in deltas) == "a"
+            assert "".join(d.get("content") or "" for d in deltas) == "Let me look."
+            names = [c["function"]["name"] for d in deltas for c in d.get("tool_calls", []) if "name" in c["function"]]
+            assert names == ["get_weather", "get_time"]
 
 
 @pytest.mark.parametrize(("body", "says"), [
