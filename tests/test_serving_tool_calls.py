@@ -155,6 +155,16 @@ def test_a_stream_cut_inside_a_call_sends_what_it_has() -> None:
     assert extract_tool_calls(text) == ("Hi", [])  # the whole parse keeps complete calls only
 
 
+def test_a_call_out_of_format_is_left_out_of_the_stream_as_of_the_whole_parse() -> None:
+    bad = f"{CALL_BEGIN}function{SEP}f\n{{}}{CALL_END}"  # no fence around its arguments
+    good = f"{CALL_BEGIN}function{SEP}g\n```json\n{{\"x\": 1}}\n```{CALL_END}"
+    text = f"{CALLS_BEGIN}{bad}{good}{CALLS_END}"
+    assert extract_tool_calls(text) == (None, [ToolCall("function", "g", '{"x": 1}')])
+    rng = random.Random(0)
+    content, calls = streamed(stream_pieces(rng, text))
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("g", '{"x": 1}')]
+
+
 def test_the_markers_must_be_the_tokenizers() -> None:
     check_markers({v: k for k, v in MARKER_IDS.items()} | {0: "<eos>"})
     with pytest.raises(ValueError, match=f"--tool-call-parser: the tokenizer has no {CALL_END}, {SEP} token"):

@@ -75,6 +75,7 @@ def _held_back(text: str, marker: str) -> int:
 
 @dataclass
 class _StreamedCall:
+    index: int  # among the calls sent (one that does not follow the format is left out, as the whole parse does)
     id: str
     name_sent: bool = False
     arguments_sent: int = 0  # characters of the arguments sent
@@ -88,7 +89,7 @@ class ToolCallStream:
 
     _text: str = ""
     _content_sent: int = 0  # characters of the content sent
-    _calls: list[_StreamedCall] = field(default_factory=list)
+    _calls: dict[int, _StreamedCall] = field(default_factory=dict)  # by the call's place in the text
 
     def feed(self, new_text: str, finished: bool = False) -> tuple[str | None, list[dict]]:
         self._text += new_text
@@ -99,8 +100,8 @@ class ToolCallStream:
         deltas: list[dict] = []
         end = text.find(CALLS_END, begin)
         region = text[begin + len(CALLS_BEGIN):end if end >= 0 else len(text)]
-        for index, piece in enumerate(region.split(CALL_BEGIN)[1:]):
-            deltas.extend(self._call_deltas(index, piece, finished))
+        for place, piece in enumerate(region.split(CALL_BEGIN)[1:]):
+            deltas.extend(self._call_deltas(place, piece, finished))
         after = text[end + len(CALLS_END):] if end >= 0 else ""
         content = self._content(text[:begin] + after)
         return content, deltas
@@ -110,17 +111,18 @@ class ToolCallStream:
         self._content_sent = max(self._content_sent, len(content))
         return piece or None
 
-    def _call_deltas(self, index: int, piece: str, finished: bool) -> list[dict]:
-        """The deltas of call `index` whose text after its begin marker is `piece` so far (finished: all of it; a
-        call cut short sends what it has)."""
+    def _call_deltas(self, place: int, piece: str, finished: bool) -> list[dict]:
+        """The deltas of the call at `place` in the text, whose text after its begin marker is `piece` so far
+        (finished: all of it; a call cut short sends what it has)."""
         complete = CALL_END in piece
         head, sep, rest = piece.partition(SEP)
         name, opened, arguments = rest.partition(ARGUMENTS_OPEN)
         if not sep or not opened or "\n" in head or "\n" in name:
             return []  # its name is not known yet (or it does not follow the format)
-        if index == len(self._calls):
-            self._calls.append(_StreamedCall(tool_call_id()))
-        call, deltas = self._calls[index], []
+        call = self._calls.get(place)
+        if call is None:
+            call = self._calls[place] = _StreamedCall(len(self._calls), tool_call_id())
+        index, deltas = call.index, []
         if not call.name_sent:
             call.name_sent = True
             deltas.append({"index": index, "id": call.id, "type": "function", "function": {"name": name}})
