@@ -238,6 +238,27 @@ def test_streaming_matches_non_streaming(client):
     assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(client):
+    """stream_options {include_usage, continuous_usage_stats} (vLLM's): every chunk carries its choice's prompt
+    tokens and the tokens it has made so far; the last chunk the request's usage; without include_usage nothing."""
+    prompts = ["stream me", "the cat and the dog"]
+    body = {"model": NAME, "prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = sse_events(client.post("/v1/completions", json=body).text.splitlines())
+    made: dict[int, int] = {}
+    for chunk in events[:-2]:
+        (choice,) = chunk["choices"]
+        i = choice["index"]
+        made[i] = made.get(i, 0) + 1  # a chunk per token
+        prompt = len(TOK.encode(prompts[i // 2]))
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": made[i],
+                                  "total_tokens": prompt + made[i]}, chunk
+    assert made == dict.fromkeys(range(4), 5) and events[-2]["usage"]["completion_tokens"] == 20
+    body["stream_options"] = {"continuous_usage_stats": True}
+    events = sse_events(client.post("/v1/completions", json=body).text.splitlines())
+    assert all("usage" not in e for e in events[:-1])
+
+
 def test_one_stream_has_one_created_time(client):
     """Every chunk of a stream that runs past a second boundary carries the response's one `created`."""
     body = {"model": NAME, "prompt": "a long one", "max_tokens": 150, "temperature": 0, "ignore_eos": True,

@@ -41,8 +41,12 @@ Prompt = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
 
 
 class StreamOptions(BaseModel):
+    """include_usage: a last chunk with the request's usage; with continuous_usage_stats every chunk carries its
+    choice's usage so far too (vLLM's)."""
+
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 def _one_of(*values: Any) -> Callable[[Any, Any], bool]:

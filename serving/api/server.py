@@ -772,11 +772,20 @@ class _CompletionCall:
         response = self._response(texts, done, self._usage(sum(f.num_output_tokens for f in done)))
         return JSONResponse(response.model_dump())
 
+    def _choice_usage(self, index: int) -> dict:
+        """Choice `index`'s usage so far, as a stream's chunk carries it with continuous_usage_stats (vLLM's)."""
+        prompt, made = len(self.prompts[index // self.body.n]), len(self.token_ids[index])
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=made, total_tokens=prompt + made).model_dump()
+
     async def _stream(self) -> AsyncIterator[str]:
         completion_tokens = 0
         interval = self.state.sse_keep_alive_s
+        options = self.body.stream_options
+        continuous = options is not None and options.include_usage and options.continuous_usage_stats
         try:
-            for chunk in self._opening_chunks():
+            for i, chunk in enumerate(self._opening_chunks()):
+                if continuous:
+                    chunk["usage"] = self._choice_usage(i)
                 yield _sse(chunk)
             sent = time.monotonic()  # of the last event; a keep-alive comment is due `interval` after it
             while self.pending:
@@ -804,10 +813,11 @@ class _CompletionCall:
                     break
                 completion_tokens += len(out.new_token_ids)
                 if chunk is not None:
+                    if continuous:
+                        chunk["usage"] = self._choice_usage(index)
                     yield _sse(chunk)
                     sent = time.monotonic()
             else:
-                options = self.body.stream_options
                 if self.state.force_include_usage or (options is not None and options.include_usage):
                     yield _sse(self._usage_chunk(self._usage(completion_tokens)))
             yield "data: [DONE]\n\n"
