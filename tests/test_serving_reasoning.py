@@ -3,6 +3,7 @@
 - Against vLLM's own parser: vLLM 0.34.0's DeepSeekR1ReasoningParser (its sources, imported in a subprocess
   with a stand-in tokenizer of the two markers) splits random responses, whole and streamed in random pieces,
   as ours does.
+- An assistant message's reasoning reaches the chat template (vLLM's interleaved thinking).
 - Over HTTP, a fake model that thinks "ab" and says " c" (tests/serving_fakes.py, ThinkingModel): the message's
   reasoning and content, a stream's deltas adding up to them, include_reasoning false, deepseek_v3's thinking
   only where the request's chat_template_kwargs ask for it; and ep-serve refusing the flag for a tokenizer
@@ -23,6 +24,9 @@ from engine_sources import source_dir
 from serving_fakes import THINK_END_ID, THINK_START_ID
 from test_serving_api import NAME, fake_server, http_server, sse_events
 
+from serving.api.chat_template import ChatTemplate
+from serving.api.prompts import conversation
+from serving.api.protocol import ChatMessage
 from serving.api.reasoning import ReasoningStream, ThinkTokens, split_reasoning
 
 TOKENS = ThinkTokens(start=100, end=101)
@@ -81,6 +85,16 @@ def test_splits_equal_vllms_deepseek_r1_parser(seed: int) -> None:
         stream = ReasoningStream(TOKENS)
         got = [stream.feed(text, ids) for text, ids in zip(case["texts"], case["ids"])]
         assert [None if r is None and c is None else [r, c] for r, c in got] == expected["streamed"], case
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_both_names() -> None:
+    """vLLM's interleaved thinking: an assistant message's reasoning (or reasoning_content, its older name) is the
+    template's reasoning and reasoning_content; a user's is not passed."""
+    template = ChatTemplate("{% for m in messages %}[{{ m.reasoning }}|{{ m.reasoning_content }}]{% endfor %}")
+    for name in ("reasoning", "reasoning_content"):
+        messages = [ChatMessage.model_validate(m) for m in [
+            {"role": "user", "content": "q", name: "not mine"}, {"role": "assistant", "content": "a", name: "r"}]]
+        assert template.render(conversation(messages), add_generation_prompt=False) == "[|][r|r]"
 
 
 def test_the_markers_must_be_the_tokenizers() -> None:

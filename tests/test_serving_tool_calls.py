@@ -195,6 +195,7 @@ def test_tools_tool_calls_and_tool_messages_reach_the_template() -> None:
         conversation([ChatMessage(role="user", content=None)])
 
 
+
 # ---------------------------------------------------------------------------- over HTTP
 def test_a_chats_tools_reach_the_template_over_http(calling) -> None:
     """/tokenize and a chat render the request's tools (the fake tokenizer's letters: a template of names only)."""

@@ -145,7 +145,8 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template sees them: role, content (a list of text parts joined by
     newlines, as vLLM does for templates that take a string; None only for an assistant's), name, an assistant's
     tool_calls (their arguments parsed from JSON, as transformers' templates take them and vLLM hands them over)
-    and a tool message's tool_call_id, where given. BadRequest naming any role, content part type or tool call
+    and reasoning (as both reasoning and reasoning_content, as vLLM passes it), and a tool message's tool_call_id,
+    where given. BadRequest naming any role, content part type or tool call
     arguments that are not served."""
     unsupported: dict[str, str] = {}  # part type -> where it first is
     chat = []
@@ -169,6 +170,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.tool_calls:
             message["tool_calls"] = [_template_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                      for j, call in enumerate(m.tool_calls)]
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if m.role == "assistant" and reasoning is not None:  # vLLM's interleaved thinking: under both names
+            message["reasoning"] = message["reasoning_content"] = reasoning
         chat.append(message)
     if unsupported:
         names = ", ".join(repr(t) for t in unsupported)
@@ -189,7 +193,7 @@ def _template_tool_call(call: MessageToolCall, where: str) -> dict[str, Any]:
 def chat_chars(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
     """About how many characters of text a chat puts in the prompt (its contents, names, tool calls and tools), to
     bound its rendering by the context's room (check_size)."""
-    chars = sum(len(m["content"] or "") + len(m["name"] or "") for m in chat)
+    chars = sum(len(m["content"] or "") + len(m["name"] or "") + len(m.get("reasoning") or "") for m in chat)
     calls = [m["tool_calls"] for m in chat if "tool_calls" in m]
     return chars + (len(json.dumps(calls)) if calls else 0) + (len(json.dumps(tools)) if tools else 0)
 

@@ -230,6 +230,8 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: Text | None = None
+    reasoning: Text | None = None  # an assistant's earlier thinking (reasoning_content: its older name)
+    reasoning_content: Text | None = None
 
 
 class FunctionDefinition(BaseModel):
