@@ -552,6 +552,21 @@ def test_a_request_sharing_a_long_prefix_computes_only_its_tail(async_scheduling
 
 
 @BOTH_MODES
+def test_a_cache_salt_shares_blocks_only_among_requests_of_that_salt(async_scheduling: bool):
+    """vLLM's cache_salt: the same prompt hits the cache under the same salt only (none, "a", "b", "a", none)."""
+    prompt = [1 + (5 * i) % 31 for i in range(40)]  # 10 blocks of 4
+    engine = make_engine(True, async_scheduling=async_scheduling, max_model_len=64)
+    cached = []
+    for i, salt in enumerate([None, "a", "b", "a", None]):
+        before = computed_tokens(engine)
+        out = drive(engine, [Arrival(0, f"r{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                       cache_salt=salt))])
+        assert tokens(out[f"r{i}"]) == reference_greedy(prompt, 1, ignore_eos=True)
+        cached.append(computed_tokens(engine) - before)
+    assert cached == [40, 40, 40, 4, 4]  # a hit computes the last block only (the prompt's last token is computed)
+
+
+@BOTH_MODES
 def test_generated_tokens_are_cached_too(async_scheduling: bool):
     """A follow-up whose prompt is an earlier request's prompt and completion (a chat's next turn) starts
     after the blocks that completion filled."""

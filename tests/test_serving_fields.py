@@ -102,7 +102,8 @@ def test_logit_bias_and_allowed_token_ids_decide_what_is_drawn(server):
                               ({"logit_bias": {"seven": 1}}, "logit_bias", "expected token ids"),
                               ({"allowed_token_ids": [1, 64]}, "allowed_token_ids", "token id 64 is outside"),
                               ({"allowed_token_ids": []}, "allowed_token_ids", "expected at least one"),
-                              ({"stop_token_ids": [64]}, "stop_token_ids", "token id 64 is outside")):
+                              ({"stop_token_ids": [64]}, "stop_token_ids", "token id 64 is outside"),
+                              ({"cache_salt": ""}, "cache_salt", "expected a non-empty string")):
         err = check_envelope(httpx.post(f"{url}/v1/completions", json={"prompt": "ab", **body}, timeout=30), 400)
         assert err["param"] == param and says in err["message"], (body, err)
 

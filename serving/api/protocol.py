@@ -68,9 +68,9 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     REFUSED: ClassVar[tuple[str, ...]] = (
         "best_of", "use_beam_search", "length_penalty", "logprob_token_ids", "bad_words", "structured_outputs",
-        "response_format", "session_id", "routed_experts_prompt_start", "return_token_offsets", "cache_salt",
-        "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget",
-        "stream_interval", "watermarking", "return_weight_versions", "mm_payload", "return_mm_kwargs")
+        "response_format", "session_id", "routed_experts_prompt_start", "return_token_offsets", "kv_transfer_params",
+        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval",
+        "watermarking", "return_weight_versions", "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         "best_of": lambda value, request: value == request.n, "bad_words": _empty,
@@ -116,6 +116,8 @@ class SamplingRequest(BaseModel):
     # Keep this many of the prompt's tokens (-1: max_model_len - 1), its last unless truncation_side is "right".
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
     truncation_side: Literal["left", "right"] | None = None
+    # Prefix-cache hits only among requests of the same salt (vLLM's: against guessing other tenants' prompts).
+    cache_salt: Text | None = None
     # Refused unless left at their default (REFUSED):
     best_of: Any = None
     use_beam_search: Any = False
@@ -127,7 +129,6 @@ class SamplingRequest(BaseModel):
     session_id: Any = None
     routed_experts_prompt_start: Any = 0
     return_token_offsets: Any = False
-    cache_salt: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
     vllm_xargs: Any = None
@@ -164,7 +165,7 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(),
+            prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(), cache_salt=self.cache_salt,
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:

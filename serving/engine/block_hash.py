@@ -23,6 +23,14 @@ from collections.abc import Sequence
 ROOT = hashlib.sha256(b"ep-layer prefix cache: the parent of a sequence's first block").digest()
 
 
+def root(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: ROOT, or for a salted request ROOT hashed with its salt (vLLM's
+    cache_salt, which it mixes into the first block's hash), so that only requests of one salt share blocks."""
+    if cache_salt is None:
+        return ROOT
+    return hashlib.sha256(ROOT + b"cache_salt" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The hash of a full block of `token_ids` whose preceding blocks hash to `parent` (ROOT for the first)."""
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()

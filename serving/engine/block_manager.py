@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .block_hash import ROOT, hash_block
+from .block_hash import hash_block, root
 from .sequence import Sequence
 
 
@@ -204,5 +204,6 @@ class BlockManager:
         known = min(num_blocks, (seq.num_tokens - seq.num_pending) // bs)
         while len(hashes) < known:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else ROOT, seq.token_ids(i * bs, (i + 1) * bs)))
+            parent = hashes[-1] if hashes else root(seq.params.cache_salt)
+            hashes.append(hash_block(parent, seq.token_ids(i * bs, (i + 1) * bs)))
         return hashes[:num_blocks]

@@ -48,7 +48,9 @@ class SamplingParams:
     token's text) that ended the output stays in it; skip_special_tokens and
     spaces_between_special_tokens: how the output is detokenized (vLLM's meanings). allowed_token_ids: only
     these can be drawn (None: all); logit_bias: (token id, bias) pairs added to the logits, after the allowed
-    tokens' mask and before the penalties (vLLM's order); neither changes the reported logprobs."""
+    tokens' mask and before the penalties (vLLM's order); neither changes the reported logprobs. cache_salt:
+    the request's (vLLM's), mixed into its first block's hash: prefix-cache hits only among requests with the
+    same salt."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -70,6 +72,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    cache_salt: str | None = None  # the prefix cache shares blocks only among requests of the same salt
 
     def __post_init__(self) -> None:
         # vLLM's checks, field by field (SamplingParams._verify_args in vllm/sampling_params.py at
@@ -105,6 +108,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise BadRequest("allowed_token_ids: expected at least one token id (null: every token)",
                              "allowed_token_ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise BadRequest("cache_salt: expected a non-empty string (null: no salt)", "cache_salt")
         bad_bias = next((b for _, b in self.logit_bias if not math.isfinite(b)), None)
         if bad_bias is not None:
             raise BadRequest(f"logit_bias: expected finite biases, got {bad_bias}", "logit_bias")
