@@ -144,6 +144,19 @@ def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(server):
     assert [t for e in events[1:-1] for t in e["choices"][0]["token_ids"]] == whole["choices"][0]["token_ids"]
 
 
+def test_return_prompt_text_gives_the_chat_as_rendered(server):
+    url = server[0]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "ab"}, {"role": "user", "content": "cd"}],
+            "max_tokens": 2, "return_prompt_text": True}
+    rendered = "abcd"  # CHAT_TEMPLATE: the contents, joined
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).json()["prompt_text"] == rendered
+    events = sse_events(httpx.post(f"{url}/v1/chat/completions", json={**chat, "stream": True, "n": 2},
+                                   timeout=30).text.splitlines())
+    assert [e.get("prompt_text") for e in events[:-1]] == [rendered] * 2 + [None] * (len(events) - 3)
+    plain = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_prompt_text": False}, timeout=30).json()
+    assert "prompt_text" not in plain
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(server):
     url = server[0]
     text = "the cat and the dog"

@@ -121,8 +121,8 @@ async def encode_text(state: ServerState, text: str, add_special_tokens: bool, w
 async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
                       continue_final_message: bool, variables: Mapping[str, Any] | None, add_special_tokens: bool,
                       room: int, template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                      truncation: Truncation | None = None) -> list[int]:
-    """The token ids of a chat: rendered by the chat template (the request's own `template` where given: the
+                      truncation: Truncation | None = None) -> tuple[str, list[int]]:
+    """The text and token ids of a chat: rendered by the chat template (the request's own `template` where given: the
     caller checked --trust-request-chat-template) with the request's `tools`, then encoded (with the tokenizer's
     special tokens on top of the template's only when add_special_tokens); refused unrendered when its messages
     are longer than `room` tokens could hold (with a truncation: the rendered text cut to it instead), and off the
@@ -244,15 +244,15 @@ def token_strs(state: ServerState, ids: list[int]) -> list[str]:
 def _render_and_encode(state: ServerState, template: ChatTemplate, chat: list[dict[str, Any]],
                        add_generation_prompt: bool, continue_final_message: bool, variables: Mapping[str, Any] | None,
                        add_special_tokens: bool, tools: list[dict[str, Any]] | None,
-                       truncation: Truncation | None = None) -> list[int]:
+                       truncation: Truncation | None = None) -> tuple[str, list[int]]:
     try:
         text = template.render(chat, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, variables=variables, tools=tools)
     except ChatTemplateError as e:
         raise BadRequest(str(e), e.param or "messages") from None
     if truncation is None:
-        return _encode(state, text, add_special_tokens, "messages")
-    return truncation.ids(_encode(state, truncation.text(state, text), add_special_tokens, "messages"))
+        return text, _encode(state, text, add_special_tokens, "messages")
+    return text, truncation.ids(_encode(state, truncation.text(state, text), add_special_tokens, "messages"))
 
 
 def _encode(state: ServerState, text: str, add_special_tokens: bool, where: str) -> list[int]:

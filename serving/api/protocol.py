@@ -266,9 +266,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     REFUSED: ClassVar[tuple[str, ...]] = (
         *SamplingRequest.REFUSED, "reasoning_effort", "echo", "documents", "media_io_kwargs", "mm_processor_kwargs",
-        "return_prompt_text", "return_assistant_tokens_mask")
-    ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
-        **SamplingRequest.ALSO_DEFAULT, "return_prompt_text": _one_of(False)}
+        "return_assistant_tokens_mask")
 
     messages: Messages
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to max_model_len
@@ -285,13 +283,13 @@ class ChatCompletionRequest(SamplingRequest):
     # "auto" where tools are given and this is not (`effective_tool_choice`); null is "none"
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
     parallel_tool_calls: StrictBool | None = True  # false: a response keeps its first tool call only
+    return_prompt_text: StrictBool | None = None  # the rendered chat as the response's prompt_text (vLLM's)
     # Refused unless left at their default:
     reasoning_effort: Any = None
     echo: Any = False
     documents: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
-    return_prompt_text: Any = None
     return_assistant_tokens_mask: Any = False
 
     @property
@@ -337,13 +335,13 @@ class CompletionLogProbs(BaseModel):
 
 
 class _ExtrasWhereAsked(BaseModel):
-    """A response part with vLLM's extra fields (token ids, prompt logprobs), left out of the JSON unless the
-    request asked for them (return_token_ids, prompt_logprobs)."""
+    """A response part with vLLM's extra fields (token ids, prompt logprobs, prompt text), left out of the JSON
+    unless the request asked for them (return_token_ids, prompt_logprobs, return_prompt_text)."""
 
     @model_serializer(mode="wrap")
     def _extras_only_where_given(self, handler: Any) -> dict:
         data = handler(self)
-        for name in ("token_ids", "prompt_token_ids", "prompt_logprobs"):
+        for name in ("token_ids", "prompt_token_ids", "prompt_logprobs", "prompt_text"):
             if name in data and data[name] is None:
                 del data[name]
         return data
@@ -419,6 +417,7 @@ class ChatCompletionResponse(_ExtrasWhereAsked):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids
     prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs
+    prompt_text: str | None = None  # return_prompt_text: the chat as its template rendered it
 
 
 class ChatCompletionStreamChoice(_ExtrasWhereAsked):
@@ -441,6 +440,7 @@ class ChatCompletionStreamResponse(_ExtrasWhereAsked):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # on each choice's opening chunk (return_token_ids)
+    prompt_text: str | None = None  # on each choice's opening chunk (return_prompt_text)
 
 
 class TokenizeCompletionRequest(BaseModel):

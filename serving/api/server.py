@@ -404,7 +404,7 @@ def build_app(state: ServerState) -> FastAPI:
             _check_model(state, body.model)
             _check_request_template(state, body.chat_template)
             _refuse((("mm_processor_kwargs", bool(body.mm_processor_kwargs)),))
-            ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
+            _, ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
                                     body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
                                     state.max_model_len, body.chat_template,
                                     [t.model_dump() for t in body.tools] if body.tools else None)
@@ -995,6 +995,7 @@ class _ChatCompletionCall(_CompletionCall):
                               and state.tool_call_parser is not None)
         self._tool_streams: dict[int, ToolCallStream] = {}
         self._called: set[int] = set()
+        self._prompt_text = ""  # the chat as its template rendered it (return_prompt_text)
 
     @property
     def max_tokens(self) -> int | None:
@@ -1075,9 +1076,10 @@ class _ChatCompletionCall(_CompletionCall):
 
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
-        return await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                                 b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template, self._tools(),
-                                 self.truncation)
+        self._prompt_text, ids = await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
+                                                   b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template,
+                                                   self._tools(), self.truncation)
+        return ids
 
     def _message(self, text: str) -> AssistantMessage:
         reasoning, content = split_reasoning(text) if self._thinks else (None, text)
@@ -1107,21 +1109,25 @@ class _ChatCompletionCall(_CompletionCall):
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name,
                                       choices=choices, usage=usage,
                                       prompt_token_ids=self._prompt(0) if self.body.return_token_ids else None,
-                                      prompt_logprobs=self._prompt_logprobs_json(0))
+                                      prompt_logprobs=self._prompt_logprobs_json(0),
+                                      prompt_text=self._prompt_text if self.body.return_prompt_text else None)
 
     def _stream_chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
-                      prompt_token_ids: list[int] | None = None) -> dict:
+                      **prompt: Any) -> dict:
+        """A stream's chunk; prompt: the opening chunks' prompt_token_ids and prompt_text, where asked for."""
         chunk = ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model_name,
-                                             choices=choices, usage=usage, prompt_token_ids=prompt_token_ids)
+                                             choices=choices, usage=usage, **prompt)
         return chunk.model_dump(exclude=None if usage is not None else {"usage"})
 
     def _opening_chunks(self) -> list[dict]:
         """The role of each choice, before its text (as OpenAI and vLLM send it; with return_token_ids the prompt's
-        token ids too)."""
+        token ids too, with return_prompt_text its rendered text)."""
         role = self._role()
-        prompt = self._prompt(0) if self.body.return_token_ids else None
+        b = self.body
+        prompt = dict(prompt_token_ids=self._prompt(0) if b.return_token_ids else None,
+                      prompt_text=self._prompt_text if b.return_prompt_text else None)
         return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": role, "content": ""})],
-                                   prompt_token_ids=prompt)
+                                   **prompt)
                 for i in range(len(self.request_ids))]
 
     def _role(self) -> str:
