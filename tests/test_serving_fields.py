@@ -157,6 +157,30 @@ def test_return_prompt_text_gives_the_chat_as_rendered(server):
     assert "prompt_text" not in plain
 
 
+def test_chat_echo_puts_a_continued_messages_content_first(server):
+    """vLLM's chat echo: where the last message has the responses' role (continued, add_generation_prompt false),
+    its content comes before each choice's, whole and streamed (a chunk of its own after the role's); otherwise
+    echo adds nothing."""
+    url = server[0]
+    cont = {"model": NAME, "messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "the"}],
+            "max_tokens": 3, "temperature": 0, "add_generation_prompt": False, "continue_final_message": True}
+    plain = httpx.post(f"{url}/v1/chat/completions", json=cont, timeout=30).json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(f"{url}/v1/chat/completions", json={**cont, "echo": True}, timeout=30).json()
+    assert echoed["choices"][0]["message"]["content"] == "the" + plain
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    streamed = {**cont, "echo": True, "stream": True, "n": 2, "stream_options": usage}
+    events = sse_events(httpx.post(f"{url}/v1/chat/completions", json=streamed, timeout=30).text.splitlines())
+    assert [e["choices"][0]["delta"].get("content") for e in events[2:4]] == ["the", "the"]
+    for i in (0, 1):
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2]
+                       if e["choices"][0]["index"] == i) == "the" + plain
+    asked = {**cont, "messages": cont["messages"][:1], "add_generation_prompt": True,
+             "continue_final_message": False}  # the last message is the user's: nothing to echo
+    assert httpx.post(f"{url}/v1/chat/completions", json={**asked, "echo": True}, timeout=30).json() \
+        ["choices"][0]["message"]["content"] == httpx.post(f"{url}/v1/chat/completions", json=asked,
+                                                            timeout=30).json()["choices"][0]["message"]["content"]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_or_first_tokens(server):
     url = server[0]
     text = "the cat and the dog"

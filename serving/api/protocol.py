@@ -265,7 +265,7 @@ class ChatCompletionRequest(SamplingRequest):
     template's)."""
 
     REFUSED: ClassVar[tuple[str, ...]] = (
-        *SamplingRequest.REFUSED, "reasoning_effort", "echo", "documents", "media_io_kwargs", "mm_processor_kwargs",
+        *SamplingRequest.REFUSED, "reasoning_effort", "documents", "media_io_kwargs", "mm_processor_kwargs",
         "return_assistant_tokens_mask")
 
     messages: Messages
@@ -284,9 +284,10 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = "none"
     parallel_tool_calls: StrictBool | None = True  # false: a response keeps its first tool call only
     return_prompt_text: StrictBool | None = None  # the rendered chat as the response's prompt_text (vLLM's)
+    # The last message's content before each choice's, where it has the responses' role (vLLM's chat echo).
+    echo: StrictBool = False
     # Refused unless left at their default:
     reasoning_effort: Any = None
-    echo: Any = False
     documents: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None

@@ -783,9 +783,9 @@ class _CompletionCall:
         options = self.body.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
         try:
-            for i, chunk in enumerate(self._opening_chunks()):
+            for chunk in self._opening_chunks():
                 if continuous:
-                    chunk["usage"] = self._choice_usage(i)
+                    chunk["usage"] = self._choice_usage(chunk["choices"][0]["index"])
                 yield _sse(chunk)
             sent = time.monotonic()  # of the last event; a keep-alive comment is due `interval` after it
             while self.pending:
@@ -1081,6 +1081,14 @@ class _ChatCompletionCall(_CompletionCall):
                                                    self._tools(), self.truncation)
         return ids
 
+    def _echoed(self) -> str:
+        """What echo puts before each choice's content (vLLM's): the last message's, where its role is the
+        responses' (a message being continued); else nothing."""
+        if not self.body.echo:
+            return ""
+        last = conversation(self.body.messages[-1:])[0]
+        return (last["content"] or "") if last["role"] == self._role() else ""
+
     def _message(self, text: str) -> AssistantMessage:
         reasoning, content = split_reasoning(text) if self._thinks else (None, text)
         calls: list[MessageToolCall] = []
@@ -1089,6 +1097,9 @@ class _ChatCompletionCall(_CompletionCall):
             content, found = parsed
             calls = [MessageToolCall(id=tool_call_id(), function=FunctionCallText(name=c.name, arguments=c.arguments))
                      for c in found[:1 if self.body.parallel_tool_calls is False else None]]
+        echoed = self._echoed()
+        if echoed:
+            content = echoed + (content or "")
         return AssistantMessage(role=self._role(), content=content,
                                 reasoning=reasoning if self.body.include_reasoning else None, tool_calls=calls)
 
@@ -1126,9 +1137,14 @@ class _ChatCompletionCall(_CompletionCall):
         b = self.body
         prompt = dict(prompt_token_ids=self._prompt(0) if b.return_token_ids else None,
                       prompt_text=self._prompt_text if b.return_prompt_text else None)
-        return [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": role, "content": ""})],
-                                   **prompt)
-                for i in range(len(self.request_ids))]
+        chunks = [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"role": role, "content": ""})],
+                                     **prompt)
+                  for i in range(len(self.request_ids))]
+        echoed = self._echoed()
+        if echoed:  # then the echo, a chunk per choice (vLLM's)
+            chunks += [self._stream_chunk([ChatCompletionStreamChoice(index=i, delta={"content": echoed})])
+                       for i in range(len(self.request_ids))]
+        return chunks
 
     def _role(self) -> str:
         """The responses' role, as vLLM's get_chat_request_role: --response-role where the template adds the
