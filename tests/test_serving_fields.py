@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -155,6 +156,26 @@ def test_return_prompt_text_gives_the_chat_as_rendered(server):
     assert [e.get("prompt_text") for e in events[:-1]] == [rendered] * 2 + [None] * (len(events) - 3)
     plain = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_prompt_text": False}, timeout=30).json()
     assert "prompt_text" not in plain
+
+
+def test_documents_and_reasoning_effort_reach_the_template(server):
+    """vLLM's: documents are the template's `documents`; reasoning_effort its `reasoning_effort`, with
+    `enable_thinking` (false for "none") unless chat_template_kwargs set it."""
+    state = server[1]
+    template = ("{% for d in documents or [] %}{{ d.title }}.{% endfor %}{{ reasoning_effort }},"  # the fake's letters
+                "{% if enable_thinking is defined %}{{ 'on' if enable_thinking else 'off' }}{% endif %}")
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 1,
+            "chat_template": template, "return_prompt_text": True}
+    with http_server(dataclasses.replace(state, trust_request_chat_template=True)) as url:
+        def rendered(**body) -> str:
+            return httpx.post(f"{url}/v1/chat/completions", json={**chat, **body}, timeout=30).json()["prompt_text"]
+
+        assert rendered(documents=[{"title": "one", "text": "x"}, {"title": "two"}]) == "one.two.,"
+        assert rendered(reasoning_effort="high") == "high,on"
+        assert rendered(reasoning_effort="none") == "none,off"
+        assert rendered(reasoning_effort="low", chat_template_kwargs={"enable_thinking": False}) == "low,off"
+        assert httpx.post(f"{url}/v1/chat/completions", json={**chat, "reasoning_effort": "huge"},
+                          timeout=30).json()["error"]["param"] == "reasoning_effort"
 
 
 def test_chat_echo_puts_a_continued_messages_content_first(server):

@@ -46,10 +46,11 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                continue_final_message: bool = False, variables: Mapping[str, Any] | None = None,
-               tools: list[dict[str, Any]] | None = None) -> str:
+               tools: list[dict[str, Any]] | None = None, documents: list[dict[str, str]] | None = None) -> str:
         """The prompt text of `messages` (dicts with role and content strings, keys with None values
         dropped as transformers does). variables: more template variables (chat_template_kwargs); they
-        take precedence over the special tokens. tools: the request's tool definitions (OpenAI's form)."""
+        take precedence over the special tokens. tools: the request's tool definitions (OpenAI's form);
+        documents: its documents for retrieval-augmented templates (transformers' variable)."""
         if self.source is None:
             raise ChatTemplateError(self.missing)
         variables = dict(variables or {})
@@ -73,7 +74,7 @@ class ChatTemplate:
             chat[-1] = {**chat[-1], "content": final + _CONTINUE_TAG}
         template = _compile(self.source)
         try:
-            text = template.render(messages=chat, tools=tools, documents=None,
+            text = template.render(messages=chat, tools=tools, documents=documents,
                                    add_generation_prompt=add_generation_prompt,
                                    **{**self.special_tokens, **variables})
         except Exception as e:  # the template is code from the model or the operator: any failure is its own

@@ -121,18 +121,20 @@ async def encode_text(state: ServerState, text: str, add_special_tokens: bool, w
 async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_generation_prompt: bool,
                       continue_final_message: bool, variables: Mapping[str, Any] | None, add_special_tokens: bool,
                       room: int, template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                      truncation: Truncation | None = None) -> tuple[str, list[int]]:
+                      truncation: Truncation | None = None,
+                      documents: list[dict[str, str]] | None = None) -> tuple[str, list[int]]:
     """The text and token ids of a chat: rendered by the chat template (the request's own `template` where given: the
-    caller checked --trust-request-chat-template) with the request's `tools`, then encoded (with the tokenizer's
+    caller checked --trust-request-chat-template) with the request's `tools` and `documents`, then encoded (with the
+    tokenizer's
     special tokens on top of the template's only when add_special_tokens); refused unrendered when its messages
     are longer than `room` tokens could hold (with a truncation: the rendered text cut to it instead), and off the
     event loop when they are long."""
-    chars = chat_chars(chat, tools)
+    chars = chat_chars(chat, tools) + (len(json.dumps(documents)) if documents else 0)
     if truncation is None:
         check_size(state, chars, room, "messages")
     renderer = state.chat_template if template is None else dataclasses.replace(state.chat_template, source=template)
     work = functools.partial(_render_and_encode, state, renderer, chat, add_generation_prompt, continue_final_message,
-                             template_variables(state, variables), add_special_tokens, tools, truncation)
+                             template_variables(state, variables), add_special_tokens, tools, truncation, documents)
     return work() if chars <= INLINE_CHARS else await _off_the_loop(state, work)
 
 
@@ -244,10 +246,12 @@ def token_strs(state: ServerState, ids: list[int]) -> list[str]:
 def _render_and_encode(state: ServerState, template: ChatTemplate, chat: list[dict[str, Any]],
                        add_generation_prompt: bool, continue_final_message: bool, variables: Mapping[str, Any] | None,
                        add_special_tokens: bool, tools: list[dict[str, Any]] | None,
-                       truncation: Truncation | None = None) -> tuple[str, list[int]]:
+                       truncation: Truncation | None = None,
+                       documents: list[dict[str, str]] | None = None) -> tuple[str, list[int]]:
     try:
         text = template.render(chat, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message, variables=variables, tools=tools)
+                               continue_final_message=continue_final_message, variables=variables, tools=tools,
+                               documents=documents)
     except ChatTemplateError as e:
         raise BadRequest(str(e), e.param or "messages") from None
     if truncation is None:

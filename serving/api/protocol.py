@@ -265,8 +265,7 @@ class ChatCompletionRequest(SamplingRequest):
     template's)."""
 
     REFUSED: ClassVar[tuple[str, ...]] = (
-        *SamplingRequest.REFUSED, "reasoning_effort", "documents", "media_io_kwargs", "mm_processor_kwargs",
-        "return_assistant_tokens_mask")
+        *SamplingRequest.REFUSED, "media_io_kwargs", "mm_processor_kwargs", "return_assistant_tokens_mask")
 
     messages: Messages
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # None: up to max_model_len
@@ -286,12 +285,24 @@ class ChatCompletionRequest(SamplingRequest):
     return_prompt_text: StrictBool | None = None  # the rendered chat as the response's prompt_text (vLLM's)
     # The last message's content before each choice's, where it has the responses' role (vLLM's chat echo).
     echo: StrictBool = False
+    # A template variable, as vLLM passes it, with enable_thinking (false for "none") unless chat_template_kwargs
+    # set that.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    documents: list[dict[Text, Text]] | None = None  # the template's documents (retrieval-augmented templates)
     # Refused unless left at their default:
-    reasoning_effort: Any = None
-    documents: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
     return_assistant_tokens_mask: Any = False
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs with reasoning_effort's variables (vLLM's build_chat_params): reasoning_effort itself,
+        and enable_thinking (its effort other than "none") unless the request's kwargs set it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:

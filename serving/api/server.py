@@ -986,7 +986,7 @@ class _ChatCompletionCall(_CompletionCall):
         # Whether the responses split into reasoning and content (--reasoning-parser), and each streamed choice's
         # split by index.
         parser = state.reasoning_parser
-        self._thinks = parser is not None and thinks(parser, template_variables(state, body.chat_template_kwargs))
+        self._thinks = parser is not None and thinks(parser, template_variables(state, body.template_kwargs))
         self._reasoning_streams: dict[int, ReasoningStream] = {}
         # Whether the responses' tool calls are parsed (--tool-call-parser, where tool_choice is "auto" and the
         # server allows it), each streamed choice's parse by index, and the choices that streamed a call.
@@ -1077,8 +1077,8 @@ class _ChatCompletionCall(_CompletionCall):
     async def _encode(self, item: Any, where: str, room: int) -> list[int]:
         b = self.body
         self._prompt_text, ids = await encode_chat(self.state, item, b.add_generation_prompt, b.continue_final_message,
-                                                   b.chat_template_kwargs, b.add_special_tokens, room, b.chat_template,
-                                                   self._tools(), self.truncation)
+                                                   b.template_kwargs, b.add_special_tokens, room, b.chat_template,
+                                                   self._tools(), self.truncation, b.documents)
         return ids
 
     def _echoed(self) -> str:
