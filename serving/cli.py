@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split chat responses into reasoning (before </think>) and content, as vLLM's parsers of "
                         "these names: deepseek_r1 every response (DeepSeek-R1's template opens the thinking), "
                         "deepseek_v3 those whose chat_template_kwargs set thinking or enable_thinking")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="a streamed chunk carries at least N tokens (a choice's first and last go at once); a "
+                        "request's stream_interval may raise it (default 1: a chunk per step)")
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="read the tool calls in chat responses, as vLLM's parser of this name (DeepSeek-V3's "
                         "tool call tokens), where --enable-auto-tool-choice lets a request's tool_choice be auto")
@@ -600,6 +603,8 @@ def main(argv: list[str] | None = None) -> None:
         tls.check_files()
     except ValueError as e:
         raise SystemExit(f"ep-serve: {e}") from None
+    if args.stream_interval < 1:
+        raise SystemExit(f"ep-serve: --stream-interval: expected >= 1, got {args.stream_interval}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("ep-serve: --enable-auto-tool-choice: needs --tool-call-parser (how to read the calls)")
     if args.enable_log_outputs and not args.log_requests:
@@ -655,7 +660,7 @@ def main(argv: list[str] | None = None) -> None:
                         force_include_usage=args.enable_force_include_usage, openapi=not args.disable_fastapi_docs,
                         response_role=args.response_role, root_path=args.root_path, tls=tls,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        served_model_aliases=tuple(names[1:]),
+                        served_model_aliases=tuple(names[1:]), stream_interval=args.stream_interval,
                         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                         auto_tool_choice=args.enable_auto_tool_choice,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,

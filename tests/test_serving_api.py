@@ -259,6 +259,23 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(cli
     assert all("usage" not in e for e in events[:-1])
 
 
+def test_stream_interval_batches_tokens_into_chunks(server):
+    """vLLM's stream_interval: a choice's first token goes at once, then chunks of the interval's tokens (their text
+    and logprobs with them), the rest with the end; --stream-interval is the floor a request may raise."""
+    body = {"model": NAME, "prompt": "stream me", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "stream": True}
+    whole = httpx.post(f"{server[0]}/v1/completions", json={**body, "stream": False}, timeout=30).json()["choices"][0]
+    for floor, asked, sizes in ((1, 4, [1, 4, 4, 1]), (3, 2, [1, 3, 3, 3]), (3, None, [1, 3, 3, 3])):
+        with http_server(dataclasses.replace(server[1], stream_interval=floor)) as url:
+            events = sse_events(httpx.post(f"{url}/v1/completions", timeout=30,
+                                           json=body | ({"stream_interval": asked} if asked else {})).text.splitlines())
+        choices = [e["choices"][0] for e in events[:-1]]
+        assert [len(c["logprobs"]["tokens"]) for c in choices] == sizes, (floor, asked)
+        assert "".join(c["text"] for c in choices) == whole["text"]
+        assert [t for c in choices for t in c["logprobs"]["token_logprobs"]] == whole["logprobs"]["token_logprobs"]
+        assert [c["finish_reason"] for c in choices] == [None] * (len(sizes) - 1) + ["length"]
+
+
 def test_one_stream_has_one_created_time(client):
     """Every chunk of a stream that runs past a second boundary carries the response's one `created`."""
     body = {"model": NAME, "prompt": "a long one", "max_tokens": 150, "temperature": 0, "ignore_eos": True,

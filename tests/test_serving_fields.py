@@ -501,6 +501,7 @@ def test_ping_and_max_logprobs(server):
     (["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'],
      "--speculative-config: not supported: ep-serve has no speculative decoding"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs --tool-call-parser"),
+    (["--stream-interval", "0"], "--stream-interval: expected >= 1"),
     (["--enable-lora", "--lora-modules", "a=/x", "b=/y"], "--enable-lora: not supported: ep-serve has no LoRA"),
     (["--lora-modules", "a=/x"], "--lora-modules: not supported"),
 ])

@@ -69,13 +69,13 @@ class SamplingRequest(BaseModel):
     REFUSED: ClassVar[tuple[str, ...]] = (
         "best_of", "use_beam_search", "length_penalty", "logprob_token_ids", "bad_words", "structured_outputs",
         "response_format", "session_id", "routed_experts_prompt_start", "return_token_offsets", "kv_transfer_params",
-        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "stream_interval",
-        "watermarking", "return_weight_versions", "mm_payload", "return_mm_kwargs")
+        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "watermarking",
+        "return_weight_versions", "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
         "best_of": lambda value, request: value == request.n, "bad_words": _empty,
-        "response_format": _one_of({"type": "text"}),
-        "stream_interval": _one_of(1), "watermarking": _one_of(False), "return_mm_kwargs": _one_of(False)}
+        "response_format": _one_of({"type": "text"}), "watermarking": _one_of(False),
+        "return_mm_kwargs": _one_of(False)}
 
     model: Text | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
@@ -118,6 +118,8 @@ class SamplingRequest(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     # Prefix-cache hits only among requests of the same salt (vLLM's: against guessing other tenants' prompts).
     cache_salt: Text | None = None
+    # A stream's chunks carry this many tokens (its first and last at once), at least --stream-interval's (vLLM's).
+    stream_interval: Annotated[StrictInt, Field(ge=1)] | None = None
     # Refused unless left at their default (REFUSED):
     best_of: Any = None
     use_beam_search: Any = False
@@ -134,7 +136,6 @@ class SamplingRequest(BaseModel):
     vllm_xargs: Any = None
     repetition_detection: Any = None
     thinking_token_budget: Any = None
-    stream_interval: Any = None
     watermarking: Any = None
     return_weight_versions: Any = False
     mm_payload: Any = "tensors"  # what vLLM's multimodal render responses carry

@@ -127,9 +127,11 @@ class ServerState:
     scheduling_policy: the engine's (a request's priority other than 0 needs "priority"). reasoning_parser:
     --reasoning-parser (reasoning.py), with think_tokens, the tokenizer's markers (serve sets both).
     served_model_aliases: --served-model-name's names after the first (served_model_name), which requests may use
-    too. tool_call_parser: --tool-call-parser (tool_calls.py), used where auto_tool_choice (--enable-auto-tool-choice)
-    lets a request's tool_choice be "auto"; exclude_tools_when_tool_choice_none: --exclude-tools-when-tool-choice-none
-    (tool_choice "none" leaves the tools out of the prompt).
+    too. stream_interval: --stream-interval (the fewest tokens a streamed chunk carries but a choice's first and
+    last; a request's stream_interval may raise it). tool_call_parser: --tool-call-parser (tool_calls.py), used
+    where auto_tool_choice (--enable-auto-tool-choice) lets a request's tool_choice be "auto";
+    exclude_tools_when_tool_choice_none: --exclude-tools-when-tool-choice-none (tool_choice "none" leaves the tools
+    out of the prompt).
     default_chat_template_kwargs: --default-chat-template-kwargs (under a request's own). request_id_headers:
     --enable-request-id-headers (request_id.py). access_log: uvicorn's (--disable-uvicorn-access-log: off).
     sse_keep_alive_s: --sse-keep-alive-interval (0: none). trust_request_chat_template: render a request's own
@@ -168,6 +170,7 @@ class ServerState:
     reasoning_parser: str | None = None
     think_tokens: ThinkTokens | None = None
     served_model_aliases: tuple[str, ...] = ()
+    stream_interval: int = 1
     tool_call_parser: str | None = None
     auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
@@ -782,6 +785,7 @@ class _CompletionCall:
         interval = self.state.sse_keep_alive_s
         options = self.body.stream_options
         continuous = options is not None and options.include_usage and options.continuous_usage_stats
+        batch = _OutputBatches(max(self.state.stream_interval, self.body.stream_interval or 1))
         try:
             for chunk in self._opening_chunks():
                 if continuous:
@@ -801,9 +805,12 @@ class _CompletionCall:
                     out = self._transform(out)
                     self._account(index, out)
                     self._collect(index, out)
+                    completion_tokens += len(out.new_token_ids)
                     # A chunk per step that made tokens, even when they add no text yet (an incomplete
-                    # UTF-8 sequence), as vLLM does: clients time tokens by chunks.
-                    chunk = self._chunk(index, out) if out.new_text or out.new_token_ids or out.finished else None
+                    # UTF-8 sequence), as vLLM does: clients time tokens by chunks (or by stream_interval's).
+                    out = batch.add(index, out)
+                    chunk = self._chunk(index, out) if out is not None and (out.new_text or out.new_token_ids
+                                                                            or out.finished) else None
                 except APIError as e:
                     yield _sse(error_body(e.status, e.message))
                     break
@@ -811,7 +818,6 @@ class _CompletionCall:
                     log.exception("request %s: its stream failed", self.id)
                     yield _sse(error_body(500, _internal_error(e)))
                     break
-                completion_tokens += len(out.new_token_ids)
                 if chunk is not None:
                     if continuous:
                         chunk["usage"] = self._choice_usage(index)
@@ -1202,6 +1208,43 @@ class _ChatCompletionCall(_CompletionCall):
 
     def _usage_chunk(self, usage: UsageInfo) -> dict:
         return self._stream_chunk([], usage)
+
+
+class _OutputBatches:
+    """stream_interval's batching (vLLM's output processor): a choice's outputs are held until they hold `interval`
+    tokens, except its first, which goes at once, and its last; then they go as one."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self._held: dict[int, list[RequestOutput]] = {}
+        self._started: set[int] = set()
+
+    def add(self, index: int, out: RequestOutput) -> RequestOutput | None:
+        """`out`, or the held outputs of its choice with it as one, where a chunk is due; else None (held)."""
+        if self.interval == 1:
+            return out
+        held = self._held.setdefault(index, [])
+        held.append(out)
+        due = out.finished or index not in self._started or sum(len(o.new_token_ids) for o in held) >= self.interval
+        if not due:
+            return None
+        self._started.add(index)
+        del self._held[index]
+        return out if len(held) == 1 else _merged(held)
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """Successive outputs of one request as one: their tokens, text and logprobs in order, the first-output fields
+    of the first, the end of the last."""
+    def first(name: str) -> Any:
+        return next((getattr(o, name) for o in outs if getattr(o, name) is not None), None)
+
+    last = outs[-1]
+    return dataclasses.replace(
+        last, new_token_ids=[t for o in outs for t in o.new_token_ids], new_text="".join(o.new_text for o in outs),
+        logprobs=None if last.logprobs is None else [lp for o in outs for lp in o.logprobs or ()],
+        queue_time=first("queue_time"), prompt_logprobs=first("prompt_logprobs"),
+        num_cached_tokens=first("num_cached_tokens"))
 
 
 # ---------------------------------------------------------------------------- shared by the endpoints
