@@ -408,9 +408,9 @@ def build_app(state: ServerState) -> FastAPI:
             _check_request_template(state, body.chat_template)
             _refuse((("mm_processor_kwargs", bool(body.mm_processor_kwargs)),))
             _, ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
-                                    body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
-                                    state.max_model_len, body.chat_template,
-                                    [t.model_dump() for t in body.tools] if body.tools else None)
+                                       body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
+                                       state.max_model_len, body.chat_template,
+                                       [t.model_dump() for t in body.tools] if body.tools else None)
             where = "messages"
         else:
             body = _parse(TokenizeCompletionRequest, data)
@@ -777,7 +777,7 @@ class _CompletionCall:
 
     def _choice_usage(self, index: int) -> dict:
         """Choice `index`'s usage so far, as a stream's chunk carries it with continuous_usage_stats (vLLM's)."""
-        prompt, made = len(self.prompts[index // self.body.n]), len(self.token_ids[index])
+        prompt, made = len(self._prompt(index)), len(self.token_ids[index])
         return UsageInfo(prompt_tokens=prompt, completion_tokens=made, total_tokens=prompt + made).model_dump()
 
     async def _stream(self) -> AsyncIterator[str]:
