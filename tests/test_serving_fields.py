@@ -27,7 +27,13 @@ from engine_sources import source_dir
 from serving_fakes import EOS, FakeTokenizer, reference_greedy, reference_next
 from test_serving_api import NAME, check_envelope, fake_server, http_server, sse_events, tiny_server
 
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from serving.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from serving.engine.detokenizer import IncrementalDetokenizer, as_codec
 from serving.generation_config import generation_defaults
 
@@ -57,6 +63,15 @@ def test_every_field_of_vllms_schema_is_served_or_refused(model):
     missing = sorted(set(fields) - set(model.model_fields))
     assert not missing, f"vLLM's {model.__name__} fields neither served nor refused here: {missing}"
     assert set(model.REFUSED) <= set(model.model_fields)
+
+
+@pytest.mark.parametrize("model", [TokenizeChatRequest, TokenizeCompletionRequest], ids=lambda m: m.__name__)
+def test_every_field_of_vllms_tokenize_schema_is_declared(model):
+    """/tokenize's requests: every field of vLLM's is declared here (served, or refused off its default), so none is
+    silently ignored."""
+    fields = vllm_fields(source_dir("vllm", "0.34.0") / "vllm/entrypoints/serve/tokenize/protocol.py", model.__name__)
+    assert "messages" in fields or "prompt" in fields
+    assert not sorted(set(fields) - set(model.model_fields)), sorted(set(fields) - set(model.model_fields))
 
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -246,6 +261,14 @@ def test_a_prompt_too_long_for_the_model_is_truncated_where_asked(tmp_path):
         got = c.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 40,
                                               "return_token_ids": True}).json()
         assert got["choices"][0]["prompt_token_ids"] == want
+
+
+def test_tokenize_refuses_what_it_does_not_render(server):
+    messages = [{"role": "user", "content": "ab"}]
+    for field, value in (("response_format", {"type": "json_object"}), ("media_io_kwargs", {"image": {}})):
+        err = check_envelope(httpx.post(f"{server[0]}/tokenize", json={"messages": messages, field: value},
+                                        timeout=30), 400)
+        assert err["param"] == field and "not supported" in err["message"], err
 
 
 def test_priority_needs_the_priority_policy(server):

@@ -480,8 +480,10 @@ class TokenizeChatRequest(BaseModel):
     chat_template_kwargs: dict[Text, Any] | None = None
     chat_template: Text | None = None  # with --trust-request-chat-template
     tools: list[ChatTool] | None = None  # handed to the chat template
-    # Accepted only at its default:
+    # Accepted only at their defaults:
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    response_format: Any = None
 
 
 class TokenizeResponse(BaseModel):

@@ -406,7 +406,9 @@ def build_app(state: ServerState) -> FastAPI:
             body = _parse(TokenizeChatRequest, data)
             _check_model(state, body.model)
             _check_request_template(state, body.chat_template)
-            _refuse((("mm_processor_kwargs", bool(body.mm_processor_kwargs)),))
+            _refuse((("mm_processor_kwargs", bool(body.mm_processor_kwargs)),
+                     ("media_io_kwargs", bool(body.media_io_kwargs)),
+                     ("response_format", body.response_format is not None)))
             _, ids = await encode_chat(state, conversation(body.messages), body.add_generation_prompt,
                                        body.continue_final_message, body.chat_template_kwargs, body.add_special_tokens,
                                        state.max_model_len, body.chat_template,
