@@ -24,6 +24,7 @@ The semantics follow vLLM (github.com/vllm-project/vllm):
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -44,7 +45,7 @@ from serving.engine.sampling import (
     token_logprobs,
 )
 from serving.engine.scheduler import ScheduledBatch
-from serving.engine.sequence import MAX_LOGPROBS, BadRequest, SamplingParams
+from serving.engine.sequence import MAX_LOGPROBS, BadRequest, RepetitionDetection, SamplingParams
 from serving.loading.checkpoint import load_checkpoint, read_tokenizer
 from serving.tiny_model import write_tiny_checkpoint
 
@@ -276,6 +277,26 @@ def test_out_of_vocabulary_ids_and_empty_allowed_lists_are_refused_naming_the_fi
         with pytest.raises(BadRequest, match=field):
             fake_engine(False).add_request("r", [1, 2], params)
         params.check_vocabulary(65)
+
+
+def test_repetition_detection_finds_a_tail_of_repeated_patterns(seed: int):
+    """RepetitionDetection.found against a brute-force oracle: some size in [min (0: 1), max] whose last min_count
+    slices of that size are equal; on random short sequences over three tokens (many repeat)."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(0, 16))]
+        low, high, count = rng.randrange(0, 3), rng.randrange(0, 5), rng.randrange(2, 5)
+        if low > high:
+            low, high = high, low
+        detect = RepetitionDetection(high, low, count)
+        n = len(tokens)
+        want = high > 0 and any(size * count <= n and len({tuple(tokens[n - size * (m + 1):n - size * m])
+                                                            for m in range(count)}) == 1
+                                for size in range(max(low, 1), high + 1))
+        assert detect.found(tokens) == want, (tokens, low, high, count)
+    for bad in ((2, 3, 2), (-1, 0, 2), (3, 0, 1)):
+        with pytest.raises(BadRequest, match="repetition_detection"):
+            RepetitionDetection(*bad)
 
 
 def test_token_logprobs_with_no_top():

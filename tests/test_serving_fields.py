@@ -263,6 +263,23 @@ def test_a_prompt_too_long_for_the_model_is_truncated_where_asked(tmp_path):
         assert got["choices"][0]["prompt_token_ids"] == want
 
 
+def test_repetition_detection_ends_an_output_that_repeats(server):
+    """vLLM's repetition_detection: an output of one token repeated (allowed_token_ids) ends once it holds
+    min_count copies, not before min_tokens, with finish reason "repetition" and stop reason "repetition_detected"."""
+    url = server[0]
+    body = dict(prompt="ab", max_tokens=20, allowed_token_ids=[5], ignore_eos=True,
+                repetition_detection={"max_pattern_size": 2, "min_count": 4})
+    for extra, made in (({}, 4), ({"min_tokens": 7}, 7)):
+        choice = complete(url, **body, **extra)["choices"][0]
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == \
+            (TOK.decode([5] * made), "repetition", "repetition_detected"), extra
+    off = complete(url, **{**body, "repetition_detection": {"max_pattern_size": 0}})["choices"][0]
+    assert off["finish_reason"] == "length"
+    err = check_envelope(httpx.post(f"{url}/v1/completions", timeout=30, json={
+        "prompt": "ab", "repetition_detection": {"max_pattern_size": 2, "min_count": 1}}), 400)
+    assert err["param"] == "repetition_detection" and "min_count must be >= 2" in err["message"]
+
+
 def test_tokenize_refuses_what_it_does_not_render(server):
     messages = [{"role": "user", "content": "ab"}]
     for field, value in (("response_format", {"type": "json_object"}), ("media_io_kwargs", {"image": {}})):

@@ -33,7 +33,7 @@ from ep_layer.latency import OPS, LatencyHistogram
 
 from ..engine.dp_coordinator import Counted, Submission
 from ..engine.messages import ITERATION_TOKEN_BUCKETS, EPStats, RequestOutput, SchedulerStats
-from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from ..engine.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_REPETITION, FINISH_STOP
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -44,7 +44,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TIME_PER_OUTPUT_TOKEN_BUCKETS = INTER_TOKEN_BUCKETS  # the same list there
 N_BUCKETS = (1, 2, 5, 10, 20)
-FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_REPETITION)
 # vllm:prompt_tokens_by_source's sources (vllm/v1/metrics/stats.py, PromptTokenStats): no KV comes from elsewhere here.
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # vllm:num_requests_waiting_by_reason's reasons: every waiting request here waits for capacity ("deferred" is

@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_serializer
 
-from ..engine.sequence import BadRequest, SamplingParams
+from ..engine.sequence import BadRequest, RepetitionDetection, SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_STOP_STRINGS = 64  # each is searched for after every token
@@ -20,6 +20,8 @@ MAX_STOP_TOKEN_IDS = 1024
 # Each step builds the sampler's mask and biases from these lists: bounded, so one request cannot slow the others.
 MAX_LOGIT_BIAS, MAX_ALLOWED_TOKEN_IDS = 1024, 32768
 LOGIT_BIAS_RANGE = 100.0  # a bias is clamped to +-this (vLLM's)
+# repetition_detection's largest pattern and count: each token's check is bounded (sizes x count tokens at most).
+MAX_REPETITION_PATTERN, MAX_REPETITION_COUNT = 512, 64
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's successor to system
 MAX_REQUEST_ID_CHARS = 256
 # vLLM's defaults of the fields a model's generation config may set (its _DEFAULT_SAMPLING_PARAMS).
@@ -58,6 +60,13 @@ def _empty(value: Any, request: Any) -> bool:
     return not value
 
 
+class RepetitionDetectionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_pattern_size: Annotated[StrictInt, Field(ge=0, le=MAX_REPETITION_PATTERN)] = 0
+    min_pattern_size: Annotated[StrictInt, Field(ge=0, le=MAX_REPETITION_PATTERN)] = 0
+    min_count: Annotated[StrictInt, Field(ge=0, le=MAX_REPETITION_COUNT)] = 0
+
+
 class SamplingRequest(BaseModel):
     """What both completion endpoints take besides their prompt: one home for the sampling fields (the
     types, ranges and vLLM's defaults; None where the model's generation config may give the default,
@@ -69,7 +78,7 @@ class SamplingRequest(BaseModel):
     REFUSED: ClassVar[tuple[str, ...]] = (
         "best_of", "use_beam_search", "length_penalty", "logprob_token_ids", "bad_words", "structured_outputs",
         "response_format", "session_id", "routed_experts_prompt_start", "return_token_offsets", "kv_transfer_params",
-        "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget", "watermarking",
+        "ec_transfer_params", "vllm_xargs", "thinking_token_budget", "watermarking",
         "return_weight_versions", "mm_payload", "return_mm_kwargs")
     # What a refused field may hold besides its default, meaning the same.
     ALSO_DEFAULT: ClassVar[dict[str, Callable[[Any, Any], bool]]] = {
@@ -120,6 +129,8 @@ class SamplingRequest(BaseModel):
     cache_salt: Text | None = None
     # A stream's chunks carry this many tokens (its first and last at once), at least --stream-interval's (vLLM's).
     stream_interval: Annotated[StrictInt, Field(ge=1)] | None = None
+    # End an output whose last tokens repeat a pattern min_count times (vLLM's; finish reason "repetition").
+    repetition_detection: RepetitionDetectionRequest | None = None
     # Refused unless left at their default (REFUSED):
     best_of: Any = None
     use_beam_search: Any = False
@@ -134,7 +145,6 @@ class SamplingRequest(BaseModel):
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
     vllm_xargs: Any = None
-    repetition_detection: Any = None
     thinking_token_budget: Any = None
     watermarking: Any = None
     return_weight_versions: Any = False
@@ -167,6 +177,8 @@ class SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self._logit_bias(), cache_salt=self.cache_salt,
+            repetition_detection=None if self.repetition_detection is None else
+            RepetitionDetection(**self.repetition_detection.model_dump()),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
@@ -375,7 +387,7 @@ class CompletionChoice(_ExtrasWhereAsked):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "repetition"] | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # the choice's output (return_token_ids)
     prompt_token_ids: list[int] | None = None  # its prompt's (return_token_ids; streamed: in its first chunk)
@@ -416,7 +428,7 @@ class ChatCompletionChoice(_ExtrasWhereAsked):
     index: int
     message: AssistantMessage
     logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "repetition", "tool_calls"] | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # return_token_ids
 
@@ -440,7 +452,7 @@ class ChatCompletionStreamChoice(_ExtrasWhereAsked):
     index: int
     delta: dict[str, Any]
     logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "repetition", "tool_calls"] | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # the chunk's new ids (return_token_ids)
 

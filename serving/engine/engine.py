@@ -44,7 +44,9 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import (
     FINISH_ABORT,
     FINISH_LENGTH,
+    FINISH_REPETITION,
     FINISH_STOP,
+    REPETITION_DETECTED,
     PromptLogprobsPart,
     SamplingParams,
     Sequence,
@@ -411,6 +413,9 @@ class LLMEngine:
                 seq.finish(FINISH_STOP, stop)
             elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens - seq.num_pending >= self.max_model_len:
                 seq.finish(FINISH_LENGTH)
+            elif (p.repetition_detection is not None and len(seq.output_token_ids) >= p.min_tokens
+                  and p.repetition_detection.found(seq.output_token_ids)):
+                seq.finish(FINISH_REPETITION, REPETITION_DETECTED)
         if seq.finished:
             self.requests.pop(seq.request_id, None)
             self._release(seq)

@@ -115,7 +115,7 @@ class RequestOutput:
     new_text: str
     num_prompt_tokens: int
     num_output_tokens: int
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "repetition"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     queue_time: float | None = None  # seconds from arrival to first scheduled; on the first output only
     error: str | None = None  # why the engine refused the request or failed on it (finish_reason "abort")

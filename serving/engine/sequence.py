@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..forward_batch import HostCopy
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+FINISH_REPETITION, REPETITION_DETECTED = "repetition", "repetition_detected"  # vLLM's finish and stop reasons
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one overflows
 # float32 to inf, and the softmax of that is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -29,6 +30,39 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class RepetitionDetection:
+    """vLLM's repetition_detection: an output ends once its last tokens are `min_count` copies of one pattern of
+    `min_pattern_size` (0: 1) to `max_pattern_size` tokens (max_pattern_size 0: off)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size:
+            raise BadRequest(f"repetition_detection: expected 0 <= min_pattern_size <= max_pattern_size, got "
+                             f"{self.min_pattern_size} and {self.max_pattern_size}", "repetition_detection")
+        if self.max_pattern_size and self.min_count < 2:
+            raise BadRequest(f"repetition_detection: min_count must be >= 2 with a max_pattern_size, got "
+                             f"{self.min_count}", "repetition_detection")
+
+    def found(self, token_ids: list[int]) -> bool:
+        """Whether `token_ids` end in min_count copies of one pattern of an allowed size."""
+        if not self.max_pattern_size:
+            return False
+        n = len(token_ids)
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * self.min_count > n:
+                return False
+            # Each of the last `size` tokens equals the ones `size`, 2 `size`, ... before it (the first mismatch
+            # stops the comparison: a token's check is short unless the output does repeat).
+            if all(token_ids[n - j] == token_ids[n - j - size * m] for j in range(1, size + 1)
+                   for m in range(1, self.min_count)):
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -73,6 +107,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     cache_salt: str | None = None  # the prefix cache shares blocks only among requests of the same salt
+    repetition_detection: RepetitionDetection | None = None  # ends an output that repeats itself (vLLM's)
 
     def __post_init__(self) -> None:
         # vLLM's checks, field by field (SamplingParams._verify_args in vllm/sampling_params.py at
