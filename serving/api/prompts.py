@@ -125,11 +125,10 @@ async def encode_chat(state: ServerState, chat: list[dict[str, Any]], add_genera
                       documents: list[dict[str, str]] | None = None) -> tuple[str, list[int]]:
     """The text and token ids of a chat: rendered by the chat template (the request's own `template` where given: the
     caller checked --trust-request-chat-template) with the request's `tools` and `documents`, then encoded (with the
-    tokenizer's
-    special tokens on top of the template's only when add_special_tokens); refused unrendered when its messages
-    are longer than `room` tokens could hold (with a truncation: the rendered text cut to it instead), and off the
-    event loop when they are long."""
-    chars = chat_chars(chat, tools) + (len(json.dumps(documents)) if documents else 0)
+    tokenizer's special tokens on top of the template's only when add_special_tokens); refused unrendered when its
+    messages are longer than `room` tokens could hold (with a truncation: the rendered text cut to it instead), and
+    off the event loop when they are long."""
+    chars = chat_chars(chat, tools, documents)
     if truncation is None:
         check_size(state, chars, room, "messages")
     renderer = state.chat_template if template is None else dataclasses.replace(state.chat_template, source=template)
@@ -148,8 +147,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     newlines, as vLLM does for templates that take a string; None only for an assistant's), name, an assistant's
     tool_calls (their arguments parsed from JSON, as transformers' templates take them and vLLM hands them over)
     and reasoning (as both reasoning and reasoning_content, as vLLM passes it), and a tool message's tool_call_id,
-    where given. BadRequest naming any role, content part type or tool call
-    arguments that are not served."""
+    where given. BadRequest naming any role, content part type or tool call arguments that are not served."""
     unsupported: dict[str, str] = {}  # part type -> where it first is
     chat = []
     for i, m in enumerate(messages):
@@ -192,12 +190,13 @@ def _template_tool_call(call: MessageToolCall, where: str) -> dict[str, Any]:
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
-def chat_chars(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
-    """About how many characters of text a chat puts in the prompt (its contents, names, tool calls and tools), to
-    bound its rendering by the context's room (check_size)."""
+def chat_chars(chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               documents: list[dict[str, str]] | None = None) -> int:
+    """About how many characters of text a chat puts in the prompt (its contents, names, reasoning, tool calls,
+    tools and documents), to bound its rendering by the context's room (check_size)."""
     chars = sum(len(m["content"] or "") + len(m["name"] or "") + len(m.get("reasoning") or "") for m in chat)
-    calls = [m["tool_calls"] for m in chat if "tool_calls" in m]
-    return chars + (len(json.dumps(calls)) if calls else 0) + (len(json.dumps(tools)) if tools else 0)
+    extras = [m["tool_calls"] for m in chat if "tool_calls" in m], tools, documents
+    return chars + sum(len(json.dumps(x)) for x in extras if x)
 
 
 def check_token_ids(state: ServerState, ids: list[int]) -> None:
