@@ -188,6 +188,11 @@ class ServerState:
     shutdown_deadline: float | None = None
     dev_mode: bool = field(default_factory=lambda: dev_mode_from_env(os.environ))
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name requests may give the model (--served-model-name's), the first the one metrics carry."""
+        return (self.served_model_name, *self.served_model_aliases)
+
 
 def dev_mode_from_env(env: Mapping[str, str]) -> bool:
     """vLLM's VLLM_SERVER_DEV_MODE: an integer, on where it is not 0 (unset: off)."""
@@ -388,7 +393,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=state.model_path, max_model_len=state.max_model_len)
-                               for name in (state.served_model_name, *state.served_model_aliases)])
+                               for name in state.served_model_names])
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -471,8 +476,7 @@ class _CompletionCall:
         self.id = f"{self.id_prefix}-{body.request_id or uuid.uuid4().hex}"  # vLLM's: the client's request_id
         self.created = int(time.time())  # one time for the response and every chunk of its stream, as OpenAI's
         # The served name the request used (vLLM echoes it), else the first.
-        names = (state.served_model_name, *state.served_model_aliases)
-        self.model_name = body.model if body.model in names else state.served_model_name
+        self.model_name = body.model if body.model in state.served_model_names else state.served_model_name
 
     # ------------------------------------------------------------------ what an endpoint says
     @property
@@ -1251,7 +1255,7 @@ def _merged(outs: list[RequestOutput]) -> RequestOutput:
 
 # ---------------------------------------------------------------------------- shared by the endpoints
 def _check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model not in (state.served_model_name, *state.served_model_aliases, state.model_path):
+    if model is not None and model not in (*state.served_model_names, state.model_path):
         shown = model
         if len(model) > _MAX_ECHOED_CHARS:
             shown = f"{model[:_MAX_ECHOED_CHARS]}... ({len(model)} characters)"
